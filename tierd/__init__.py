@@ -1,0 +1,20 @@
+"""tierd: train and run PyTorch models bigger than GPU memory.
+
+A per-node daemon (``tierd serve``) keeps tensors in a shared pinned host pool
+and on NVMe; clients store tensors directly (:func:`connect`) or attach a model
+so its parameters stream onto the GPU just before use (:func:`attach`).
+
+>>> import tierd
+>>> c = tierd.connect()                 # doctest: +SKIP
+>>> c.put("opt/0.m", torch.zeros(4))    # doctest: +SKIP
+"""
+
+from tierd.client.connection import AsyncClient, Client, Leased, aconnect, connect
+from tierd.errors import (Busy, CapacityError, DaemonUnavailable, IntegrityError,
+                          ProtocolError, StateError, TierdError, TierIOError, UnknownKey)
+
+__version__ = "0.1.0"
+
+__all__ = ["AsyncClient", "Busy", "CapacityError", "Client", "DaemonUnavailable",
+           "IntegrityError", "Leased", "ProtocolError", "StateError", "TierIOError",
+           "TierdError", "UnknownKey", "aconnect", "connect"]

@@ -1,0 +1,1 @@
+"""Storage tiers: the shared-memory host pool and the NVMe file."""

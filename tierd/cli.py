@@ -1,0 +1,117 @@
+"""The ``tierd`` command: ``serve``, ``status``.
+
+Settings come from, in order of precedence: flags, ``TIERD_<NAME>``
+environment variables, the ``[serve]`` table of ``--config`` (default
+``/etc/tierd/tierd.toml`` when it exists), the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tierd.config import ServeConfig, default_socket_path, format_size, load_toml
+from tierd.errors import TierdError
+
+DEFAULT_CONFIG = Path("/etc/tierd/tierd.toml")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the node daemon")
+    p.add_argument("--nvme", help="directory for the NVMe tier (required)")
+    p.add_argument("--pool", help="host pool size, e.g. 8GiB (default 1GiB)")
+    p.add_argument("--nvme-size", help="bytes preallocated on NVMe (default 16GiB)")
+    p.add_argument("--socket", help=f"socket path (default {default_socket_path()})")
+    p.add_argument("--segment-size", help="pool segment size (default 256MiB)")
+    p.add_argument("--io-threads", type=int, help="NVMe I/O threads (default 8)")
+    p.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG} if present)")
+    p.add_argument("--print-config", action="store_true", help="print the merged settings and exit")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    values: dict = {}
+    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    if path is not None:
+        values.update(load_toml(path))
+    for name in ServeConfig.field_names():
+        env = os.environ.get(f"TIERD_{name.upper()}")
+        if env is not None:
+            values[name] = env
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+    if "nvme" not in values:
+        raise TierdError("--nvme DIR is required (the directory for the NVMe tier)")
+    for name in ("io_threads", "max_requests_per_client", "max_requests"):
+        if name in values:
+            values[name] = int(values[name])
+    if isinstance(values.get("allow_root_join"), str):
+        values["allow_root_join"] = values["allow_root_join"].lower() in ("1", "true", "yes")
+    try:
+        return ServeConfig(**values)
+    except (TypeError, ValueError) as exc:
+        raise TierdError(str(exc)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = serve_config(args)
+    if args.print_config:
+        print(json.dumps({k: str(v) if isinstance(v, Path) else v
+                          for k, v in dataclasses.asdict(cfg).items()}, indent=2))
+        return 0
+    from tierd.server.daemon import serve
+    serve(cfg)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import tierd
+    with tierd.connect(args.socket) as c:
+        stats = c.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(f"pool  {format_size(stats['pool_used_bytes']):>10} used of "
+          f"{format_size(stats['pool_bytes'])} ({format_size(stats['pool_mapped_bytes'])} mapped)")
+    print(f"nvme  {format_size(stats['nvme_used_bytes']):>10} used of "
+          f"{format_size(stats['nvme_bytes'])} ({'O_DIRECT' if stats['nvme_direct_io'] else 'buffered'})")
+    print(f"moved {format_size(stats['bytes_to_nvme'])} to NVMe, "
+          f"{format_size(stats['bytes_to_pool'])} to pool, {stats['evictions']} evictions, "
+          f"{stats['io_errors']} I/O errors")
+    print(f"{'job':<24} {'owner':>6} {'clients':>7} {'tensors':>8} {'pool':>10} {'nvme':>10}")
+    for name, j in sorted(stats["jobs"].items()):
+        print(f"{name:<24} {j['owner_uid']:>6} {j['sessions']:>7} {j['tensors']:>8} "
+              f"{format_size(j['pool_used_bytes']):>10} {format_size(j['nvme_used_bytes']):>10}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    st = sub.add_parser("status", help="print the daemon's pool/NVMe use and jobs")
+    st.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    st.add_argument("--json", action="store_true")
+    return parser
+
+
+COMMANDS = {"serve": cmd_serve, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except TierdError as exc:
+        print(f"tierd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1 @@
+"""Client side: the daemon session, the store client, the training hooks."""

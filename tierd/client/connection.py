@@ -1,0 +1,385 @@
+"""The store client: ``tierd.connect()`` and its asyncio twin ``tierd.aconnect()``.
+
+Both speak through the same request procedures (:class:`_Procedures`), written
+as generators that yield requests and receive replies, so the blocking and the
+asyncio clients share every line of logic and differ only in how they wait.
+
+Tensor bytes never travel over the socket: ``put`` reserves pool slots, copies
+into the shared mapping and publishes; ``get`` leases, copies out, releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from tierd import protocol as P
+from tierd.client.control import ControlChannel, dtype_name
+from tierd.config import default_socket_path
+from tierd.errors import DaemonUnavailable, TierdError, from_wire
+
+POLL_MS = 10
+
+
+@dataclass(frozen=True)
+class Leased:
+    """A key pinned in the pool. ``tensor`` is a view of the shared pool
+    mapping: read it (or, for a write lease, write it) with no further request.
+    Valid until the key is released."""
+
+    key: str
+    tensor: torch.Tensor
+    version: int
+
+
+def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
+    return (keys,) if isinstance(keys, str) else tuple(keys)
+
+
+def _decode(frame: bytes) -> tuple[int, Any]:
+    """(request id, reply); an unreadable reply becomes its waiter's ProtocolError."""
+    try:
+        return P.decode_reply(frame)
+    except TierdError as exc:
+        return P.request_id(frame), (exc.code, str(exc))
+
+
+def _check(reply: Any) -> Any:
+    if isinstance(reply, tuple):
+        raise from_wire(*reply)
+    return reply
+
+
+class _Procedures:
+    """Request sequences shared by both clients; each yields requests."""
+
+    control: ControlChannel
+
+    def _leased(self, reply: P.Placed) -> list[Leased]:
+        return [Leased(p.key, self.control.tensor(p), p.version) for p in reply.placements]
+
+    def _put(self, items: Mapping[str, torch.Tensor]) -> Generator:
+        tensors = [t.detach() for t in items.values()]
+        specs = tuple(P.TensorSpec(k, dtype_name(t.dtype), tuple(t.shape),
+                                   t.numel() * t.element_size())
+                      for k, t in zip(items, tensors))
+        placed = yield P.Reserve(specs)
+        try:
+            for p, t in zip(placed.placements, tensors):
+                self.control.tensor(p).copy_(t)
+        except BaseException:
+            yield P.Abort(tuple(items))
+            raise
+        yield P.Publish(tuple(items))
+
+    def _get(self, keys: tuple[str, ...]) -> Generator:
+        placed = yield P.Lease(keys)
+        try:
+            out = {p.key: self.control.tensor(p).clone() for p in placed.placements}
+        except BaseException:
+            yield P.Release(keys)
+            raise
+        yield P.Release(keys)
+        return out
+
+
+class Pending:
+    """A request on its way; :meth:`result` waits for and returns its reply."""
+
+    def __init__(self, client: "Client", rid: int, convert) -> None:
+        self._client, self._rid, self._convert = client, rid, convert
+        self._finalizer = weakref.finalize(self, client._forget, rid)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._finalizer.detach()
+        return self._convert(_check(self._client._wait(self._rid, timeout)))
+
+
+class Client(_Procedures):
+    """Blocking client; safe to share between threads.
+
+    >>> c = tierd.connect()                      # doctest: +SKIP
+    >>> c.put("opt/0.m", torch.zeros(4))         # doctest: +SKIP
+    >>> c.get("opt/0.m")                         # doctest: +SKIP
+    tensor([0., 0., 0., 0.])
+    """
+
+    def __init__(self, socket_path: str | Path | None = None, job: str | None = None) -> None:
+        self.path = Path(socket_path) if socket_path else default_socket_path()
+        self.control = ControlChannel(self.path, job)
+        self.job = self.control.job
+        self._zctx = zmq.Context()
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.control.token)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{self.path}")
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()   # one thread at a time on the socket
+        self._replies: dict[int, Any] = {}
+        self._discard: set[int] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ transport
+    def _submit(self, req: P.Request, convert=lambda r: r) -> Pending:
+        if self._closed:
+            raise TierdError("this client is closed")
+        with self._lock:
+            rid = next(self._ids)
+            self._sock.send(P.encode_request(rid, req))
+        return Pending(self, rid, convert)
+
+    def _wait(self, rid: int, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if rid in self._replies:
+                    return self._replies.pop(rid)
+                if self._sock.poll(POLL_MS):
+                    self._drain()
+                    continue
+            if not self.control.alive():
+                raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no reply from tierd within {timeout} s")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rid, reply = _decode(frame)
+            if rid in self._discard:
+                self._discard.discard(rid)
+            else:
+                self._replies[rid] = reply
+
+    def _forget(self, rid: int) -> None:
+        # Runs from a finalizer: no locks, only GIL-atomic dict/set operations.
+        self._discard.add(rid)
+        if self._replies.pop(rid, None) is not None:
+            self._discard.discard(rid)
+
+    def _call(self, req: P.Request) -> Any:
+        return self._submit(req).result()
+
+    def _drive(self, proc: Generator) -> Any:
+        try:
+            req = next(proc)
+            while True:
+                try:
+                    reply = self._call(req)
+                except TierdError as exc:
+                    req = proc.throw(exc)
+                else:
+                    req = proc.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    # ----------------------------------------------------------- store API
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Store a copy of ``tensor`` under ``key`` (replacing any older version)."""
+        self._drive(self._put({key: tensor}))
+
+    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
+        self._drive(self._put(dict(items)))
+
+    def get(self, key: str) -> torch.Tensor:
+        """A new CPU tensor with the stored bytes; ``KeyError`` if there is none."""
+        return self._drive(self._get((key,)))[key]
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        return self._drive(self._get(_keys(keys)))
+
+    def prefetch(self, keys: str | Iterable[str]) -> None:
+        """Start bringing keys into the pool; returns once the daemon accepted it."""
+        self._call(P.Prefetch(_keys(keys)))
+
+    def evict(self, keys: str | Iterable[str]) -> None:
+        """Write keys to NVMe and free their pool slots; returns when done."""
+        self._call(P.Evict(_keys(keys)))
+
+    def delete(self, keys: str | Iterable[str]) -> None:
+        self._call(P.Delete(_keys(keys)))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return list(self._call(P.Keys(prefix)).keys)
+
+    def stats(self) -> dict:
+        """Pool and NVMe sizes and use, tensor count, traffic counters, jobs."""
+        return self._call(P.Stats()).stats
+
+    # ----------------------------------------------------------- lease API
+    def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
+        """Pin keys in the pool (swapping in from NVMe) and return views of them."""
+        return self.lease_async(keys, write).result()
+
+    def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending:
+        return self._submit(P.Lease(_keys(keys), write), self._leased)
+
+    def release(self, keys: Iterable[str], written: bool = False) -> None:
+        self.release_async(keys, written).result()
+
+    def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
+        """Release leases; with ``written`` the write-leased bytes become the new version."""
+        return self._submit(P.Release(_keys(keys), written))
+
+    def segment_views(self) -> dict[int, torch.Tensor]:
+        return dict(self.control.views)
+
+    def on_segment_mapped(self, callback) -> None:
+        self.control.on_segment_mapped(callback)
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Disconnect; the daemon releases this client's leases."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        self._zctx.term()
+        self.control.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Procedures):
+    """The asyncio flavour: the same calls, awaitable.
+
+    >>> c = await tierd.aconnect()               # doctest: +SKIP
+    >>> await c.put("kv/0", torch.ones(2))       # doctest: +SKIP
+    """
+
+    def __init__(self, control: ControlChannel) -> None:
+        self.control = control
+        self.path = control.path
+        self.job = control.job
+        self._zctx = zmq.asyncio.Context()
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, control.token)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{self.path}")
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read_replies())
+        self._loop.add_reader(control.ctl.fileno(), self._check_daemon)
+
+    @classmethod
+    async def connect(cls, socket_path: str | Path | None = None,
+                      job: str | None = None) -> "AsyncClient":
+        path = Path(socket_path) if socket_path else default_socket_path()
+        return cls(await asyncio.to_thread(ControlChannel, path, job))
+
+    async def _read_replies(self) -> None:
+        while True:
+            rid, reply = _decode(frame)
+            fut = self._futures.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def _check_daemon(self) -> None:
+        if not self.control.alive():
+            self._loop.remove_reader(self.control.ctl.fileno())
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(DaemonUnavailable(
+                        f"the tierd daemon at {self.path} went away"))
+            self._futures.clear()
+
+    async def _call(self, req: P.Request) -> Any:
+        if self.control.dead:
+            raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
+        rid = next(self._ids)
+        fut = self._futures[rid] = self._loop.create_future()
+        await self._sock.send(P.encode_request(rid, req))
+        return _check(await fut)
+
+    async def _drive(self, proc: Generator) -> Any:
+        try:
+            req = next(proc)
+            while True:
+                try:
+                    reply = await self._call(req)
+                except TierdError as exc:
+                    req = proc.throw(exc)
+                else:
+                    req = proc.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    async def put(self, key: str, tensor: torch.Tensor) -> None:
+        await self._drive(self._put({key: tensor}))
+
+    async def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
+        await self._drive(self._put(dict(items)))
+
+    async def get(self, key: str) -> torch.Tensor:
+        return (await self._drive(self._get((key,))))[key]
+
+    async def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        return await self._drive(self._get(_keys(keys)))
+
+    async def prefetch(self, keys: str | Iterable[str]) -> None:
+        await self._call(P.Prefetch(_keys(keys)))
+
+    async def evict(self, keys: str | Iterable[str]) -> None:
+        await self._call(P.Evict(_keys(keys)))
+
+    async def delete(self, keys: str | Iterable[str]) -> None:
+        await self._call(P.Delete(_keys(keys)))
+
+    async def keys(self, prefix: str = "") -> list[str]:
+        return list((await self._call(P.Keys(prefix))).keys)
+
+    async def stats(self) -> dict:
+        return (await self._call(P.Stats())).stats
+
+    async def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
+        return self._leased(await self._call(P.Lease(_keys(keys), write)))
+
+    async def release(self, keys: Iterable[str], written: bool = False) -> None:
+        await self._call(P.Release(_keys(keys), written))
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        try:
+            self._loop.remove_reader(self.control.ctl.fileno())
+        except (ValueError, OSError):
+            pass
+        self._sock.close(linger=0)
+        self._zctx.term()
+        self.control.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def connect(socket_path: str | Path | None = None, job: str | None = None) -> Client:
+    """Connect to the node's daemon (``$TIERD_SOCKET`` or the default path).
+
+    >>> c = tierd.connect()        # doctest: +SKIP
+    """
+    return Client(socket_path, job)
+
+
+async def aconnect(socket_path: str | Path | None = None, job: str | None = None) -> AsyncClient:
+    return await AsyncClient.connect(socket_path, job)

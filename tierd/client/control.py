@@ -1,0 +1,159 @@
+"""A client's control channel to the daemon: handshake, pool mappings, liveness.
+
+The control socket (see :mod:`tierd.protocol`) is opened first: it proves who
+we are to the daemon and returns the token the request socket then uses as its
+ZeroMQ routing id. Pool segments are mapped lazily, the first time a reply
+names one, with the memfd the daemon passes over the same socket. The socket
+also tells us when the daemon dies: it becomes readable with EOF.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tierd import protocol as P
+from tierd.errors import DaemonUnavailable, TierdError, from_wire
+
+CONNECT_TIMEOUT = 2.0
+
+TORCH_DTYPES = {name: getattr(torch, name) for name in P.DTYPES if hasattr(torch, name)}
+DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TierdError(f"dtype {dtype} cannot be stored; supported: "
+                         f"{', '.join(TORCH_DTYPES)}") from None
+
+
+def no_daemon(path: Path, why: str) -> DaemonUnavailable:
+    return DaemonUnavailable(
+        f"no tierd daemon at {path} ({why}); start one with `tierd serve --nvme DIR "
+        f"--socket {path}`, or point TIERD_SOCKET at a running one")
+
+
+class ControlChannel:
+    """The control socket and the pool segments mapped through it."""
+
+    def __init__(self, path: Path, job: str | None) -> None:
+        self.path = Path(path)
+        self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.ctl.settimeout(CONNECT_TIMEOUT)
+        try:
+            self.ctl.connect(str(self.path.with_name(self.path.name + ".ctl")))
+            self._send({"v": P.VERSION, "op": "hello", "job": job})
+            reply, _ = self._recv()
+        except FileNotFoundError:
+            self.ctl.close()
+            raise no_daemon(self.path, "socket file missing") from None
+        except (OSError, EOFError) as exc:
+            self.ctl.close()
+            raise no_daemon(self.path, str(exc) or type(exc).__name__) from None
+        if not reply.get("ok"):
+            self.ctl.close()
+            raise from_wire(*reply.get("error", ["tierd", "handshake refused"]))
+        self.token: bytes = reply["token"]
+        self.job: str = reply["job"]
+        self.lock = threading.Lock()  # guards the control socket and the maps
+        self.mmaps: dict[int, mmap.mmap] = {}
+        self.views: dict[int, torch.Tensor] = {}
+        self._listeners: list[Callable[[int, torch.Tensor], None]] = []
+        self.dead = False
+
+    # -------------------------------------------------------- control I/O
+    def _send(self, msg: dict) -> None:
+        self.ctl.sendall(P.encode_ctl(msg))
+
+    def _recv(self) -> tuple[dict, list[int]]:
+        data, fds, _flags, _addr = socket.recv_fds(self.ctl, 1 << 16, 256)
+        if not data:
+            raise EOFError("daemon closed the control socket")
+        while len(data) < P.CTL_HEADER.size:
+            data += self.ctl.recv(P.CTL_HEADER.size - len(data))
+        (n,) = P.CTL_HEADER.unpack(data[:P.CTL_HEADER.size])
+        while len(data) < P.CTL_HEADER.size + n:
+            more = self.ctl.recv(P.CTL_HEADER.size + n - len(data))
+            if not more:
+                raise EOFError("daemon closed the control socket")
+            data += more
+        return P.decode_ctl(data[P.CTL_HEADER.size:]), fds
+
+    def alive(self) -> bool:
+        """False once the daemon has gone (its end of the control socket closed)."""
+        if self.dead:
+            return False
+        with self.lock:
+            readable, _, _ = select.select([self.ctl], [], [], 0)
+            if readable:
+                try:
+                    self.dead = self.ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    self.dead = True
+        return not self.dead
+
+    # ------------------------------------------------------------ segments
+    def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None]) -> None:
+        """Call ``callback(segment_id, uint8_view)`` for every segment, now and later."""
+        with self.lock:
+            self._listeners.append(callback)
+            current = list(self.views.items())
+        for sid, view in current:
+            callback(sid, view)
+
+    def tensor(self, p: P.Placement) -> torch.Tensor:
+        """A tensor of the placement's dtype and shape over its pool bytes."""
+        if p.segment not in self.views:
+            self.map([p.segment])
+        raw = self.views[p.segment][p.offset:p.offset + p.nbytes]
+        return raw.view(TORCH_DTYPES[p.dtype]).view(p.shape)
+
+    def map(self, ids: list[int]) -> None:
+        new = []
+        with self.lock:
+            want = [i for i in ids if i not in self.views]
+            if not want:
+                return
+            try:
+                self._send({"segments": want})
+                reply, fds = self._recv()
+            except (OSError, EOFError) as exc:
+                self.dead = True
+                raise DaemonUnavailable(f"lost the tierd daemon at {self.path}: {exc}") from None
+            try:
+                for (sid, size), fd in zip(reply.get("segments", []), fds):
+                    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    self.mmaps[sid] = mm
+                    self.views[sid] = torch.frombuffer(mm, dtype=torch.uint8)
+                    new.append((sid, self.views[sid]))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            missing = set(want) - self.views.keys()
+            listeners = list(self._listeners)
+        for sid, view in new:
+            for cb in listeners:
+                cb(sid, view)
+        if missing:
+            raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
+
+    def close(self) -> None:
+        self.views.clear()
+        for mm in self.mmaps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with it
+        self.mmaps.clear()
+        self.ctl.close()

@@ -1,0 +1,361 @@
+"""The wire protocol: every message is a frozen dataclass, encoded here only.
+
+Two channels connect a client to the daemon (see docs/architecture.md):
+
+* the **control socket** (``<socket>.ctl``, a Unix stream socket): one per
+  client session. The daemon reads the peer's pid and uid from the kernel
+  (``SO_PEERCRED``), hands out a session token, and passes the memfd of each
+  pool segment the session may map (``SCM_RIGHTS``). Its EOF ends the session
+  on both sides: the daemon reclaims what the session held, the client learns
+  that the daemon is gone.
+* the **request socket** (ZeroMQ ROUTER at ``ipc://<socket>``): batched
+  requests. The client's ZeroMQ routing id is its session token, so the
+  daemon knows who sent a frame without trusting its content.
+
+Frames are msgpack maps ``{"v": VERSION, "id": n, "op": name, "body": {...}}``;
+replies are ``{"v", "id", "ok": true, "body"}`` or ``{"v", "id", "ok": false,
+"error": [code, message]}``. Nothing is ever unpickled; every field is checked
+for type and range before it reaches the daemon's logic, and tensor bytes
+never travel in frames (they live in the shared pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from tierd.errors import ProtocolError
+
+VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+MAX_KEYS_PER_REQUEST = 1 << 16
+MAX_KEY_LENGTH = 1024
+MAX_DIMS = 16
+
+# dtype names on the wire; the client maps them to torch dtypes.
+DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+          "int8", "uint8", "bool", "complex64", "complex128",
+          "float8_e4m3fn", "float8_e5m2")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a writer declares before it gets a slot: key, dtype, shape, size."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor's bytes are in the pool: segment id and byte offset."""
+
+    key: str
+    segment: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+
+
+# --------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class Reserve:
+    """Allocate pool slots for new versions of these keys (writer fills them)."""
+
+    op: ClassVar[str] = "reserve"
+    specs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """The reserved slots of these keys are filled: make them the readable version."""
+
+    op: ClassVar[str] = "publish"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Give up reserved slots without publishing them."""
+
+    op: ClassVar[str] = "abort"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Pin these keys in the pool (swapping in from NVMe as needed) and say where.
+
+    A write lease is exclusive; releasing it with ``written`` makes the bytes
+    the key's new version.
+    """
+
+    op: ClassVar[str] = "lease"
+    keys: tuple[str, ...]
+    write: bool = False
+
+
+@dataclass(frozen=True)
+class Release:
+    op: ClassVar[str] = "release"
+    keys: tuple[str, ...]
+    written: bool = False
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Bring these keys into the pool in the background; the reply does not wait."""
+
+    op: ClassVar[str] = "prefetch"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Write these keys to NVMe and free their pool slots; replies when done."""
+
+    op: ClassVar[str] = "evict"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Delete:
+    op: ClassVar[str] = "delete"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Keys:
+    op: ClassVar[str] = "keys"
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class Stats:
+    op: ClassVar[str] = "stats"
+
+
+REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
+                                    Evict, Delete, Keys, Stats)}
+Request = Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | Keys | Stats
+
+
+# ----------------------------------------------------------------- replies
+@dataclass(frozen=True)
+class Placed:
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True)
+class KeyList:
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    stats: dict[str, Any]
+
+
+Reply = Placed | Done | KeyList | StatsReply
+_REPLIES = {"placed": Placed, "done": Done, "keylist": KeyList, "stats": StatsReply}
+_REPLY_NAMES = {cls: name for name, cls in _REPLIES.items()}
+
+
+# ------------------------------------------------------------- validation
+def _fail(what: str) -> ProtocolError:
+    return ProtocolError(f"malformed frame: {what}")
+
+
+def _int(v: Any, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(f"{name} must be an int in [{lo}, {hi}], got {v!r:.80}")
+    return v
+
+
+def _key(v: Any) -> str:
+    if type(v) is not str or not 0 < len(v) <= MAX_KEY_LENGTH:
+        raise _fail(f"a key must be a non-empty str of at most {MAX_KEY_LENGTH} "
+                    f"characters, got {v!r:.80}")
+    return v
+
+
+def _list(v: Any, name: str) -> list:
+    if type(v) is not list or len(v) > MAX_KEYS_PER_REQUEST:
+        raise _fail(f"{name} must be a list of at most {MAX_KEYS_PER_REQUEST} items")
+    return v
+
+
+def _keys(v: Any) -> tuple[str, ...]:
+    return tuple(_key(k) for k in _list(v, "keys"))
+
+
+def _bool(v: Any, name: str) -> bool:
+    if type(v) is not bool:
+        raise _fail(f"{name} must be a bool, got {v!r:.80}")
+    return v
+
+
+def _dtype(v: Any) -> str:
+    if v not in DTYPES:
+        raise _fail(f"unknown dtype {v!r:.80}; known: {', '.join(DTYPES)}")
+    return v
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_DIMS:
+        raise _fail(f"shape must be a list of at most {MAX_DIMS} ints")
+    return tuple(_int(d, "shape dim") for d in v)
+
+
+def _spec(v: Any) -> TensorSpec:
+    if type(v) is not list or len(v) != 4:
+        raise _fail("a tensor spec is [key, dtype, shape, nbytes]")
+    return TensorSpec(_key(v[0]), _dtype(v[1]), _shape(v[2]), _int(v[3], "nbytes"))
+
+
+def _placement(v: Any) -> Placement:
+    if type(v) is not list or len(v) != 7:
+        raise _fail("a placement is [key, segment, offset, nbytes, dtype, shape, version]")
+    return Placement(_key(v[0]), _int(v[1], "segment"), _int(v[2], "offset"),
+                     _int(v[3], "nbytes"), _dtype(v[4]), _shape(v[5]), _int(v[6], "version"))
+
+
+def _body(cls: type, body: dict) -> Any:
+    match cls.op if hasattr(cls, "op") else None:
+        case "reserve":
+            return Reserve(tuple(_spec(s) for s in _list(body.get("specs"), "specs")))
+        case "lease":
+            return Lease(_keys(body.get("keys")), _bool(body.get("write", False), "write"))
+        case "release":
+            return Release(_keys(body.get("keys")), _bool(body.get("written", False), "written"))
+        case "keys":
+            prefix = body.get("prefix", "")
+            if type(prefix) is not str or len(prefix) > MAX_KEY_LENGTH:
+                raise _fail("prefix must be a str")
+            return Keys(prefix)
+        case "stats":
+            return Stats()
+        case _:
+            return cls(_keys(body.get("keys")))
+
+
+# ----------------------------------------------------------------- encode
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, (TensorSpec, Placement)):
+        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _fields(msg: Any) -> dict:
+    return {f.name: _to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+
+
+def encode_request(req_id: int, req: Request) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": req_id, "op": req.op, "body": _fields(req)})
+
+
+def encode_reply(req_id: int, reply: Reply) -> bytes:
+    body = _fields(reply)
+    return msgpack.packb({"v": VERSION, "id": req_id, "ok": True,
+                          "kind": _REPLY_NAMES[type(reply)], "body": body})
+
+
+def encode_error(req_id: int, code: str, message: str) -> bytes:
+    return msgpack.packb({"v": VERSION, "id": req_id, "ok": False, "error": [code, message]})
+
+
+# ----------------------------------------------------------------- decode
+def _unpack(frame: bytes) -> dict:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise _fail(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types for garbage input
+        raise _fail(f"not msgpack ({type(exc).__name__})") from None
+    if type(msg) is not dict:
+        raise _fail("a frame must be a msgpack map")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r:.20} is not supported "
+                            f"(this side speaks {VERSION}); upgrade client and daemon together")
+    return msg
+
+
+def request_id(frame: bytes) -> int:
+    """The request id of a frame, or 0 when even that cannot be read."""
+    try:
+        msg = msgpack.unpackb(frame[:MAX_FRAME_BYTES], raw=False)
+        rid = msg.get("id") if type(msg) is dict else None
+        return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
+    except Exception:  # garbage frame: the error reply goes to id 0
+        return 0
+
+
+def decode_request(frame: bytes) -> tuple[int, Request]:
+    msg = _unpack(frame)
+    req_id = _int(msg.get("id"), "id", 0, (1 << 63) - 1)
+    cls = REQUESTS.get(msg.get("op"))
+    if cls is None:
+        raise _fail(f"unknown op {msg.get('op')!r:.40}; known: {', '.join(REQUESTS)}")
+    body = msg.get("body", {})
+    if type(body) is not dict:
+        raise _fail("body must be a map")
+    return req_id, _body(cls, body)
+
+
+def decode_reply(frame: bytes) -> tuple[int, Reply | tuple[str, str]]:
+    """Returns (id, reply) or (id, (error code, message))."""
+    msg = _unpack(frame)
+    req_id = _int(msg.get("id"), "id", 0, (1 << 63) - 1)
+    if msg.get("ok") is False:
+        err = msg.get("error")
+        if type(err) is not list or len(err) != 2 or not all(type(e) is str for e in err):
+            raise _fail("error must be [code, message]")
+        return req_id, (err[0], err[1])
+    body = msg.get("body", {})
+    match msg.get("kind"):
+        case "placed":
+            return req_id, Placed(tuple(_placement(p) for p in _list(body.get("placements"), "placements")))
+        case "done":
+            return req_id, Done()
+        case "keylist":
+            return req_id, KeyList(_keys(body.get("keys")))
+        case "stats" if type(body.get("stats")) is dict:
+            return req_id, StatsReply(body["stats"])
+        case other:
+            raise _fail(f"unknown reply kind {other!r:.40}")
+
+
+# ------------------------------------------------------- control socket
+# Length-prefixed msgpack maps on a Unix stream socket.
+CTL_HEADER = struct.Struct("!I")
+MAX_CTL_BYTES = 1 << 20
+
+
+def encode_ctl(msg: dict) -> bytes:
+    data = msgpack.packb(msg)
+    return CTL_HEADER.pack(len(data)) + data
+
+
+def decode_ctl(data: bytes) -> dict:
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # see _unpack
+        raise _fail("control message is not msgpack") from None
+    if type(msg) is not dict:
+        raise _fail("control message must be a map")
+    return msg

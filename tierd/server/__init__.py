@@ -1,0 +1,1 @@
+"""The node daemon: catalog (plain logic) and its asyncio/ZeroMQ front."""

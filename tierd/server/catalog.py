@@ -1,0 +1,561 @@
+"""The catalog: what each key holds, in which tier, and who may touch it.
+
+Plain code with no event loop or sockets: the daemon calls these methods on
+its loop thread and carries out the transfers they return. A method that
+cannot finish now (a swap-in or write-back must happen first) returns
+:class:`Blocked` naming the transfers to start and the ones to wait for; the
+caller retries the same call once they are done.
+
+[Note: pins] A pool slot or NVMe extent is never freed or overwritten while
+something may read it: every lease and every in-flight transfer that reads a
+slot holds a pin on it. Deleting or replacing a key only marks its old slot
+``orphan``; the bytes are freed when the last pin goes.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from tierd.backends.hostpool import HostPool, Segment
+from tierd.backends.nvme import NvmeStore
+from tierd.errors import CapacityError, StateError, UnknownKey
+from tierd.protocol import Placement, TensorSpec
+
+
+class Residency(enum.Enum):
+    """Where the bytes of a key's current version are."""
+
+    IN_POOL = "in_pool"            # readable in a pool slot; ``disk`` is a clean copy unless dirty
+    WRITING_BACK = "writing_back"  # pool -> NVMe in flight; pool bytes still readable
+    ON_NVME = "on_nvme"            # only on NVMe; a lease must swap it in first
+    READING_IN = "reading_in"      # NVMe -> pool in flight into a slot nobody may read yet
+
+
+@dataclass(eq=False)
+class PoolSlot:
+    segment: Segment
+    offset: int
+    nbytes: int
+    pins: int = 0          # leases and in-flight write-backs reading it
+    writer: bool = False   # a write lease or an in-flight swap-in is changing it
+    orphan: bool = False   # no entry refers to it; free once unpinned
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class DiskExtent:
+    offset: int
+    nbytes: int
+    pins: int = 0          # in-flight swap-ins reading it
+    orphan: bool = False
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str
+    job: str
+    spec: TensorSpec
+    version: int
+    state: Residency
+    slot: PoolSlot | None
+    disk: DiskExtent | None = None
+    dirty: bool = True     # pool bytes newer than ``disk``
+    last_use: int = 0
+    transfer: "Transfer | None" = None
+
+    def placement(self) -> Placement:
+        s = self.spec
+        return Placement(self.key, self.slot.segment.id, self.slot.offset, s.nbytes,
+                         s.dtype, s.shape, self.version)
+
+    # -- transitions -------------------------------------------------
+    def to_writing_back(self, transfer: "Transfer") -> None:
+        assert self.state is Residency.IN_POOL, (self.key, self.state)
+        self.transfer = transfer
+        self.state = Residency.WRITING_BACK
+
+    def to_reading_in(self, transfer: "Transfer") -> None:
+        assert self.state is Residency.ON_NVME, (self.key, self.state)
+        self.slot = transfer.slot
+        self.transfer = transfer
+        self.state = Residency.READING_IN
+
+    def to_in_pool(self) -> None:
+        assert self.state in (Residency.WRITING_BACK, Residency.READING_IN), (self.key, self.state)
+        self.transfer = None
+        self.state = Residency.IN_POOL
+
+    def to_on_nvme(self) -> None:
+        assert self.state in (Residency.IN_POOL, Residency.READING_IN), (self.key, self.state)
+        assert self.disk is not None and not self.dirty, self.key
+        self.slot = None
+        self.transfer = None
+        self.state = Residency.ON_NVME
+
+
+class Direction(enum.Enum):
+    TO_NVME = "to_nvme"
+    TO_POOL = "to_pool"
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One tensor moving between the pool and NVMe; the daemon runs the I/O."""
+
+    direction: Direction
+    entry: Entry
+    slot: PoolSlot
+    disk: DiskExtent
+    drop_slot: bool = False   # a write-back that evicts: free the slot when done
+    done: bool = False
+    error: Exception | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.disk.nbytes   # whole aligned extent: what O_DIRECT moves
+
+
+@dataclass
+class Blocked:
+    """Retry the call once the transfers in ``wait`` are done."""
+
+    wait: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Session:
+    """One connected client process."""
+
+    id: int
+    job: str
+    pid: int
+    uid: int
+    leases: dict[str, list[tuple[Entry, PoolSlot, bool]]] = field(default_factory=dict)
+    reserved: dict[str, tuple[TensorSpec, PoolSlot]] = field(default_factory=dict)
+
+
+@dataclass
+class TierCounters:
+    bytes_to_nvme: int = 0
+    bytes_to_pool: int = 0
+    evictions: int = 0
+    io_errors: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    """A namespace of keys. A process's default job (``ephemeral``) ends with
+    its last session; a named job lives until dropped."""
+
+    name: str
+    owner_uid: int
+    ephemeral: bool
+    sessions: set[int] = field(default_factory=set)
+
+
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+            "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+            "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    n = ITEMSIZE[spec.dtype]
+    for d in spec.shape:
+        n *= d
+    return n
+
+
+class Catalog:
+    """Keys, their tiers, sessions and jobs. See the module docstring."""
+
+    def __init__(self, pool: HostPool, nvme: NvmeStore, allow_root_join: bool = True) -> None:
+        self.pool = pool
+        self.nvme = nvme
+        self.allow_root_join = allow_root_join
+        self.entries: dict[tuple[str, str], Entry] = {}
+        self.sessions: dict[int, Session] = {}
+        self.jobs: dict[str, Job] = {}
+        self.counters = TierCounters()
+        self._clock = itertools.count(1)
+        self._started: list[Transfer] = []
+
+    def take_started(self) -> list[Transfer]:
+        """Transfers begun since the last call; the daemon must run each one and
+        call :meth:`finish` (also when the call that began them raised)."""
+        started, self._started = self._started, []
+        return started
+
+    # ------------------------------------------------------------ sessions
+    def open_session(self, sid: int, job: str | None, pid: int, uid: int) -> Session:
+        name = job if job is not None else f"pid-{pid}"
+        j = self.jobs.get(name)
+        if j is None:
+            j = self.jobs[name] = Job(name, uid, ephemeral=job is None)
+        elif j.owner_uid != uid and not (uid == 0 and self.allow_root_join):
+            raise StateError(f"job {name!r} belongs to uid {j.owner_uid}; uid {uid} may not "
+                             f"join it; pick another job name")
+        j.sessions.add(sid)
+        session = self.sessions[sid] = Session(sid, name, pid, uid)
+        return session
+
+    def close_session(self, sid: int) -> None:
+        """Give back everything the session held: leases and unpublished slots."""
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            return
+        for records in s.leases.values():
+            for entry, slot, write in records:
+                self._unpin(slot, write)
+        for _spec, slot in s.reserved.values():
+            slot.orphan = True
+            self._unpin(slot, write=True)
+        job = self.jobs[s.job]
+        job.sessions.discard(sid)
+        if job.ephemeral and not job.sessions:
+            self.drop_job(job.name)
+
+    def drop_job(self, name: str) -> None:
+        job = self.jobs.pop(name, None)
+        if job is None:
+            raise UnknownKey(f"no job {name!r}")
+        for entry in [e for (j, _), e in self.entries.items() if j == name]:
+            self._drop_entry(entry)
+        if not job.sessions:
+            self.pool.release_empty(exclude=None, need=self.pool.budget)
+
+    # ------------------------------------------------------------ requests
+    def reserve(self, s: Session, specs: tuple[TensorSpec, ...]) -> list[Placement] | Blocked:
+        for spec in specs:
+            if spec_nbytes(spec) != spec.nbytes:
+                raise StateError(f"{spec.key}: nbytes {spec.nbytes} does not match "
+                                 f"{spec.dtype}{list(spec.shape)} ({spec_nbytes(spec)} B)")
+            if spec.key in s.reserved:
+                raise StateError(f"{spec.key}: already reserved by this client; "
+                                 f"publish or abort it first")
+        if len({spec.key for spec in specs}) != len(specs):
+            raise StateError("a key appears twice in one reserve")
+        blocked = Blocked()
+        got: list[PoolSlot] = []
+        for spec in specs:
+            slot = self._alloc_slot(s.job, spec.nbytes, blocked, protect=())
+            if slot is None:
+                for g in got:
+                    self.pool.free(g.segment, g.offset)
+                return blocked
+            got.append(slot)
+        out = []
+        for spec, slot in zip(specs, got):
+            slot.writer = True
+            s.reserved[spec.key] = (spec, slot)
+            old = self.entries.get((s.job, spec.key))
+            version = old.version + 1 if old else 1
+            out.append(Placement(spec.key, slot.segment.id, slot.offset, spec.nbytes,
+                                 spec.dtype, spec.shape, version))
+        return out
+
+    def publish(self, s: Session, keys: tuple[str, ...]) -> None:
+        missing = [k for k in keys if k not in s.reserved]
+        if missing:
+            raise StateError(f"publish of keys this client has not reserved: {missing[:5]}")
+        for key in keys:
+            spec, slot = s.reserved.pop(key)
+            slot.writer = False
+            old = self.entries.get((s.job, key))
+            if old is not None:
+                self._drop_entry(old)
+            self.entries[(s.job, key)] = Entry(
+                key, s.job, spec, old.version + 1 if old else 1, Residency.IN_POOL, slot,
+                last_use=next(self._clock))
+
+    def abort(self, s: Session, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            item = s.reserved.pop(key, None)
+            if item is not None:
+                item[1].orphan = True
+                self._unpin(item[1], write=True)
+
+    def lease(self, s: Session, keys: tuple[str, ...], write: bool) -> list[Placement] | Blocked:
+        entries = [self._entry(s, k) for k in keys]
+        if write and len(set(keys)) != len(keys):
+            raise StateError("a key appears twice in one write lease")
+        blocked = Blocked()
+        for e in entries:
+            match e.state:
+                case Residency.IN_POOL:
+                    self._check_lease_conflict(e, write)
+                case Residency.WRITING_BACK:
+                    if write:
+                        blocked.wait.append(e.transfer)
+                    else:
+                        self._check_lease_conflict(e, write)
+                case Residency.READING_IN:
+                    blocked.wait.append(e.transfer)
+                case Residency.ON_NVME:
+                    self._start_swap_in(e, blocked, protect=entries)
+        if blocked.wait:
+            return blocked
+        tick = next(self._clock)
+        for e in entries:
+            if write:
+                e.slot.writer = True
+            else:
+                e.slot.pins += 1
+            e.last_use = tick
+            s.leases.setdefault(e.key, []).append((e, e.slot, write))
+        return [e.placement() for e in entries]
+
+    def release(self, s: Session, keys: tuple[str, ...], written: bool) -> None:
+        not_held = [k for k in keys if not s.leases.get(k)]
+        if not_held:
+            raise StateError(f"release of keys this client does not lease: {not_held[:5]}")
+        for key in keys:
+            records = s.leases[key]
+            entry, slot, write = records.pop(0)
+            if not records:
+                del s.leases[key]
+            if written and not write:
+                raise StateError(f"{key}: released as written, but the lease was read-only")
+            if written and self.entries.get((s.job, key)) is entry and entry.slot is slot:
+                entry.version += 1
+                self._mark_dirty(entry)
+            self._unpin(slot, write)
+
+    def prefetch(self, s: Session, keys: tuple[str, ...]) -> None:
+        """Start swap-ins of the keys on NVMe; the transfers come out of
+        :meth:`take_started`. Stops quietly where the pool is full: a hint."""
+        entries = [self._entry(s, k) for k in keys]
+        blocked = Blocked()
+        for e in entries:
+            if e.state is Residency.ON_NVME:
+                try:
+                    self._start_swap_in(e, blocked, protect=entries)
+                except CapacityError:
+                    break
+
+    def evict(self, s: Session, keys: tuple[str, ...]) -> None | Blocked:
+        entries = [self._entry(s, k) for k in keys]
+        blocked = Blocked()
+        for e in entries:
+            match e.state:
+                case Residency.IN_POOL:
+                    if e.slot.pins or e.slot.writer:
+                        raise StateError(f"{e.key}: cannot evict a leased tensor; release it first")
+                    if e.dirty:
+                        blocked.wait.append(self._start_writeback(e))
+                    else:
+                        self._drop_slot(e)
+                case Residency.WRITING_BACK | Residency.READING_IN:
+                    blocked.wait.append(e.transfer)
+        return blocked if blocked.wait else None
+
+    def delete(self, s: Session, keys: tuple[str, ...]) -> None:
+        entries = [self._entry(s, k) for k in keys]
+        for e in entries:
+            if e.slot is not None and e.slot.writer and e.state is Residency.IN_POOL:
+                raise StateError(f"{e.key}: cannot delete while write-leased")
+        for e in entries:
+            if self.entries.get((e.job, e.key)) is e:
+                self._drop_entry(e)
+
+    def keys(self, s: Session, prefix: str) -> list[str]:
+        return sorted(k for (j, k) in self.entries if j == s.job and k.startswith(prefix))
+
+    def stats(self) -> dict:
+        per_job = {}
+        for name, job in self.jobs.items():
+            per_job[name] = {"owner_uid": job.owner_uid, "ephemeral": job.ephemeral,
+                             "sessions": len(job.sessions), "tensors": 0,
+                             "pool_used_bytes": 0, "nvme_used_bytes": 0}
+        for (jname, _), e in self.entries.items():
+            row = per_job[jname]
+            row["tensors"] += 1
+            if e.slot is not None:
+                row["pool_used_bytes"] += e.slot.nbytes
+            if e.disk is not None:
+                row["nvme_used_bytes"] += e.disk.nbytes
+        c = self.counters
+        return {
+            "pool_bytes": self.pool.budget,
+            "pool_used_bytes": self.pool.used_bytes,
+            "pool_mapped_bytes": self.pool.mapped_bytes,
+            "nvme_bytes": self.nvme.size,
+            "nvme_used_bytes": self.nvme.extents.used,
+            "nvme_direct_io": self.nvme.direct,
+            "tensors": len(self.entries),
+            "sessions": len(self.sessions),
+            "bytes_to_nvme": c.bytes_to_nvme,
+            "bytes_to_pool": c.bytes_to_pool,
+            "evictions": c.evictions,
+            "io_errors": c.io_errors,
+            "jobs": per_job,
+        }
+
+    # ----------------------------------------------------------- transfers
+    def finish(self, t: Transfer, error: Exception | None) -> None:
+        """Account for a transfer the daemon has carried out (or failed)."""
+        t.done, t.error = True, error
+        e = t.entry
+        live = self.entries.get((e.job, e.key)) is e
+        if error is not None:
+            self.counters.io_errors += 1
+        if t.direction is Direction.TO_NVME:
+            t.slot.pins -= 1
+            if error is not None or not live:
+                self._free_disk(t.disk)
+            if not live:
+                self._free_slot_if_idle(t.slot)
+                return
+            e.to_in_pool()
+            if error is not None:
+                return
+            self.counters.bytes_to_nvme += t.nbytes
+            e.disk, e.dirty = t.disk, False
+            if t.drop_slot and not t.slot.pins and not t.slot.writer:
+                self._drop_slot(e)
+        else:
+            t.slot.writer = False
+            t.disk.pins -= 1
+            if error is not None or not live:
+                t.slot.orphan = True
+                self._free_slot_if_idle(t.slot)
+                if not live:
+                    self._free_disk_if_idle(t.disk)
+                    return
+                e.to_on_nvme()
+                return
+            self.counters.bytes_to_pool += t.nbytes
+            e.dirty = False
+            e.to_in_pool()
+
+    # ----------------------------------------------------------- internals
+    def _entry(self, s: Session, key: str) -> Entry:
+        e = self.entries.get((s.job, key))
+        if e is None:
+            raise UnknownKey(f"no tensor under key {key!r} in job {s.job!r}")
+        return e
+
+    @staticmethod
+    def _check_lease_conflict(e: Entry, write: bool) -> None:
+        if e.slot.writer or (write and e.slot.pins):
+            raise StateError(f"{e.key}: leased for {'writing' if e.slot.writer else 'reading'} "
+                             f"by another holder; a write lease needs the tensor to itself")
+
+    def _start_swap_in(self, e: Entry, blocked: Blocked, protect) -> None:
+        slot = self._alloc_slot(e.job, e.spec.nbytes, blocked, protect)
+        if slot is None:
+            return
+        slot.writer = True
+        e.disk.pins += 1
+        t = Transfer(Direction.TO_POOL, e, slot, e.disk)
+        e.to_reading_in(t)
+        self._started.append(t)
+        blocked.wait.append(t)
+
+    def _start_writeback(self, e: Entry, drop_slot: bool = True) -> Transfer:
+        off = self.nvme.extents.alloc(e.slot.nbytes)
+        if off is None:
+            raise CapacityError(
+                f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used, "
+                f"cannot write {e.key} ({e.slot.nbytes} B); delete tensors or start the "
+                f"daemon with a larger --nvme-size")
+        e.slot.pins += 1
+        t = Transfer(Direction.TO_NVME, e, e.slot,
+                     DiskExtent(off, self.nvme.extents.extent_size(e.slot.nbytes)), drop_slot)
+        e.to_writing_back(t)
+        self.counters.evictions += drop_slot
+        self._started.append(t)
+        return t
+
+    def _alloc_slot(self, job: str, nbytes: int, blocked: Blocked, protect) -> PoolSlot | None:
+        """A pool slot for ``job``, or None after planning evictions into ``blocked``."""
+        while True:
+            got = self.pool.allocate(job, nbytes)
+            if got is not None:
+                seg, off = got
+                return PoolSlot(seg, off, seg.extents.extent_size(nbytes))
+            if not self._plan_eviction(job, nbytes, blocked, protect):
+                break
+        if blocked.wait:
+            return None
+        raise CapacityError(
+            f"pool full: {self.pool.used_bytes} of {self.pool.budget} B in use and nothing "
+            f"evictable for {nbytes} B more (leased or in this request); release leases, "
+            f"lease smaller batches, or start the daemon with a larger --pool")
+
+    def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked, protect) -> bool:
+        """Free or start freeing about ``nbytes`` of ``job``'s pool, least recently
+        used first. True when something was freed at once (retry allocating)."""
+        protected = {id(p) for p in protect}
+        victims = sorted((e for (j, _), e in self.entries.items()
+                          if j == job and e.state is Residency.IN_POOL and not e.slot.pins
+                          and not e.slot.writer and id(e) not in protected),
+                         key=lambda e: e.last_use)
+        pending = sum(t.slot.nbytes for t in blocked.wait)
+        for t in self._writebacks_in_flight(job):
+            if t not in blocked.wait:
+                blocked.wait.append(t)
+                pending += t.slot.nbytes
+        for e in victims:
+            if pending >= nbytes:
+                break
+            if not e.dirty and e.disk is not None:
+                self._drop_slot(e)
+                self.counters.evictions += 1
+                return True
+            try:
+                blocked.wait.append(self._start_writeback(e))
+            except CapacityError:
+                if pending:
+                    break
+                raise
+            pending += e.slot.nbytes
+        return False
+
+    def _writebacks_in_flight(self, job: str) -> list[Transfer]:
+        return [e.transfer for (j, _), e in self.entries.items()
+                if j == job and e.state is Residency.WRITING_BACK and e.transfer.drop_slot]
+
+    def _drop_slot(self, e: Entry) -> None:
+        slot = e.slot
+        e.to_on_nvme()
+        slot.orphan = True
+        self._free_slot_if_idle(slot)
+
+    def _mark_dirty(self, e: Entry) -> None:
+        e.dirty = True
+        if e.disk is not None:
+            self._free_disk_if_idle(e.disk, orphan=True)
+            e.disk = None
+
+    def _drop_entry(self, e: Entry) -> None:
+        del self.entries[(e.job, e.key)]
+        if e.slot is not None:
+            e.slot.orphan = True
+            self._free_slot_if_idle(e.slot)
+        if e.disk is not None:
+            self._free_disk_if_idle(e.disk, orphan=True)
+
+    def _unpin(self, slot: PoolSlot, write: bool) -> None:
+        if write:
+            slot.writer = False
+        else:
+            slot.pins -= 1
+        self._free_slot_if_idle(slot)
+
+    def _free_slot_if_idle(self, slot: PoolSlot) -> None:
+        if slot.orphan and not slot.pins and not slot.writer and not slot.freed:
+            slot.freed = True
+            if slot.segment.id in self.pool.segments:
+                self.pool.free(slot.segment, slot.offset)
+
+    def _free_disk_if_idle(self, disk: DiskExtent, orphan: bool = False) -> None:
+        disk.orphan |= orphan
+        if disk.orphan and not disk.pins and not disk.freed:
+            disk.freed = True
+            self.nvme.extents.free(disk.offset)
+
+    def _free_disk(self, disk: DiskExtent) -> None:
+        self._free_disk_if_idle(disk, orphan=True)

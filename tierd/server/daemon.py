@@ -1,0 +1,376 @@
+"""The daemon's event loop: control socket, request router, NVMe transfers.
+
+This layer only translates: frames into :class:`~tierd.server.catalog.Catalog`
+calls, and the transfers the catalog begins into thread-pool I/O. Every task
+it starts is tracked so shutdown can drain it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from tierd import protocol as P
+from tierd.backends.hostpool import HostPool, available_memory
+from tierd.backends.nvme import NvmeStore, chunks
+from tierd.config import ServeConfig, format_size
+from tierd.errors import Busy, CapacityError, DaemonUnavailable, ProtocolError, TierdError
+from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
+
+log = logging.getLogger("tierd.daemon")
+
+MAX_RETRIES = 10_000
+DRAIN_SECONDS = 3.0
+
+
+def ctl_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".ctl")
+
+
+def check_socket_free(sock: Path) -> None:
+    """Refuse a socket path a live daemon answers on; remove a stale one."""
+    ctl = ctl_path(sock)
+    if ctl.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(ctl))
+        except OSError:
+            pass  # stale: left by a daemon that died
+        else:
+            raise TierdError(f"socket {sock} is in use by a live daemon; stop it or pass "
+                             f"another --socket")
+        finally:
+            probe.close()
+    for p in (sock, ctl):
+        p.unlink(missing_ok=True)
+
+
+def prepare_socket_dir(sock: Path) -> None:
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if sock.parent.stat().st_uid == os.getuid():
+        os.chmod(sock.parent, 0o700)
+
+
+class Daemon:
+    """``tierd serve``: construct, then ``await run()`` until stopped."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._io: dict[Transfer, asyncio.Future] = {}
+        self._tokens: dict[bytes, Session] = {}
+        self._inflight: dict[int, int] = {}
+        self._next_session = 1
+
+    # ---------------------------------------------------------- lifecycle
+    def open(self) -> None:
+        """Check the arguments and take the resources; raises TierdError."""
+        cfg = self.config
+        if cfg.pool > available_memory():
+            raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
+                                f"({format_size(available_memory())}); lower it")
+        try:
+            cfg.nvme.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierdError(f"--nvme {cfg.nvme} cannot be created: {exc.strerror}") from None
+        if not os.access(cfg.nvme, os.W_OK | os.X_OK):
+            raise TierdError(f"--nvme {cfg.nvme} is not writable by uid {os.getuid()}")
+        prepare_socket_dir(cfg.socket)
+        check_socket_free(cfg.socket)
+        self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size)
+        self.pool = HostPool(cfg.pool, cfg.segment_size)
+        self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join)
+        self.executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tierd-io")
+        self.zctx = zmq.asyncio.Context()
+        self.router = self.zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"ipc://{cfg.socket}")
+        self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.ctl.bind(str(ctl_path(cfg.socket)))
+        self.ctl.listen(128)
+        self.ctl.setblocking(False)
+        log.info("tierd serving at %s: pool %s, NVMe %s in %s (%s)", cfg.socket,
+                 format_size(self.pool.budget), format_size(self.nvme.size), cfg.nvme,
+                 "O_DIRECT" if self.nvme.direct else "buffered I/O")
+
+    async def run(self) -> None:
+        self.open()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        try:
+            self._spawn(self._accept_loop())
+            self._spawn(self._router_loop())
+            await self.stopping.wait()
+            log.info("tierd stopping")
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        io = [f for f in self._io.values() if not f.done()]
+        if io:
+            await asyncio.wait(io, timeout=DRAIN_SECONDS)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=DRAIN_SECONDS)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.router.close(linger=0)
+        self.zctx.term()
+        self.ctl.close()
+        for p in (self.config.socket, ctl_path(self.config.socket)):
+            p.unlink(missing_ok=True)
+        self.pool.close()
+        self.nvme.close()
+        log.info("tierd stopped")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("internal error; stopping", exc_info=task.exception())
+            self.stopping.set()
+
+    # ---------------------------------------------------- control socket
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self.ctl)
+            self._spawn(self._serve_ctl(conn))
+
+    async def _serve_ctl(self, conn: socket.socket) -> None:
+        """One client session: handshake, segment fds on demand, EOF ends it."""
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        session = token = None
+        try:
+            hello = await _recv_ctl(conn)
+            job = hello.get("job")
+            if hello.get("v") != P.VERSION or hello.get("op") != "hello" or not (
+                    job is None or (type(job) is str and 0 < len(job) <= 256)):
+                raise ProtocolError(f"bad hello; this daemon speaks protocol {P.VERSION}")
+            sid = self._next_session
+            self._next_session += 1
+            session = self.catalog.open_session(sid, job, pid, uid)
+            token = secrets.token_bytes(16)
+            self._tokens[token] = session
+            await _send_ctl(conn, {"ok": True, "token": token, "session": sid, "job": session.job})
+            while True:
+                msg = await _recv_ctl(conn)
+                ids = msg.get("segments")
+                if type(ids) is not list:
+                    raise ProtocolError("expected {'segments': [ids]}")
+                segs = [self.pool.segments.get(i) if type(i) is int else None for i in ids]
+                segs = [s for s in segs if s is not None and s.job == session.job]
+                await _send_ctl(conn, {"ok": True, "segments": [[s.id, s.size] for s in segs]},
+                                fds=[s.fd for s in segs])
+        except (ConnectionError, asyncio.IncompleteReadError, EOFError):
+            pass
+        except TierdError as exc:
+            try:
+                await _send_ctl(conn, {"ok": False, "error": [exc.code, str(exc)]})
+            except OSError:
+                pass
+        finally:
+            conn.close()
+            if token is not None:
+                del self._tokens[token]
+            if session is not None:
+                self.catalog.close_session(session.id)
+                log.debug("session %d (pid %d) ended", session.id, pid)
+
+    # ---------------------------------------------------------- requests
+    async def _router_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 2:
+                continue  # not from a DEALER speaking our protocol
+            ident, frame = frames
+            session = self._tokens.get(ident)
+            if session is None:
+                self._reply_error(ident, P.request_id(frame), DaemonUnavailable(
+                    "this connection has no session (the daemon restarted?); connect again "
+                    "with tierd.connect()"))
+                continue
+            try:
+                rid, req = P.decode_request(frame)
+            except ProtocolError as exc:
+                self._reply_error(ident, P.request_id(frame), exc)
+                continue
+            total = sum(self._inflight.values())
+            if (self._inflight.get(session.id, 0) >= self.config.max_requests_per_client
+                    or total >= self.config.max_requests):
+                self._reply_error(ident, rid, Busy(
+                    f"{self._inflight.get(session.id, 0)} requests of this client and {total} "
+                    f"in all are in flight; wait for replies before sending more"))
+                continue
+            self._serve(ident, session, rid, req)
+
+    def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
+        """Answer at once when the catalog can; else finish in a tracked task."""
+        try:
+            result = self._attempt(session, req)
+        except TierdError as exc:
+            self._reply_error(ident, rid, exc)
+            return
+        except Exception as exc:  # a bug: answer, log, keep serving the others
+            log.exception("internal error serving %s", type(req).__name__)
+            self._reply_error(ident, rid, TierdError(f"internal error in the daemon: {exc!r}"))
+            return
+        if isinstance(result, Blocked):
+            self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
+            self._spawn(self._serve_blocked(ident, session, rid, req, result))
+        else:
+            self._send(ident, P.encode_reply(rid, result))
+
+    async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked) -> None:
+        try:
+            for _ in range(MAX_RETRIES):
+                await self._wait(blocked)
+                if session.id not in self.catalog.sessions:
+                    return  # the client went away meanwhile
+                result = self._attempt(session, req)
+                if not isinstance(result, Blocked):
+                    self._send(ident, P.encode_reply(rid, result))
+                    return
+                blocked = result
+            raise CapacityError(f"no room after {MAX_RETRIES} rounds of eviction")
+        except TierdError as exc:
+            self._reply_error(ident, rid, exc)
+        finally:
+            self._inflight[session.id] -= 1
+            if not self._inflight[session.id]:
+                del self._inflight[session.id]
+
+    def _attempt(self, s: Session, req: P.Request) -> P.Reply | Blocked:
+        c = self.catalog
+        try:
+            match req:
+                case P.Reserve(specs):
+                    r = c.reserve(s, specs)
+                case P.Publish(keys):
+                    r = c.publish(s, keys)
+                case P.Abort(keys):
+                    r = c.abort(s, keys)
+                case P.Lease(keys, write):
+                    r = c.lease(s, keys, write)
+                case P.Release(keys, written):
+                    r = c.release(s, keys, written)
+                case P.Prefetch(keys):
+                    r = c.prefetch(s, keys)
+                case P.Evict(keys):
+                    r = c.evict(s, keys)
+                case P.Delete(keys):
+                    r = c.delete(s, keys)
+                case P.Keys(prefix):
+                    return P.KeyList(tuple(c.keys(s, prefix)))
+                case P.Stats():
+                    return P.StatsReply(c.stats())
+        finally:
+            self._run_started()
+        if isinstance(r, Blocked):
+            return r
+        return P.Placed(tuple(r)) if isinstance(r, list) else P.Done()
+
+    async def _wait(self, blocked: Blocked) -> None:
+        futures = [self._io[t] for t in blocked.wait if not t.done]
+        if futures:
+            await asyncio.wait(futures)
+        for t in blocked.wait:
+            if t.error is not None:
+                raise t.error
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            # A client that stops reading fills its own pipe; beyond the high
+            # water mark its replies are dropped and nobody else waits.
+            self.router.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _reply_error(self, ident: bytes, rid: int, exc: TierdError) -> None:
+        self._send(ident, P.encode_error(rid, exc.code, str(exc)))
+
+    # --------------------------------------------------------- transfers
+    def _run_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        for t in self.catalog.take_started():
+            self._io[t] = loop.create_future()
+            self._spawn(self._transfer(t))
+
+    async def _transfer(self, t: Transfer) -> None:
+        loop = asyncio.get_running_loop()
+        view = t.slot.segment.view(t.slot.offset, t.nbytes)
+        io = self.nvme.write_from if t.direction is Direction.TO_NVME else self.nvme.read_into
+        error = None
+        try:
+            await asyncio.gather(*(loop.run_in_executor(self.executor, io, off, view[start:start + n])
+                                   for off, start, n in chunks(t.disk.offset, t.nbytes)))
+        except TierdError as exc:
+            error = exc
+            log.error("%s", exc)
+        finally:
+            view.release()
+            self.catalog.finish(t, error)
+            self._io.pop(t).set_result(None)
+            self._run_started()
+
+
+async def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(conn, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+async def _recv_ctl(conn: socket.socket) -> dict:
+    (n,) = P.CTL_HEADER.unpack(await _recv_exact(conn, P.CTL_HEADER.size))
+    if n > P.MAX_CTL_BYTES:
+        raise ProtocolError(f"control message of {n} B is too large")
+    return P.decode_ctl(await _recv_exact(conn, n))
+
+
+async def _send_ctl(conn: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    data = P.encode_ctl(msg)
+    if not fds:
+        await asyncio.get_running_loop().sock_sendall(conn, data)
+        return
+    while True:
+        try:
+            sent = socket.send_fds(conn, [data], list(fds))
+            break
+        except BlockingIOError:
+            await asyncio.sleep(0.001)
+    if sent < len(data):
+        await asyncio.get_running_loop().sock_sendall(conn, data[sent:])
+
+
+def serve(config: ServeConfig) -> None:
+    """Run the daemon in this process until SIGTERM/SIGINT (uvloop when present)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(Daemon(config).run())
+    else:
+        uvloop.run(Daemon(config).run())
