@@ -1,0 +1,164 @@
+"""``tierd.attach(model)``: stream a model's parameters from tierd's tiers.
+
+Example:
+    >>> import torch, tierd
+    >>> model = tierd.attach(torch.nn.Linear(8, 8))            # doctest: +SKIP
+    >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)   # doctest: +SKIP
+    >>> model(torch.randn(2, 8)).sum().backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+    >>> tierd.detach(model)                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from tierd.client.attached import Session
+from tierd.client.hooks import ModuleHooks
+from tierd.client.registry import restore_parameters, take_parameters
+from tierd.errors import StateError
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_PLACEMENTS = ("gpu-stream", "cpu")
+_SESSION_ATTR = "_tierd_session"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachConfig:
+    """How an attached model uses the tiers. Every field has a working default.
+
+    Example:
+        >>> AttachConfig(compute_dtype="bf16", gpu_budget_bytes=4 << 30).compute_dtype
+        torch.bfloat16
+    """
+
+    #: Compute device; ``None`` picks the current CUDA device, else the CPU.
+    device: str | torch.device | None = None
+    #: dtype the parameters have on the compute device ("fp32", "bf16",
+    #: "fp16" or a torch dtype). Below fp32, fp32 master weights are kept in
+    #: tierd and the optimizer updates those.
+    compute_dtype: str | torch.dtype = torch.float32
+    #: Most bytes of parameters allowed on the compute device for prefetch
+    #: (the unit running now is always fetched, even above the budget).
+    gpu_budget_bytes: int = 2 << 30
+    #: Bytes of upcoming parameters for which pool leases are requested
+    #: ahead of use (brings NVMe-resident ones into the pool in time).
+    prefetch_bytes: int = 512 << 20
+    #: Parameters smaller than this stay on the compute device all the time.
+    resident_below_bytes: int = 0
+    #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
+    #: (per block on the compute device) or "cpu" (in place in the pool).
+    optimizer_placement: str = "gpu-stream"
+    #: Gradients are written to the pool in buckets of about this many bytes.
+    grad_bucket_bytes: int = 32 << 20
+    #: Key prefix in the daemon (a random one when None); must be unique.
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        dtype = self.compute_dtype
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"compute_dtype={dtype!r} is unknown; use one of "
+                                 f"{sorted(_DTYPES)} or a torch dtype")
+            dtype = _DTYPES[dtype]
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype={dtype} is not a float compute dtype; "
+                             "use torch.float32, torch.bfloat16 or torch.float16")
+        object.__setattr__(self, "compute_dtype", dtype)
+        for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
+                  "grad_bucket_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        if self.optimizer_placement not in _PLACEMENTS:
+            raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
+                             f"use one of {_PLACEMENTS}")
+        if self.device is not None:
+            object.__setattr__(self, "device", torch.device(self.device))
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _connect():
+    import tierd
+    from tierd.client.embedded import ensure_daemon
+    return tierd.connect(ensure_daemon())
+
+
+def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
+           **options) -> nn.Module:
+    """Move ``model``'s parameters into tierd and stream them in on use.
+
+    Returns ``model`` itself; its parameters become :class:`TieredParameter`
+    objects whose storage is empty between uses (call ``model.parameters()``
+    after attaching; the old Parameter objects are emptied). Gradients are
+    summed into the daemon, not into ``param.grad``: use ``tierd.optim``.
+    ``options`` are :class:`AttachConfig` fields (not allowed with ``config``).
+    Without ``client``, connects to (or starts) the node's embedded daemon.
+
+    Example:
+        >>> model = tierd.attach(model, compute_dtype="bf16", gpu_budget_bytes=1 << 30)  # doctest: +SKIP
+    """
+    if config is not None and options:
+        raise TypeError(f"pass either config= or options {sorted(options)}, not both")
+    if config is None:
+        known = {f.name for f in fields(AttachConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown attach options {unknown}; known: {sorted(known)}")
+        config = AttachConfig(**options)
+    if getattr(model, _SESSION_ATTR, None) is not None:
+        raise StateError(f"{type(model).__name__} is already attached; detach it first")
+    owns_client = client is None
+    if client is None:
+        client = _connect()
+    session = Session(model, client, config, owns_client=owns_client)
+    take_parameters(session)
+    session.start()
+    session.hooks = ModuleHooks(session)
+    object.__setattr__(model, _SESSION_ATTR, session)
+    return model
+
+
+def session_of(model: nn.Module) -> Session:
+    """The Session of an attached model (raises StateError if it is not attached)."""
+    session = getattr(model, _SESSION_ATTR, None)
+    if session is None:
+        raise StateError(f"{type(model).__name__} is not attached; call tierd.attach(model)")
+    return session
+
+
+def detach(model: nn.Module) -> nn.Module:
+    """Put ordinary parameters back (original dtype/device, current values),
+    remove the hooks and delete the model's keys from the daemon.
+
+    Example:
+        >>> model = tierd.detach(model); torch.save(model.state_dict(), "m.pt")  # doctest: +SKIP
+    """
+    session = session_of(model)
+    session.hooks.remove()
+    restore_parameters(session)
+    session.client.delete(session.client.keys(session.prefix + "/"))
+    object.__delattr__(model, _SESSION_ATTR)
+    if session.owns_client:
+        session.client.close()
+    return model
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module, **options) -> Iterator[nn.Module]:
+    """``with tierd.attached(model) as m:`` attach for the block, detach after."""
+    attach(model, **options)
+    try:
+        yield model
+    finally:
+        detach(model)

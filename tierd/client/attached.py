@@ -1,0 +1,286 @@
+"""The state of one attached model: its parameters, units, planner and streams.
+
+Everything an attached model needs lives in one :class:`Session` owned by that
+model, so two attached models in one process share nothing but (optionally)
+the client. Hooks (``tierd.client.hooks``) only call the methods here.
+
+[Note: units and when parameters are resident]
+A *unit* is a module that directly owns parameters. Before a unit's forward
+its parameters are made resident; after it they are freed, unless the forward
+is a re-run inside backward (activation checkpointing), where they stay until
+backward is done with them. In backward a unit's parameters are made resident
+when the first gradient of the unit's outputs arrives (a multi-grad hook on
+the outputs, like FSDP2's pre-backward). A parameter that requires grad is
+freed right after autograd has accumulated its gradient, which is after every
+backward node that takes it as input has run; the rest are freed when the
+backward graph task that brought them in ends (an engine callback). Freeing
+resizes the storage to 0, see the Note in ``tiered_param``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tierd.client.copy_stream import CopyStream, register_pool
+from tierd.client.grads import GradBucket
+from tierd.client.planner import PrefetchPlanner
+from tierd.client.releases import PendingReleases
+from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+
+
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """A module that directly owns parameters; fetched and freed as one batch."""
+
+    index: int
+    name: str
+    params: tuple[TieredParam, ...]   # the non-resident ones
+    nbytes: int
+
+
+class _LeaseBatch:
+    """One ``lease_async`` request whose reply is read once, when first needed."""
+
+    def __init__(self, pending) -> None:
+        self._pending = pending
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def views(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            self._views = {lease.key: lease.tensor for lease in self._pending.result()}
+        return self._views
+
+
+def _current_graph_task() -> int:
+    # -1 outside backward. The only way to tell a forward re-run by activation
+    # checkpointing inside backward from an ordinary forward.
+    return torch._C._current_graph_task_id()
+
+
+class Session:
+    """Per-attach state: the registry of TieredParams and their movement."""
+
+    def __init__(self, model: nn.Module, client, config, *, owns_client: bool) -> None:
+        self.model = model
+        self.client = client
+        self.config = config
+        self.owns_client = owns_client
+        self.device = config.resolved_device()
+        self.prefix = f"tierd-attach/{config.name or uuid.uuid4().hex[:12]}"
+        self.copy = CopyStream(self.device)
+        self.releases = PendingReleases(client)
+        self.grads = GradBucket(client, self.copy, self.releases, config.grad_bucket_bytes)
+        self.params: dict[str, TieredParam] = {}     # canonical name -> param
+        self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
+        self.units: list[Unit] = []
+        self.unit_of: dict[int, Unit] = {}           # id(module) -> unit
+        self._holds: dict[TieredParam, int] = {}     # forward calls using it now
+        self._leases: dict[TieredParam, _LeaseBatch] = {}  # prefetched, not copied
+        self._announced: list[TieredParam] = []      # prefetched, copy not started
+        self._device_bytes = 0
+        self._tasks_with_callback: set[int] = set()
+        self.planner: PrefetchPlanner | None = None
+        self.hooks = None   # tierd.client.hooks.ModuleHooks, set by attach()
+        self.buffer_devices: dict[tuple[int, str], torch.device] = {}
+        register_pool(client, self.device)
+
+    # ------------------------------------------------------------- building
+    def start(self) -> None:
+        """Called once the registry and units are built (``registry.take_parameters``)."""
+        self.planner = PrefetchPlanner({u.index: u.nbytes for u in self.units},
+                                       self.config.prefetch_bytes)
+
+    def all_params(self) -> list[TieredParam]:
+        return list(self.params.values())
+
+    # ------------------------------------------------------------- forward
+    def begin_step(self) -> None:
+        """Root forward starts a step (unless it is a re-run inside backward)."""
+        if _current_graph_task() != -1:
+            return
+        self.settle()
+        self._prefetch(self.planner.begin_step())
+
+    def pre_forward(self, unit: Unit) -> None:
+        self._observe(unit)
+        for tp in unit.params:
+            self._holds[tp] = self._holds.get(tp, 0) + 1
+        self.require(unit)
+
+    def post_forward(self, unit: Unit) -> None:
+        in_backward = _current_graph_task() != -1
+        for tp in unit.params:
+            left = self._holds.get(tp, 1) - 1
+            if left > 0:
+                self._holds[tp] = left
+                continue
+            self._holds.pop(tp, None)
+            if in_backward:
+                tp.backward_task = tp.backward_task if tp.backward_task != -1 \
+                    else _current_graph_task()
+            elif tp.state is ParamState.DEVICE:
+                self._free(tp)
+        self._start_announced()
+
+    # ------------------------------------------------------------- backward
+    def pre_backward(self, unit: Unit) -> None:
+        task = _current_graph_task()
+        if task not in self._tasks_with_callback:
+            self._tasks_with_callback.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.end_backward(task))
+        self._observe(unit)
+        self.require(unit)
+        for tp in unit.params:
+            if tp.backward_task == -1:
+                tp.backward_task = task
+
+    def on_grad_of(self, param: TieredParameter) -> None:
+        self.on_grad(param.tiered)
+
+    def on_grad(self, tp: TieredParam) -> None:
+        """Autograd accumulated ``tp``'s gradient: move it out, then free ``tp``."""
+        grad = tp.param.grad
+        tp.param.grad = None
+        if grad is not None:
+            self.grads.add(tp, grad)
+        if (tp.state is ParamState.DEVICE and not tp.resident
+                and self._holds.get(tp, 0) == 0):
+            self._free(tp)
+
+    def end_backward(self, task: int) -> None:
+        """Engine callback at the end of a backward graph task."""
+        self._tasks_with_callback.discard(task)
+        self.grads.flush()
+        for tp in self.params.values():
+            if (tp.state is ParamState.DEVICE and tp.backward_task == task
+                    and not tp.resident and self._holds.get(tp, 0) == 0):
+                self._free(tp)
+        if not self._tasks_with_callback:
+            self.settle()
+
+    # ------------------------------------------------------------- movement
+    def require(self, unit: Unit) -> None:
+        """Make every parameter of ``unit`` usable on the compute device."""
+        on_demand = [tp for tp in unit.params
+                     if tp.state is ParamState.HOST and tp not in self._leases]
+        if on_demand:
+            self._lease_batch(on_demand)
+        for tp in unit.params:
+            if tp.state is ParamState.HOST:
+                self._start_swap_in(tp)
+        for tp in unit.params:
+            if tp.state is ParamState.H2D_INFLIGHT:
+                tp.finish_swap_in(self.copy)
+            elif tp.state is ParamState.D2H_INFLIGHT:
+                tp.finish_write_back()
+        self.releases.drain()
+
+    def settle(self) -> None:
+        """Bring every parameter back to rest: freed, no copy or lease pending."""
+        self.grads.flush()
+        self._announced.clear()
+        for tp in self.params.values():
+            if tp.state is ParamState.H2D_INFLIGHT:
+                tp.finish_swap_in(self.copy)
+            elif tp.state is ParamState.D2H_INFLIGHT:
+                tp.finish_write_back()
+            if (tp.state is ParamState.DEVICE and not tp.resident
+                    and self._holds.get(tp, 0) == 0):
+                self._free(tp)
+        if self._leases:   # prefetched but never used: give the slots back
+            keys = [tp.key for tp in self._leases]
+            for batch in {id(b): b for b in self._leases.values()}.values():
+                batch.views()
+            self._leases.clear()
+            self.client.release(keys)
+        self.releases.drain(block=True)
+
+    def _observe(self, unit: Unit) -> None:
+        self._prefetch(self.planner.on_use(unit.index))
+
+    def _prefetch(self, unit_ids: list[int]) -> None:
+        wanted = list(dict.fromkeys(
+            tp for i in unit_ids for tp in self.units[i].params
+            if tp.state is ParamState.HOST and tp not in self._leases))
+        if not wanted:
+            return
+        self._lease_batch(wanted, asynchronous=True)
+        self._announced.extend(wanted)
+        self._start_announced()
+
+    def _start_announced(self) -> None:
+        """Start copies of prefetched parameters while the GPU budget allows."""
+        budget = self.config.gpu_budget_bytes
+        while self._announced:
+            tp = self._announced[0]
+            if tp.state is not ParamState.HOST or tp not in self._leases:
+                self._announced.pop(0)
+                continue
+            if self._device_bytes + tp.nbytes > budget:
+                return
+            self._announced.pop(0)
+            self._start_swap_in(tp)
+
+    def _lease_batch(self, tps: list[TieredParam], *, asynchronous: bool = False) -> None:
+        keys = [tp.key for tp in tps]
+        pending = self.client.lease_async(keys)
+        batch = _LeaseBatch(pending)
+        if not asynchronous:
+            batch.views()
+        for tp in tps:
+            self._leases[tp] = batch
+
+    def _start_swap_in(self, tp: TieredParam) -> None:
+        view = self._leases.pop(tp).views()[tp.key]
+        copy = tp.start_swap_in(view, (tp.key,), self.copy)
+        self._device_bytes += tp.nbytes
+        self.releases.add(copy, written=False)
+
+    def _free(self, tp: TieredParam) -> None:
+        tp.free()
+        self._device_bytes -= tp.nbytes
+
+    # ------------------------------------------------------------- values
+    def zero_grad(self, tps: list[TieredParam] | None = None) -> None:
+        """Forget accumulated gradients (the next backward overwrites them)."""
+        self.grads.flush()
+        for tp in self.params.values() if tps is None else tps:
+            tp.grad_in_pool = False
+            tp.grad_norm = None
+
+    def read_values(self, tps: list[TieredParam]) -> dict[TieredParam, torch.Tensor]:
+        """Current values (fp32 master if any), as new CPU tensors in the original dtype."""
+        self.grads.flush()
+        got = self.client.get_many(list(dict.fromkeys(tp.master_key for tp in tps)))
+        return {tp: got[tp.master_key].to(tp.orig_dtype) for tp in tps}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The accumulated fp32 gradients by parameter name (for inspection)."""
+        self.grads.flush()
+        with_grad = [tp for tp in self.params.values() if tp.grad_in_pool]
+        got = self.client.get_many([tp.grad_key for tp in with_grad])
+        return {tp.name: got[tp.grad_key] for tp in with_grad}
+
+    def fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """Replace ``module``'s empty parameter entries with their stored values."""
+        wanted = {prefix + attr: p.tiered for attr, p in module._parameters.items()
+                  if isinstance(p, TieredParameter) and prefix + attr in state_dict}
+        if not wanted:
+            return
+        values = self.read_values(list(dict.fromkeys(wanted.values())))
+        for entry, tp in wanted.items():
+            state_dict[entry] = values[tp].to(tp.orig_device)
+
+    def refresh_resident(self, tp: TieredParam, value: torch.Tensor) -> None:
+        """The optimizer changed a resident parameter: update its device copy."""
+        with torch.no_grad():
+            tp.param.data.copy_(value)
+
+    def is_attached_param(self, p: nn.Parameter) -> bool:
+        return isinstance(p, TieredParameter) and p.tiered.name in self.params \
+            and self.params[p.tiered.name] is p.tiered

@@ -1,0 +1,86 @@
+"""Gradients leave the compute device as autograd produces them.
+
+Each parameter's gradient is summed, in fp32, into its ``grad`` key in the
+pool, in the order autograd delivers it: the first delivery after a
+``zero_grad`` overwrites, later ones add (``acc += g``), which is exactly what
+``AccumulateGrad`` does to ``param.grad``, so accumulated values are bitwise
+those torch would hold. Deliveries are buffered and written in buckets of
+``bucket_bytes`` with one lease request each.
+
+[Note: global clipping]
+Clipping by the global norm needs every gradient before any update. After
+each write the L2 norm of the parameter's *accumulated* gradient is kept as a
+0-dim tensor (``TieredParam.grad_norm``); at ``step()`` the optimizer combines
+the latest norms exactly like ``torch.nn.utils.clip_grad_norm_`` and applies
+the factor while it updates each block, so no extra pass over the gradients
+is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierd.client.copy_stream import CopyStream
+from tierd.client.releases import PendingReleases
+from tierd.client.tiered_param import TieredParam
+
+
+class GradBucket:
+    """Buffers (parameter, gradient) deliveries and writes them to the pool.
+
+    Example:
+        >>> bucket = GradBucket(client, copy_stream, releases, bucket_bytes=1 << 20)  # doctest: +SKIP
+        >>> bucket.add(tp, grad); bucket.flush()                                        # doctest: +SKIP
+    """
+
+    def __init__(self, client, stream: CopyStream, releases: PendingReleases,
+                 bucket_bytes: int) -> None:
+        self._client = client
+        self._stream = stream
+        self._releases = releases
+        self._bucket_bytes = bucket_bytes
+        self._entries: list[tuple[TieredParam, torch.Tensor]] = []
+        self._bytes = 0
+
+    def add(self, tp: TieredParam, grad: torch.Tensor) -> None:
+        self._entries.append((tp, grad))
+        self._bytes += grad.numel() * 4
+        if self._bytes >= self._bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered gradient into the pool (one lease request)."""
+        if not self._entries:
+            return
+        entries, self._entries, self._bytes = self._entries, [], 0
+        keys = list(dict.fromkeys(tp.grad_key for tp, _ in entries))
+        views = {lease.key: lease.tensor for lease in self._client.lease(keys, write=True)}
+        on_device = self._stream.device.type != "cpu"
+        accumulated: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for tp, grad in entries:
+                g = grad.detach().to(torch.float32)
+                if tp.grad_key in accumulated:      # delivered twice in one bucket
+                    accumulated[tp.grad_key].add_(g)
+                elif tp.grad_in_pool:
+                    view = views[tp.grad_key]
+                    acc = view.to(g.device) if on_device else view
+                    acc.add_(g)
+                    accumulated[tp.grad_key] = acc
+                else:
+                    # torch steals the first gradient as is; copy keeps the bits
+                    accumulated[tp.grad_key] = g if on_device else views[tp.grad_key].copy_(g)
+                tp.grad_in_pool = True
+            for tp, _ in entries:
+                acc = accumulated[tp.grad_key]
+                tp.grad_norm = torch.linalg.vector_norm(acc, 2.0)
+        self._write_back(keys, views, accumulated, on_device)
+
+    def _write_back(self, keys: list[str], views: dict[str, torch.Tensor],
+                    accumulated: dict[str, torch.Tensor], on_device: bool) -> None:
+        if not on_device:   # summed in place in the pool already
+            self._client.release(keys, written=True)
+            return
+        for key in keys:
+            copy = self._stream.copy_out(views[key], accumulated[key], (key,))
+            self._releases.add(copy, written=True)

@@ -1,0 +1,112 @@
+"""The learned prefetch planner: plain code, no torch, no I/O.
+
+A *step* is everything between two root forwards (forward, backward, and any
+forward re-run inside backward by activation checkpointing). The planner
+records the sequence of unit ids used in a step. Once it has a trace it
+follows it: each use advances a cursor, and it announces the units whose
+bytes fit in the ``depth_bytes`` window ahead of the cursor, each position
+once. If a use does not match the trace, the step has diverged: the planner
+announces nothing more this step (the caller fetches on demand) and the
+recorded sequence replaces the trace at the next step, i.e. it re-learns.
+Announcements are hints only, so a wrong trace can cost bytes but can never
+hang or reorder anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class PlanState(enum.Enum):
+    """What the planner does with the current step.
+
+    LEARNING: no trace yet; record only.
+    FOLLOWING: the step matches the trace so far; prefetch ahead of the cursor.
+    DIVERGED: the step left the trace; record only, re-learn at the next step.
+    """
+
+    LEARNING = "learning"
+    FOLLOWING = "following"
+    DIVERGED = "diverged"
+
+
+class PrefetchPlanner:
+    """Record the order of use in one step, then predict the next units.
+
+    Example:
+        >>> p = PrefetchPlanner({0: 10, 1: 10, 2: 10}, depth_bytes=20)
+        >>> p.begin_step(); [p.on_use(u) for u in (0, 1, 2)]
+        []
+        [[], [], []]
+        >>> p.begin_step()          # trace learned: the first 20 bytes
+        [0, 1]
+        >>> p.on_use(0)             # cursor at 1, window covers units 1, 2
+        [2]
+    """
+
+    def __init__(self, unit_bytes: Mapping[int, int], depth_bytes: int) -> None:
+        if depth_bytes < 0:
+            raise ValueError(f"depth_bytes must be >= 0, got {depth_bytes}")
+        self._unit_bytes = dict(unit_bytes)
+        self._depth = depth_bytes
+        self._trace: list[int] = []
+        self._recording: list[int] = []
+        self._cursor = 0        # index in the trace of the next expected use
+        self._announced = 0     # trace positions [0, _announced) were announced
+        self.state = PlanState.LEARNING
+        self.steps_followed = 0  # steps that matched the trace to the end
+        self.divergences = 0
+
+    @property
+    def trace(self) -> tuple[int, ...]:
+        return tuple(self._trace)
+
+    def begin_step(self) -> list[int]:
+        """Close the previous step and start a new one; returns units to fetch first."""
+        if self._recording:
+            matched = (self.state is PlanState.FOLLOWING
+                       and self._cursor == len(self._trace))
+            if matched:
+                self.steps_followed += 1
+            else:
+                if self.state is PlanState.FOLLOWING:  # stopped early: diverged
+                    self.divergences += 1
+                self._trace = self._recording
+        self._recording = []
+        self._cursor = 0
+        self._announced = 0
+        self.state = PlanState.FOLLOWING if self._trace else PlanState.LEARNING
+        return self._window()
+
+    def on_use(self, unit: int) -> list[int]:
+        """Record that ``unit`` is being used now; returns units newly worth fetching."""
+        self._recording.append(unit)
+        if self.state is not PlanState.FOLLOWING:
+            return []
+        if self._cursor >= len(self._trace) or self._trace[self._cursor] != unit:
+            self.state = PlanState.DIVERGED
+            self.divergences += 1
+            return []
+        self._cursor += 1
+        return self._window()
+
+    def _window(self) -> list[int]:
+        if self.state is not PlanState.FOLLOWING:
+            return []
+        start = max(self._announced, self._cursor)
+        budget = self._depth
+        # bytes already announced ahead of the cursor count against the window
+        for unit in self._trace[self._cursor:start]:
+            budget -= self._unit_bytes.get(unit, 0)
+        out: list[int] = []
+        end = start
+        while end < len(self._trace):
+            cost = self._unit_bytes.get(self._trace[end], 0)
+            if cost > budget:
+                break
+            budget -= cost
+            out.append(self._trace[end])
+            end += 1
+        self._announced = max(self._announced, end)
+        return out

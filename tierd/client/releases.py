@@ -1,0 +1,53 @@
+"""Pool leases that may be released only once a copy that touches them is done.
+
+[Note: release after the event]
+A leased pool slot may be overwritten or evicted by the daemon as soon as the
+lease is released. A copy queued on the copy stream still reads (H2D) or
+writes (D2H) the slot until its event completes, so the release waits for the
+event. Releases are batched: one request per drain, never one per tensor.
+"""
+
+from __future__ import annotations
+
+from tierd.client.copy_stream import InflightCopy
+
+
+class PendingReleases:
+    """Copies whose pool leases are still held, grouped by ``written``.
+
+    Example:
+        >>> import torch
+        >>> from tierd.client.copy_stream import InflightCopy
+        >>> class Client:
+        ...     def release_async(self, keys, written=False): print(sorted(keys), written)
+        >>> r = PendingReleases(Client())
+        >>> r.add(InflightCopy(torch.ones(1), torch.ones(1), ("a",), None), written=False)
+        >>> r.drain()
+        ['a'] False
+    """
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self._copies: list[tuple[InflightCopy, bool]] = []
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def add(self, copy: InflightCopy, *, written: bool) -> None:
+        self._copies.append((copy, written))
+
+    def drain(self, *, block: bool = False) -> None:
+        """Release the leases of every finished copy (of all of them if ``block``)."""
+        keep: list[tuple[InflightCopy, bool]] = []
+        done: dict[bool, list[str]] = {False: [], True: []}
+        for copy, written in self._copies:
+            if block:
+                copy.synchronize()
+            elif not copy.done():
+                keep.append((copy, written))
+                continue
+            done[written].extend(copy.keys)
+        self._copies = keep
+        for written, keys in done.items():
+            if keys:
+                self._client.release_async(keys, written=written)

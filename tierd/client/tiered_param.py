@@ -1,0 +1,168 @@
+"""One managed parameter: where its bytes are, and the only ways that may change.
+
+A :class:`TieredParam` wraps the :class:`TieredParameter` that the model's
+modules hold. The parameter object itself never changes identity (autograd,
+optimizers and tied modules keep pointing at it); only its *storage* is
+allocated and freed. Its shape, stride and dtype stay intact while the storage
+is empty, so autograd metadata checks keep working and any stray read of an
+evicted parameter fails loudly ("data is not allocated") instead of reading
+garbage.
+
+[Note: why resize the storage instead of swapping ``.data``]
+Autograd saves parameters (or views of them, e.g. ``weight.t()``) for the
+backward pass. Those saved tensors share the parameter's ``StorageImpl``.
+Freeing with ``untyped_storage().resize_(0)`` and refilling the *same* storage
+before the backward op runs makes every saved view valid again, which is what
+lets activation checkpointing recompute (and save) views of a parameter that
+we evict right after. Swapping ``.data`` would leave the saved views pointing
+at the old, freed tensor. FSDP2 frees its unsharded parameters the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tierd.errors import StateError
+
+if TYPE_CHECKING:
+    from tierd.client.copy_stream import CopyStream, InflightCopy
+
+
+class ParamState(enum.Enum):
+    """Where a parameter's bytes live on the client side.
+
+    HOST: the bytes are only in the daemon (pool or NVMe); the parameter's
+        compute-device storage is freed (size 0).
+    H2D_INFLIGHT: a copy pool -> compute device is queued on the copy stream;
+        the storage is allocated but may not hold the bytes yet; the pool lease
+        is held until the copy's event has completed.
+    DEVICE: the storage holds the bytes; modules may use the parameter.
+    D2H_INFLIGHT: new values computed on the device are being copied back into
+        the pool (the optimizer's GPU update); the storage is still allocated.
+    """
+
+    HOST = "host"
+    H2D_INFLIGHT = "h2d_inflight"
+    DEVICE = "device"
+    D2H_INFLIGHT = "d2h_inflight"
+
+
+class TieredParameter(nn.Parameter):
+    """The ``nn.Parameter`` an attached module holds; ``tiered`` is its manager.
+
+    It behaves as an ordinary parameter (``isinstance(p, nn.Parameter)``, it
+    receives ``.grad`` from autograd, optimizers may hold it), but between uses
+    its storage is empty. ``tierd.optim`` finds the bytes through ``tiered``.
+
+    Example:
+        >>> import torch, tierd
+        >>> from tierd.client.tiered_param import TieredParameter
+        >>> model = tierd.attach(torch.nn.Linear(4, 4))   # doctest: +SKIP
+        >>> isinstance(model.weight, TieredParameter)     # doctest: +SKIP
+        True
+    """
+
+    tiered: "TieredParam"
+
+
+class TieredParam:
+    """Bookkeeping for one parameter: its keys, its state, its storage.
+
+    Keys in the daemon (``prefix`` is unique per attach):
+    ``<prefix>/p/<name>`` the value in compute dtype (what is copied in),
+    ``<prefix>/master/<name>`` fp32 master weights when the compute dtype is
+    lower precision (the optimizer updates it, then refreshes ``p``),
+    ``<prefix>/grad/<name>`` the fp32 gradient accumulated across backwards.
+    """
+
+    def __init__(self, *, name: str, prefix: str, param: TieredParameter,
+                 orig_dtype: torch.dtype, orig_device: torch.device,
+                 resident: bool, session) -> None:
+        self.name = name
+        self.session = session   # the attached model's Session that owns it
+        self.param = param
+        self.orig_dtype = orig_dtype
+        self.orig_device = orig_device
+        self.resident = resident
+        self.key = f"{prefix}/p/{name}"
+        self.grad_key = f"{prefix}/grad/{name}"
+        self.has_master = param.dtype != torch.float32 and param.requires_grad
+        self.master_key = f"{prefix}/master/{name}" if self.has_master else self.key
+        self.nbytes = param.numel() * param.element_size()
+        # The summed gradient is in the pool under grad_key (False after zero_grad).
+        self.grad_in_pool = False
+        # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
+        self.grad_norm: torch.Tensor | None = None
+        # Graph task that materialized it in backward (see Session.end_backward).
+        self.backward_task = -1
+        self._inflight: InflightCopy | None = None
+        self.state = ParamState.DEVICE if resident else ParamState.HOST
+        param.tiered = self
+
+    def __repr__(self) -> str:
+        return f"TieredParam({self.name!r}, {self.state.name}, {self.nbytes} B)"
+
+    def _expect(self, *accepted: ParamState, action: str) -> None:
+        if self.state not in accepted:
+            names = "/".join(s.name for s in accepted)
+            raise StateError(
+                f"cannot {action} parameter {self.name!r}: it is {self.state.name}, "
+                f"{action} needs {names}")
+
+    # ----------------------------------------------------------- transitions
+    def start_swap_in(self, source: torch.Tensor, keys: tuple[str, ...],
+                      stream: CopyStream) -> InflightCopy:
+        """HOST -> H2D_INFLIGHT: allocate the storage and queue the copy in.
+
+        ``source`` is the leased pool view; the returned copy keeps it (and the
+        lease's keys) alive until :meth:`finish_swap_in`.
+        """
+        self._expect(ParamState.HOST, action="swap in")
+        storage = self.param.untyped_storage()
+        storage.resize_(self.nbytes)
+        self._inflight = stream.copy_in(self.param.data, source, keys)
+        self.state = ParamState.H2D_INFLIGHT
+        return self._inflight
+
+    def finish_swap_in(self, stream: CopyStream) -> None:
+        """H2D_INFLIGHT -> DEVICE: the compute stream waits on the copy's event."""
+        self._expect(ParamState.H2D_INFLIGHT, action="finish swap-in of")
+        assert self._inflight is not None
+        stream.wait(self._inflight)
+        self._inflight = None
+        self.state = ParamState.DEVICE
+
+    def free(self) -> None:
+        """DEVICE -> HOST: drop the compute-device storage; the pool has the bytes."""
+        self._expect(ParamState.DEVICE, action="free")
+        if self.resident:
+            raise StateError(f"parameter {self.name!r} is resident; it is never freed")
+        self.param.untyped_storage().resize_(0)
+        self.backward_task = -1
+        self.state = ParamState.HOST
+
+    def start_write_back(self, target: torch.Tensor, keys: tuple[str, ...],
+                         stream: CopyStream) -> InflightCopy:
+        """DEVICE -> D2H_INFLIGHT: queue a copy of the device values into ``target``."""
+        self._expect(ParamState.DEVICE, action="write back")
+        self._inflight = stream.copy_out(target, self.param.data, keys)
+        self.state = ParamState.D2H_INFLIGHT
+        return self._inflight
+
+    def finish_write_back(self) -> None:
+        """D2H_INFLIGHT -> DEVICE once the copy out has completed."""
+        self._expect(ParamState.D2H_INFLIGHT, action="finish write-back of")
+        assert self._inflight is not None
+        self._inflight.synchronize()
+        self._inflight = None
+        self.state = ParamState.DEVICE
+
+    # ------------------------------------------------------------- queries
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes the parameter's own storage holds right now (0 when evicted)."""
+        return self.param.untyped_storage().nbytes()

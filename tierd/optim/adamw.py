@@ -1,0 +1,59 @@
+"""AdamW with fp32 master weights and moments kept in tierd."""
+
+from __future__ import annotations
+
+import torch
+
+from tierd.optim.base import StreamedOptimizer
+
+
+class AdamW(StreamedOptimizer):
+    """``torch.optim.AdamW`` for attached models; same arguments, same results.
+
+    The update is torch's single-tensor AdamW line for line, so fp32 results
+    are bitwise equal to ``torch.optim.AdamW(..., foreach=False)``.
+
+    Example:
+        >>> model = tierd.attach(model)                                         # doctest: +SKIP
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+        ...                         max_grad_norm=1.0)                          # doctest: +SKIP
+        >>> model(x).loss.backward(); opt.step(); opt.zero_grad()               # doctest: +SKIP
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
+                 placement: str | None = None) -> None:
+        if lr < 0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if eps < 0:
+            raise ValueError(f"eps={eps} must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas} must each be in [0, 1)")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        maximize=maximize)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         block_bytes=block_bytes, placement=placement)
+
+    def _update(self, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor,
+                moments: dict[str, torch.Tensor]) -> None:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+        if group["maximize"]:
+            grad = -grad
+        step = state["step"]
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
