@@ -31,8 +31,8 @@ def take_parameters(session: Session) -> None:
     for module in dict.fromkeys(m for m in model.modules()):
         uploads: dict[str, torch.Tensor] = {}
         for attr, param in list(module._parameters.items()):
-            if param is None or id(param) in by_id:
-                continue
+            if param is None or isinstance(param, TieredParameter):
+                continue   # replaced already through a tied holder
             holders = owners[id(param)]
             tp = _make(session, param, holders[0][2], uploads)
             by_id[id(param)] = tp

@@ -1,0 +1,216 @@
+"""attach() against torch itself, on a real daemon: same losses, same weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import AttachConfig, attach, detach, session_of
+from tierd.errors import StateError
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+
+def _pair(make, daemon, **options):
+    ref = make()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon), **options)
+    return model, ref
+
+
+def _param_storage_bytes(model) -> int:
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def test_gpt2_tied_embeddings_match_torch_adamw_bitwise(daemon):
+    model, ref = _pair(gpt2, daemon)
+    assert model.lm_head.weight is model.transformer.wte.weight   # still tied
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    data = batches(3)
+    for ids in data:   # step by step: between steps nothing stays in the params
+        assert train(model, opt, [ids]) == train(ref, ref_opt, [ids])
+        assert _param_storage_bytes(model) == 0
+    assert_same_weights(model, ref)
+    session = session_of(model)
+    model_bytes = sum(p.numel() * 4 for p in ref.parameters())
+    stats = session.client.stats()
+    assert stats["pool_used_bytes"] + stats["nvme_used_bytes"] >= model_bytes
+    assert len(session.client.keys(session.prefix + "/p/")) == len(list(ref.parameters()))
+
+
+def test_llama_grad_accumulation_and_clipping_bitwise(daemon):
+    model, ref = _pair(llama, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(6)
+    assert train(model, opt, data, accumulate=3) == \
+        train(ref, ref_opt, data, accumulate=3, clip=0.05)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05   # clipping was active
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_bitwise(daemon, reentrant):
+    ref = gpt2()
+    ref.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    assert _param_storage_bytes(model) == 0
+
+
+def test_pool_smaller_than_model_spills_to_nvme_mid_training(daemon_factory):
+    d = daemon_factory(pool="16MiB", nvme_size="512MiB", extra=("--segment-size", "4MiB"))
+    make = lambda: gpt2(n_layer=4, n_embd=256, vocab=1000)   # ~3.4M params: 54 MB with states
+    ref = make()
+    client = tierd.connect(d)
+    model = attach(copy.deepcopy(ref), client=client)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(2, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    stats = client.stats()
+    assert stats["pool_bytes"] < sum(p.numel() * 4 for p in ref.parameters()) * 4
+    assert stats["nvme_used_bytes"] > 0
+    assert_same_weights(model, ref)
+
+
+def test_two_attached_models_do_not_see_each_other(daemon):
+    a, ref_a = _pair(lambda: gpt2(seed=1), daemon)
+    b, ref_b = _pair(lambda: llama(seed=2), daemon)
+    opt_a = tierd.optim.AdamW(a.parameters(), lr=1e-3)
+    opt_b = tierd.optim.AdamW(b.parameters(), lr=1e-2)
+    ref_opt_a = torch.optim.AdamW(ref_a.parameters(), lr=1e-3, foreach=False)
+    ref_opt_b = torch.optim.AdamW(ref_b.parameters(), lr=1e-2, foreach=False)
+    data = batches(2)
+    for ids in data:   # interleaved
+        assert train(a, opt_a, [ids]) == train(ref_a, ref_opt_a, [ids])
+        assert train(b, opt_b, [ids]) == train(ref_b, ref_opt_b, [ids])
+    assert_same_weights(a, ref_a)
+    assert_same_weights(b, ref_b)
+    assert session_of(a).prefix != session_of(b).prefix
+
+
+def test_no_grad_inference_and_eval_train_switch(daemon):
+    model, ref = _pair(gpt2, daemon)
+    ids = batches(1)[0]
+    model.eval(); ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert _param_storage_bytes(model) == 0
+    assert session_of(model).client.stats()["tensors"] > 0
+    model.train(); ref.train()
+    opt = tierd.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=False)
+    assert train(model, opt, [ids]) == train(ref, ref_opt, [ids])
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_state_dict_and_detach_give_real_values(daemon):
+    model, ref = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    train(model, opt, batches(1)); train(ref, ref_opt, batches(1))
+    sd = model.state_dict()
+    assert all(v.untyped_storage().nbytes() > 0 for v in sd.values())
+    assert_same_weights(model, ref)
+    client = session_of(model).client
+    prefix = session_of(model).prefix
+    detach(model)
+    assert not any(isinstance(p, tierd.client.tiered_param.TieredParameter)
+                   for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert client.keys(prefix + "/") == []
+    ids = batches(1, seed=5)[0]
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    with pytest.raises(StateError):
+        detach(model)
+
+
+class _Shared(torch.nn.Module):
+    """One Linear called twice per forward, and a weight shared by two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x):
+        x = torch.tanh(self.inner(x))
+        x = torch.tanh(self.inner(x)) * self.scale
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_module_called_twice_shared_weight_and_buffers(daemon):
+    torch.manual_seed(0)
+    ref = _Shared()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon), name="shared")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(4):
+        x = torch.randn(5, 8)
+        loss = model(x).square().mean(); loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(x).square().mean(); want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1); ref_opt.step(); ref_opt.zero_grad()
+        assert loss.item() == want.item()
+    assert_same_weights(model, ref)
+
+
+def test_learned_prefetch_follows_the_trace(daemon):
+    model, ref = _pair(gpt2, daemon, prefetch_bytes=1 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(4)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    planner = session_of(model).planner
+    assert planner.steps_followed >= 2 and planner.divergences == 0
+
+
+def test_bf16_compute_keeps_fp32_masters(daemon):
+    model, ref = _pair(gpt2, daemon, compute_dtype="bf16")
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3)
+    got, want = train(model, opt, data), train(ref, ref_opt, data)
+    assert got == pytest.approx(want, rel=2e-2)   # bf16 compute, fp32 masters
+    sd = model.state_dict()
+    assert sd["lm_head.weight"].dtype == torch.float32
+    assert_same_weights(model, ref, atol=2e-2)
+
+
+def test_resident_small_params_stay_on_device(daemon):
+    model, ref = _pair(gpt2, daemon, resident_below_bytes=1024)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(2)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    ln = model.transformer.ln_f.weight
+    assert ln.untyped_storage().nbytes() == ln.numel() * 4
+    assert torch.equal(ln.detach(), ref.transformer.ln_f.weight.detach())
+    assert model.transformer.wte.weight.untyped_storage().nbytes() == 0
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        AttachConfig(compute_dtype="int8")
+    with pytest.raises(ValueError, match="optimizer_placement"):
+        AttachConfig(optimizer_placement="disk")
+    with pytest.raises(ValueError, match="gpu_budget_bytes"):
+        AttachConfig(gpu_budget_bytes=-1)
+    assert AttachConfig(compute_dtype="fp16").compute_dtype is torch.float16
+
+
+def test_optimizer_rejects_unattached_params():
+    with pytest.raises(TypeError, match="tierd.attach"):
+        tierd.optim.AdamW(torch.nn.Linear(2, 2).parameters())
