@@ -214,3 +214,48 @@ def test_config_is_validated():
 def test_optimizer_rejects_unattached_params():
     with pytest.raises(TypeError, match="tierd.attach"):
         tierd.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+
+
+class _Dynamic(torch.nn.Module):
+    """Control flow that depends on the step: the learned order breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, step: int):
+        order = range(4) if step % 3 else (3, 1, 1, 0)
+        for i in order:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def test_dynamic_control_flow_falls_back_and_relearns(daemon):
+    torch.manual_seed(0)
+    ref = _Dynamic()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon), prefetch_bytes=1 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(7):
+        x = torch.randn(3, 8)
+        loss = model(x, step).sum(); loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(x, step).sum(); want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert loss.item() == want.item()
+    assert session_of(model).planner.divergences >= 2
+    assert_same_weights(model, ref)
+
+
+def test_parameters_leave_between_forward_and_backward(daemon):
+    model, ref = _pair(lambda: gpt2(n_layer=4), daemon, gpu_budget_bytes=0)
+    total = sum(p.numel() * 4 for p in ref.parameters())
+    seen: list[int] = []
+    for block in model.transformer.h:
+        block.register_full_backward_hook(
+            lambda *args: seen.append(_param_storage_bytes(model)))
+    ids = batches(1)[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    assert _param_storage_bytes(model) == 0          # forward freed every unit
+    loss.backward()
+    assert len(seen) == 4 and max(seen) < total / 2  # never the whole model at once
+    assert _param_storage_bytes(model) == 0
+    assert set(session_of(model).gradients()) == {n for n, _ in ref.named_parameters()}

@@ -1,0 +1,69 @@
+"""attach() on CUDA: bf16 autocast equivalence and peak memory within budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach
+from tests.client.models import batches, gpt2
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _step(model, opt, ids, autocast: bool) -> float:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_bf16_autocast_matches_all_on_gpu(daemon):
+    ref = gpt2().cuda()
+    model = attach(copy.deepcopy(ref).cpu(), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    for ids in batches(3):
+        ids = ids.cuda()
+        got = _step(model, opt, ids, autocast=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step(); ref_opt.zero_grad()
+        assert got == pytest.approx(loss.item(), rel=1e-3)
+    got, want = model.state_dict(), ref.state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name].cuda(), value, atol=1e-4, rtol=1e-3, msg=name)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_peak_memory_within_budget_plus_activations(daemon_factory):
+    d = daemon_factory(pool="512MiB", nvme_size="1GiB")
+    make = lambda: gpt2(n_layer=8, n_embd=512, vocab=1000)
+    ids = batches(1, batch=4, seq=32, vocab=1000)[0].cuda()
+    ref = make().cuda()
+    params = sum(p.numel() * 4 for p in ref.parameters())
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    activations = torch.cuda.max_memory_allocated() - base - params   # minus grads
+    del ref
+    model = attach(make(), client=tierd.connect(d), gpu_budget_bytes=4 * params // 8 // 8,
+                   grad_bucket_bytes=1 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _step(model, opt, ids, autocast=False)
+    peak = torch.cuda.max_memory_allocated() - base
+    largest = max(p.numel() * 4 for p in model.parameters())
+    budget = 4 * params // 8 // 8
+    assert peak <= budget + 4 * largest + (1 << 20) + activations
+    assert peak < params   # never the whole model
