@@ -30,6 +30,7 @@ from tierd.client.grads import GradBucket
 from tierd.client.planner import PrefetchPlanner
 from tierd.client.releases import PendingReleases
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+from tierd.errors import CapacityError
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,10 +49,15 @@ class _LeaseBatch:
     def __init__(self, pending) -> None:
         self._pending = pending
         self._views: dict[str, torch.Tensor] | None = None
+        self.failed = False
 
-    def views(self) -> dict[str, torch.Tensor]:
-        if self._views is None:
-            self._views = {lease.key: lease.tensor for lease in self._pending.result()}
+    def views(self) -> dict[str, torch.Tensor] | None:
+        """The leased views, or None if the daemon had no room (a prefetch is a hint)."""
+        if self._views is None and not self.failed:
+            try:
+                self._views = {lease.key: lease.tensor for lease in self._pending.result()}
+            except CapacityError:
+                self.failed = True
         return self._views
 
 
@@ -73,7 +79,12 @@ class Session:
         self.prefix = f"tierd-attach/{config.name or uuid.uuid4().hex[:12]}"
         self.copy = CopyStream(self.device)
         self.releases = PendingReleases(client)
-        self.grads = GradBucket(client, self.copy, self.releases, config.grad_bucket_bytes)
+        # Leases held for prefetch, gradient buckets and optimizer blocks pin
+        # pool space; each gets at most a quarter of the pool so together they
+        # can never ask for more than it holds (that would be a CapacityError).
+        self.lease_cap = max(1, int(client.stats()["pool_bytes"]) // 4)
+        self.grads = GradBucket(client, self.copy, self.releases,
+                                min(config.grad_bucket_bytes, self.lease_cap))
         self.params: dict[str, TieredParam] = {}     # canonical name -> param
         self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
         self.units: list[Unit] = []
@@ -92,7 +103,7 @@ class Session:
     def start(self) -> None:
         """Called once the registry and units are built (``registry.take_parameters``)."""
         self.planner = PrefetchPlanner({u.index: u.nbytes for u in self.units},
-                                       self.config.prefetch_bytes)
+                                       min(self.config.prefetch_bytes, self.lease_cap))
 
     def all_params(self) -> list[TieredParam]:
         return list(self.params.values())
@@ -166,6 +177,10 @@ class Session:
     # ------------------------------------------------------------- movement
     def require(self, unit: Unit) -> None:
         """Make every parameter of ``unit`` usable on the compute device."""
+        for tp in unit.params:   # a failed prefetch falls back to on-demand
+            batch = self._leases.get(tp)
+            if batch is not None and batch.views() is None:
+                self._leases.pop(tp)
         on_demand = [tp for tp in unit.params
                      if tp.state is ParamState.HOST and tp not in self._leases]
         if on_demand:
@@ -193,11 +208,10 @@ class Session:
                     and self._holds.get(tp, 0) == 0):
                 self._free(tp)
         if self._leases:   # prefetched but never used: give the slots back
-            keys = [tp.key for tp in self._leases]
-            for batch in {id(b): b for b in self._leases.values()}.values():
-                batch.views()
+            keys = [tp.key for tp, batch in self._leases.items() if batch.views() is not None]
             self._leases.clear()
-            self.client.release(keys)
+            if keys:
+                self.client.release(keys)
         self.releases.drain(block=True)
 
     def _observe(self, unit: Unit) -> None:
@@ -218,8 +232,13 @@ class Session:
         budget = self.config.gpu_budget_bytes
         while self._announced:
             tp = self._announced[0]
-            if tp.state is not ParamState.HOST or tp not in self._leases:
+            batch = self._leases.get(tp)
+            if tp.state is not ParamState.HOST or batch is None:
                 self._announced.pop(0)
+                continue
+            if batch.views() is None:
+                self._announced.pop(0)
+                self._leases.pop(tp)
                 continue
             if self._device_bytes + tp.nbytes > budget:
                 return

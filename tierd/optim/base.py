@@ -96,16 +96,20 @@ class StreamedOptimizer(torch.optim.Optimizer):
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
 
     def _blocks(self, tps: list[TieredParam]) -> list[list[TieredParam]]:
+        """Consecutive parameters whose leased bytes (master, grad, states, and
+        the compute-dtype copy) stay under ``block_bytes`` and the session's cap."""
         blocks: list[list[TieredParam]] = []
-        for session_tps in self._by_session(tps).values():
+        for session, session_tps in self._by_session(tps).items():
+            limit = min(self.block_bytes, session.lease_cap)
             block: list[TieredParam] = []
             size = 0
             for tp in session_tps:
-                if block and size + tp.nbytes > self.block_bytes:
+                leased = tp.param.numel() * 4 * (2 + len(self.state_names)) + tp.nbytes
+                if block and size + leased > limit:
                     blocks.append(block)
                     block, size = [], 0
                 block.append(tp)
-                size += tp.nbytes
+                size += leased
             if block:
                 blocks.append(block)
         return blocks
