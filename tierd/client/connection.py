@@ -278,6 +278,7 @@ class AsyncClient(_Procedures):
         self._futures: dict[int, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read_replies())
+        self._reader.add_done_callback(self._reader_done)
         self._loop.add_reader(control.ctl.fileno(), self._check_daemon)
 
     @classmethod
@@ -288,19 +289,25 @@ class AsyncClient(_Procedures):
 
     async def _read_replies(self) -> None:
         while True:
-            rid, reply = _decode(frame)
+            rid, reply = _decode(await self._sock.recv())
             fut = self._futures.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
+    def _reader_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._fail_all(DaemonUnavailable(f"reading replies failed: {task.exception()!r}"))
+
     def _check_daemon(self) -> None:
         if not self.control.alive():
             self._loop.remove_reader(self.control.ctl.fileno())
-            for fut in self._futures.values():
-                if not fut.done():
-                    fut.set_exception(DaemonUnavailable(
-                        f"the tierd daemon at {self.path} went away"))
-            self._futures.clear()
+            self._fail_all(DaemonUnavailable(f"the tierd daemon at {self.path} went away"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._futures.clear()
 
     async def _call(self, req: P.Request) -> Any:
         if self.control.dead:

@@ -18,6 +18,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from tierd.backends.extents import align_up
 from tierd.backends.hostpool import HostPool, Segment
 from tierd.backends.nvme import NvmeStore
 from tierd.errors import CapacityError, StateError, UnknownKey
@@ -181,6 +182,10 @@ class Catalog:
         self.counters = TierCounters()
         self._clock = itertools.count(1)
         self._started: list[Transfer] = []
+        # Bytes of every tensor held (published or reserved), each counted once
+        # whichever tiers hold copies; see ``_admit``.
+        self.stored_bytes = 0
+        self._largest = 0
 
     def take_started(self) -> list[Transfer]:
         """Transfers begun since the last call; the daemon must run each one and
@@ -210,8 +215,7 @@ class Catalog:
             for entry, slot, write in records:
                 self._unpin(slot, write)
         for _spec, slot in s.reserved.values():
-            slot.orphan = True
-            self._unpin(slot, write=True)
+            self._give_up_reserved(slot)
         job = self.jobs[s.job]
         job.sessions.discard(sid)
         if job.ephemeral and not job.sessions:
@@ -237,6 +241,7 @@ class Catalog:
                                  f"publish or abort it first")
         if len({spec.key for spec in specs}) != len(specs):
             raise StateError("a key appears twice in one reserve")
+        need = self._admit(specs)
         blocked = Blocked()
         got: list[PoolSlot] = []
         for spec in specs:
@@ -246,6 +251,7 @@ class Catalog:
                     self.pool.free(g.segment, g.offset)
                 return blocked
             got.append(slot)
+        self.stored_bytes += need
         out = []
         for spec, slot in zip(specs, got):
             slot.writer = True
@@ -274,8 +280,34 @@ class Catalog:
         for key in keys:
             item = s.reserved.pop(key, None)
             if item is not None:
-                item[1].orphan = True
-                self._unpin(item[1], write=True)
+                self._give_up_reserved(item[1])
+
+    def _give_up_reserved(self, slot: PoolSlot) -> None:
+        self.stored_bytes -= slot.nbytes
+        slot.orphan = True
+        self._unpin(slot, write=True)
+
+    def _admit(self, specs: tuple[TensorSpec, ...]) -> int:
+        """Bytes the specs will hold, or CapacityError when pool + NVMe could not
+        hold them and still swap any tensor in.
+
+        [Note: swap headroom] Bringing a tensor in from NVMe when the pool is
+        full means writing a dirty victim out first, so NVMe needs a free extent
+        of the largest tensor's size. Admitting at most pool + NVMe minus the
+        largest tensor keeps that true: everything stored stays readable.
+        """
+        sizes = [align_up(max(spec.nbytes, 1)) for spec in specs]
+        need = sum(sizes)
+        largest = max([self._largest, *sizes])
+        limit = self.pool.budget + self.nvme.size - largest
+        if self.stored_bytes + need > limit:
+            raise CapacityError(
+                f"pool + NVMe full: {self.stored_bytes} B stored, {need} B more asked, "
+                f"at most {limit} B fit (pool {self.pool.budget} B + NVMe {self.nvme.size} B, "
+                f"less {largest} B kept free for swapping); delete tensors or start the "
+                f"daemon with a larger --pool or --nvme-size")
+        self._largest = largest
+        return need
 
     def lease(self, s: Session, keys: tuple[str, ...], write: bool) -> list[Placement] | Blocked:
         entries = [self._entry(s, k) for k in keys]
@@ -493,7 +525,7 @@ class Catalog:
                           if j == job and e.state is Residency.IN_POOL and not e.slot.pins
                           and not e.slot.writer and id(e) not in protected),
                          key=lambda e: e.last_use)
-        pending = sum(t.slot.nbytes for t in blocked.wait)
+        pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
         for t in self._writebacks_in_flight(job):
             if t not in blocked.wait:
                 blocked.wait.append(t)
@@ -508,6 +540,13 @@ class Catalog:
             try:
                 blocked.wait.append(self._start_writeback(e))
             except CapacityError:
+                # NVMe is full: only a clean victim (one with a copy there) can
+                # make room now; the swap headroom Note guarantees one exists.
+                clean = next((v for v in victims if not v.dirty and v.disk is not None), None)
+                if clean is not None:
+                    self._drop_slot(clean)
+                    self.counters.evictions += 1
+                    return True
                 if pending:
                     break
                 raise
@@ -532,6 +571,7 @@ class Catalog:
 
     def _drop_entry(self, e: Entry) -> None:
         del self.entries[(e.job, e.key)]
+        self.stored_bytes -= align_up(max(e.spec.nbytes, 1))
         if e.slot is not None:
             e.slot.orphan = True
             self._free_slot_if_idle(e.slot)

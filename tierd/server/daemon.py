@@ -169,7 +169,8 @@ class Daemon:
             sid = self._next_session
             self._next_session += 1
             session = self.catalog.open_session(sid, job, pid, uid)
-            token = secrets.token_bytes(16)
+            # A ZeroMQ routing id may not start with a zero byte.
+            token = bytes([1 + secrets.randbelow(255)]) + secrets.token_bytes(15)
             self._tokens[token] = session
             await _send_ctl(conn, {"ok": True, "token": token, "session": sid, "job": session.job})
             while True:
