@@ -343,13 +343,16 @@ class Catalog:
         not_held = [k for k in keys if not s.leases.get(k)]
         if not_held:
             raise StateError(f"release of keys this client does not lease: {not_held[:5]}")
+        if written:
+            read_only = [k for k in keys if not s.leases[k][0][2]]
+            if read_only:
+                raise StateError(f"released as written, but these leases are read-only: "
+                                 f"{read_only[:5]}; lease with write=True to change a tensor")
         for key in keys:
             records = s.leases[key]
             entry, slot, write = records.pop(0)
             if not records:
                 del s.leases[key]
-            if written and not write:
-                raise StateError(f"{key}: released as written, but the lease was read-only")
             if written and self.entries.get((s.job, key)) is entry and entry.slot is slot:
                 entry.version += 1
                 self._mark_dirty(entry)
@@ -369,12 +372,14 @@ class Catalog:
 
     def evict(self, s: Session, keys: tuple[str, ...]) -> None | Blocked:
         entries = [self._entry(s, k) for k in keys]
+        leased = [e.key for e in entries if e.state is Residency.IN_POOL
+                  and (e.slot.pins or e.slot.writer)]
+        if leased:
+            raise StateError(f"cannot evict leased tensors {leased[:5]}; release them first")
         blocked = Blocked()
         for e in entries:
             match e.state:
                 case Residency.IN_POOL:
-                    if e.slot.pins or e.slot.writer:
-                        raise StateError(f"{e.key}: cannot evict a leased tensor; release it first")
                     if e.dirty:
                         blocked.wait.append(self._start_writeback(e))
                     else:

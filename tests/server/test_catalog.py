@@ -1,0 +1,170 @@
+"""The catalog driven directly: plain calls, transfers carried out inline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierd.backends.hostpool import HostPool
+from tierd.backends.nvme import NvmeStore
+from tierd.errors import CapacityError, StateError, TierIOError, UnknownKey
+from tierd.protocol import TensorSpec
+from tierd.server.catalog import Blocked, Catalog, Direction, Residency
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    nvme = NvmeStore(tmp_path, 32 * MiB)
+    pool = HostPool(8 * MiB, segment_size=8 * MiB)
+    cat = Catalog(pool, nvme)
+    yield cat
+    pool.close()
+    nvme.close()
+
+
+def run_io(cat: Catalog, fail: bool = False) -> int:
+    """Carry out every started transfer (as the daemon would); returns how many."""
+    n = 0
+    while started := cat.take_started():
+        for t in started:
+            view = t.slot.segment.view(t.slot.offset, t.nbytes)
+            error = None
+            if fail:
+                error = TierIOError("injected")
+            elif t.direction is Direction.TO_NVME:
+                cat.nvme.write_from(t.disk.offset, view)
+            else:
+                cat.nvme.read_into(t.disk.offset, view)
+            view.release()
+            cat.finish(t, error)
+            n += 1
+    return n
+
+
+def settle(cat, call, *args):
+    """Retry ``call`` as the daemon does until it is not Blocked."""
+    for _ in range(100):
+        result = call(*args)
+        if not isinstance(result, Blocked):
+            run_io(cat)
+            return result
+        run_io(cat)
+    raise AssertionError("never settled")
+
+
+def put(cat, s, key, nbytes, fill: int):
+    (p,) = settle(cat, cat.reserve, s, (TensorSpec(key, "uint8", (nbytes,), nbytes),))
+    cat.pool.segments[p.segment].view(p.offset, nbytes)[:] = bytes([fill]) * nbytes
+    cat.publish(s, (key,))
+
+
+def read(cat, s, key) -> bytes:
+    (p,) = settle(cat, cat.lease, s, (key,), False)
+    data = bytes(cat.pool.segments[p.segment].view(p.offset, 8))
+    cat.release(s, (key,), False)
+    return data
+
+
+def test_lru_eviction_spills_least_recently_used_first(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    for i in range(4):
+        put(catalog, s, f"k{i}", 2 * MiB, i)
+    read(catalog, s, "k0")                       # k0 is now most recently used
+    put(catalog, s, "k4", 2 * MiB, 4)            # pool holds 4: one must go
+    states = {k: catalog.entries[("job", k)].state for k in ("k0", "k1", "k2", "k3", "k4")}
+    assert states["k1"] is Residency.ON_NVME
+    assert states["k0"] is Residency.IN_POOL and states["k4"] is Residency.IN_POOL
+    assert read(catalog, s, "k1") == bytes([1]) * 8
+
+
+def test_leased_tensors_are_never_evicted(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    for i in range(4):
+        put(catalog, s, f"k{i}", 2 * MiB, i)
+    settle(catalog, catalog.lease, s, ("k0", "k1", "k2", "k3"), False)
+    with pytest.raises(CapacityError, match="nothing evictable"):
+        settle(catalog, catalog.reserve, s, (TensorSpec("x", "uint8", (MiB,), MiB),))
+    catalog.release(s, ("k0", "k1", "k2", "k3"), False)
+    put(catalog, s, "x", MiB, 9)
+    assert read(catalog, s, "x") == bytes([9]) * 8
+
+
+def test_dead_session_gives_back_leases_and_reserved_slots(catalog):
+    owner = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, owner, "k", MiB, 1)
+    other = catalog.open_session(2, "job", pid=11, uid=0)
+    settle(catalog, catalog.lease, other, ("k",), False)
+    settle(catalog, catalog.reserve, other, (TensorSpec("half", "uint8", (MiB,), MiB),))
+    used = catalog.pool.used_bytes
+    catalog.close_session(2)
+    assert catalog.pool.used_bytes == used - MiB      # the unpublished slot is freed
+    assert settle(catalog, catalog.evict, owner, ("k",)) is None   # lease gone
+    assert "half" not in catalog.keys(owner, "")
+
+
+def test_ephemeral_job_ends_with_its_last_session(catalog):
+    s = catalog.open_session(1, None, pid=10, uid=0)
+    put(catalog, s, "k", MiB, 1)
+    assert catalog.stored_bytes == MiB
+    catalog.close_session(1)
+    assert catalog.pool.used_bytes == 0 and catalog.stored_bytes == 0
+    assert "pid-10" not in catalog.jobs
+
+
+def test_another_user_cannot_join_a_job(catalog):
+    catalog.open_session(1, "alice-job", pid=10, uid=1000)
+    with pytest.raises(StateError, match="belongs to uid 1000"):
+        catalog.open_session(2, "alice-job", pid=11, uid=1001)
+
+
+def test_write_lease_conflicts_are_refused(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, s, "k", MiB, 1)
+    settle(catalog, catalog.lease, s, ("k",), False)
+    with pytest.raises(StateError, match="to itself"):
+        catalog.lease(s, ("k",), True)
+    catalog.release(s, ("k",), False)
+    settle(catalog, catalog.lease, s, ("k",), True)
+    with pytest.raises(StateError, match="leased for writing"):
+        catalog.lease(s, ("k",), False)
+    catalog.release(s, ("k",), True)
+    settle(catalog, catalog.lease, s, ("k",), False)
+    with pytest.raises(StateError, match="read-only"):
+        catalog.release(s, ("k",), True)
+    catalog.release(s, ("k",), False)             # the failed call changed nothing
+    assert catalog.entries[("job", "k")].version == 2
+
+
+def test_failed_write_back_keeps_the_tensor_readable(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, s, "k", MiB, 7)
+    assert isinstance(catalog.evict(s, ("k",)), Blocked)
+    run_io(catalog, fail=True)
+    entry = catalog.entries[("job", "k")]
+    assert entry.state is Residency.IN_POOL and entry.dirty
+    assert catalog.nvme.extents.used == 0
+    assert read(catalog, s, "k") == bytes([7]) * 8
+
+
+def test_delete_during_write_back_frees_everything_when_it_lands(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, s, "k", MiB, 7)
+    catalog.evict(s, ("k",))
+    catalog.delete(s, ("k",))
+    run_io(catalog)
+    assert catalog.pool.used_bytes == 0 and catalog.nvme.extents.used == 0
+    with pytest.raises(UnknownKey):
+        catalog.lease(s, ("k",), False)
+
+
+def test_admission_keeps_room_to_swap(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    n = 0
+    with pytest.raises(CapacityError, match="pool \\+ NVMe full"):
+        while True:
+            put(catalog, s, f"k{n}", 4 * MiB, n % 256)
+            n += 1
+    assert n == (8 + 32) // 4 - 1                 # one largest tensor kept free
+    for i in range(n):                            # every key still readable
+        assert read(catalog, s, f"k{i}") == bytes([i]) * 8
