@@ -168,3 +168,43 @@ def test_admission_keeps_room_to_swap(catalog):
     assert n == (8 + 32) // 4 - 1                 # one largest tensor kept free
     for i in range(n):                            # every key still readable
         assert read(catalog, s, f"k{i}") == bytes([i]) * 8
+
+
+def test_a_job_below_its_fair_share_takes_room_from_the_one_above(tmp_path):
+    nvme = NvmeStore(tmp_path, 64 * MiB)
+    pool = HostPool(8 * MiB, segment_size=2 * MiB)
+    cat = Catalog(pool, nvme)
+    hog = cat.open_session(1, "hog", pid=10, uid=0)
+    for i in range(4):
+        put(cat, hog, f"k{i}", 2 * MiB, i)        # the hog fills the pool
+    late = cat.open_session(2, "late", pid=11, uid=0)
+    for i in range(2):
+        put(cat, late, f"m{i}", 2 * MiB, 10 + i)  # the newcomer still gets room
+    assert pool.job_used_bytes("late") == 4 * MiB
+    assert pool.job_used_bytes("hog") == 4 * MiB  # down to its fair share, no further
+    put(cat, late, "m2", 2 * MiB, 12)             # now at its share: spills its own
+    assert pool.job_used_bytes("hog") == 4 * MiB
+    for i in range(4):
+        assert read(cat, hog, f"k{i}") == bytes([i]) * 8
+    pool.close()
+    nvme.close()
+
+
+def test_quotas_spill_own_tensors_then_refuse(tmp_path):
+    nvme = NvmeStore(tmp_path, 64 * MiB)
+    pool = HostPool(16 * MiB, segment_size=4 * MiB)
+    quotas = {"small": (4 * MiB, 8 * MiB)}
+    cat = Catalog(pool, nvme, quotas=lambda job: quotas.get(job, (0, 0)))
+    small = cat.open_session(1, "small", pid=10, uid=0)
+    other = cat.open_session(2, "other", pid=11, uid=0)
+    put(cat, other, "o", 4 * MiB, 1)
+    for i in range(5):                            # 10 MiB of 2 MiB tensors
+        put(cat, small, f"k{i}", 2 * MiB, i)
+    assert pool.job_used_bytes("small") <= 4 * MiB   # spilled its own to NVMe
+    assert cat.jobs["small"].nvme_used >= 6 * MiB
+    with pytest.raises(CapacityError, match="over quota"):
+        put(cat, small, "k5", 2 * MiB, 5)
+    put(cat, other, "o2", 4 * MiB, 2)             # the other job is unaffected
+    assert read(cat, other, "o") == bytes([1]) * 8
+    pool.close()
+    nvme.close()

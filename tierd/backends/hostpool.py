@@ -91,18 +91,26 @@ class HostPool:
     def job_segments(self, job: str) -> list[Segment]:
         return [s for s in self.segments.values() if s.job == job]
 
-    def allocate(self, job: str, nbytes: int) -> tuple[Segment, int] | None:
+    def job_used_bytes(self, job: str) -> int:
+        return sum(s.extents.used for s in self.job_segments(job))
+
+    def allocate(self, job: str, nbytes: int, quota: int = 0) -> tuple[Segment, int] | None:
         """A slot of ``nbytes`` in one of ``job``'s segments, growing the job
-        by a new segment while the budget allows; None when full."""
-        if align_up(max(nbytes, 1)) > self.budget:
+        by a new segment while the budget (and the job's ``quota`` of used
+        bytes, 0 for none) allows; None when full."""
+        limit = min(quota or self.budget, self.budget)
+        if align_up(max(nbytes, 1)) > limit:
+            which = "the job's pool quota" if limit < self.budget else "the pool"
             raise CapacityError(
-                f"a tensor of {nbytes} B can never fit in the pool of {self.budget} B; "
-                f"start the daemon with a larger --pool")
+                f"a tensor of {nbytes} B can never fit in {which} of {limit} B; "
+                f"raise it (--pool / quota in the config file)")
+        if quota and self.job_used_bytes(job) + align_up(max(nbytes, 1)) > quota:
+            return None
         for seg in self.job_segments(job):
             off = seg.extents.alloc(nbytes)
             if off is not None:
                 return seg, off
-        size = max(self.segment_size, align_up(nbytes))
+        size = max(min(self.segment_size, limit), align_up(nbytes))
         if self.mapped_bytes + size > self.budget:
             self.release_empty(exclude=None, need=size)
         if self.mapped_bytes + size > self.budget:

@@ -14,168 +14,31 @@ slot holds a pin on it. Deleting or replacing a key only marks its old slot
 
 from __future__ import annotations
 
-import enum
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from tierd.backends.extents import align_up
-from tierd.backends.hostpool import HostPool, Segment
+from tierd.backends.hostpool import HostPool
 from tierd.backends.nvme import NvmeStore
 from tierd.errors import CapacityError, StateError, UnknownKey
 from tierd.protocol import Placement, TensorSpec
+from tierd.server import eviction
+from tierd.server.records import (Blocked, Direction, DiskExtent, Entry, Job, PoolSlot,
+                                  Residency, Session, TierCounters, Transfer, spec_nbytes)
 
-
-class Residency(enum.Enum):
-    """Where the bytes of a key's current version are."""
-
-    IN_POOL = "in_pool"            # readable in a pool slot; ``disk`` is a clean copy unless dirty
-    WRITING_BACK = "writing_back"  # pool -> NVMe in flight; pool bytes still readable
-    ON_NVME = "on_nvme"            # only on NVMe; a lease must swap it in first
-    READING_IN = "reading_in"      # NVMe -> pool in flight into a slot nobody may read yet
-
-
-@dataclass(eq=False)
-class PoolSlot:
-    segment: Segment
-    offset: int
-    nbytes: int
-    pins: int = 0          # leases and in-flight write-backs reading it
-    writer: bool = False   # a write lease or an in-flight swap-in is changing it
-    orphan: bool = False   # no entry refers to it; free once unpinned
-    freed: bool = False
-
-
-@dataclass(eq=False)
-class DiskExtent:
-    offset: int
-    nbytes: int
-    pins: int = 0          # in-flight swap-ins reading it
-    orphan: bool = False
-    freed: bool = False
-
-
-@dataclass(eq=False)
-class Entry:
-    key: str
-    job: str
-    spec: TensorSpec
-    version: int
-    state: Residency
-    slot: PoolSlot | None
-    disk: DiskExtent | None = None
-    dirty: bool = True     # pool bytes newer than ``disk``
-    last_use: int = 0
-    transfer: "Transfer | None" = None
-
-    def placement(self) -> Placement:
-        s = self.spec
-        return Placement(self.key, self.slot.segment.id, self.slot.offset, s.nbytes,
-                         s.dtype, s.shape, self.version)
-
-    # -- transitions -------------------------------------------------
-    def to_writing_back(self, transfer: "Transfer") -> None:
-        assert self.state is Residency.IN_POOL, (self.key, self.state)
-        self.transfer = transfer
-        self.state = Residency.WRITING_BACK
-
-    def to_reading_in(self, transfer: "Transfer") -> None:
-        assert self.state is Residency.ON_NVME, (self.key, self.state)
-        self.slot = transfer.slot
-        self.transfer = transfer
-        self.state = Residency.READING_IN
-
-    def to_in_pool(self) -> None:
-        assert self.state in (Residency.WRITING_BACK, Residency.READING_IN), (self.key, self.state)
-        self.transfer = None
-        self.state = Residency.IN_POOL
-
-    def to_on_nvme(self) -> None:
-        assert self.state in (Residency.IN_POOL, Residency.READING_IN), (self.key, self.state)
-        assert self.disk is not None and not self.dirty, self.key
-        self.slot = None
-        self.transfer = None
-        self.state = Residency.ON_NVME
-
-
-class Direction(enum.Enum):
-    TO_NVME = "to_nvme"
-    TO_POOL = "to_pool"
-
-
-@dataclass(eq=False)
-class Transfer:
-    """One tensor moving between the pool and NVMe; the daemon runs the I/O."""
-
-    direction: Direction
-    entry: Entry
-    slot: PoolSlot
-    disk: DiskExtent
-    drop_slot: bool = False   # a write-back that evicts: free the slot when done
-    done: bool = False
-    error: Exception | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.disk.nbytes   # whole aligned extent: what O_DIRECT moves
-
-
-@dataclass
-class Blocked:
-    """Retry the call once the transfers in ``wait`` are done."""
-
-    wait: list[Transfer] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Session:
-    """One connected client process."""
-
-    id: int
-    job: str
-    pid: int
-    uid: int
-    leases: dict[str, list[tuple[Entry, PoolSlot, bool]]] = field(default_factory=dict)
-    reserved: dict[str, tuple[TensorSpec, PoolSlot]] = field(default_factory=dict)
-
-
-@dataclass
-class TierCounters:
-    bytes_to_nvme: int = 0
-    bytes_to_pool: int = 0
-    evictions: int = 0
-    io_errors: int = 0
-
-
-@dataclass(eq=False)
-class Job:
-    """A namespace of keys. A process's default job (``ephemeral``) ends with
-    its last session; a named job lives until dropped."""
-
-    name: str
-    owner_uid: int
-    ephemeral: bool
-    sessions: set[int] = field(default_factory=set)
-
-
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-            "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
-            "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def spec_nbytes(spec: TensorSpec) -> int:
-    n = ITEMSIZE[spec.dtype]
-    for d in spec.shape:
-        n *= d
-    return n
+__all__ = ["Blocked", "Catalog", "Direction", "Entry", "Job", "Residency", "Session",
+           "Transfer"]
 
 
 class Catalog:
     """Keys, their tiers, sessions and jobs. See the module docstring."""
 
-    def __init__(self, pool: HostPool, nvme: NvmeStore, allow_root_join: bool = True) -> None:
+    def __init__(self, pool: HostPool, nvme: NvmeStore, allow_root_join: bool = True,
+                 quotas: Callable[[str], tuple[int, int]] = lambda job: (0, 0)) -> None:
         self.pool = pool
         self.nvme = nvme
         self.allow_root_join = allow_root_join
+        self.quotas = quotas   # job name -> (pool quota, NVMe quota), 0 for none
         self.entries: dict[tuple[str, str], Entry] = {}
         self.sessions: dict[int, Session] = {}
         self.jobs: dict[str, Job] = {}
@@ -198,7 +61,9 @@ class Catalog:
         name = job if job is not None else f"pid-{pid}"
         j = self.jobs.get(name)
         if j is None:
-            j = self.jobs[name] = Job(name, uid, ephemeral=job is None)
+            pool_quota, nvme_quota = self.quotas(name)
+            j = self.jobs[name] = Job(name, uid, ephemeral=job is None,
+                                      pool_quota=pool_quota, nvme_quota=nvme_quota)
         elif j.owner_uid != uid and not (uid == 0 and self.allow_root_join):
             raise StateError(f"job {name!r} belongs to uid {j.owner_uid}; uid {uid} may not "
                              f"join it; pick another job name")
@@ -222,12 +87,14 @@ class Catalog:
             self.drop_job(job.name)
 
     def drop_job(self, name: str) -> None:
-        job = self.jobs.pop(name, None)
+        """Delete every tensor of the job; forget the job once no session is in it."""
+        job = self.jobs.get(name)
         if job is None:
             raise UnknownKey(f"no job {name!r}")
         for entry in [e for (j, _), e in self.entries.items() if j == name]:
             self._drop_entry(entry)
         if not job.sessions:
+            del self.jobs[name]
             self.pool.release_empty(exclude=None, need=self.pool.budget)
 
     # ------------------------------------------------------------ requests
@@ -241,7 +108,7 @@ class Catalog:
                                  f"publish or abort it first")
         if len({spec.key for spec in specs}) != len(specs):
             raise StateError("a key appears twice in one reserve")
-        need = self._admit(specs)
+        need = self._admit(self.jobs[s.job], specs)
         blocked = Blocked()
         got: list[PoolSlot] = []
         for spec in specs:
@@ -252,6 +119,7 @@ class Catalog:
                 return blocked
             got.append(slot)
         self.stored_bytes += need
+        self.jobs[s.job].stored_bytes += need
         out = []
         for spec, slot in zip(specs, got):
             slot.writer = True
@@ -284,10 +152,11 @@ class Catalog:
 
     def _give_up_reserved(self, slot: PoolSlot) -> None:
         self.stored_bytes -= slot.nbytes
+        self.jobs[slot.segment.job].stored_bytes -= slot.nbytes
         slot.orphan = True
         self._unpin(slot, write=True)
 
-    def _admit(self, specs: tuple[TensorSpec, ...]) -> int:
+    def _admit(self, job: Job, specs: tuple[TensorSpec, ...]) -> int:
         """Bytes the specs will hold, or CapacityError when pool + NVMe could not
         hold them and still swap any tensor in.
 
@@ -306,7 +175,17 @@ class Catalog:
                 f"at most {limit} B fit (pool {self.pool.budget} B + NVMe {self.nvme.size} B, "
                 f"less {largest} B kept free for swapping); delete tensors or start the "
                 f"daemon with a larger --pool or --nvme-size")
-        self._largest = largest
+        job_largest = max([job.largest, *sizes])
+        if job.pool_quota or job.nvme_quota:
+            job_limit = ((job.pool_quota or self.pool.budget) + (job.nvme_quota or self.nvme.size)
+                         - job_largest)
+            if job.stored_bytes + need > job_limit:
+                raise CapacityError(
+                    f"job {job.name!r} over quota: {job.stored_bytes} B stored, {need} B more "
+                    f"asked, its quotas allow {job_limit} B (pool {job.pool_quota or 'none'}, "
+                    f"NVMe {job.nvme_quota or 'none'}, less {job_largest} B for swapping); delete "
+                    f"tensors or raise the job's quota in the config file")
+        self._largest, job.largest = largest, job_largest
         return need
 
     def lease(self, s: Session, keys: tuple[str, ...], write: bool) -> list[Placement] | Blocked:
@@ -492,6 +371,12 @@ class Catalog:
         blocked.wait.append(t)
 
     def _start_writeback(self, e: Entry, drop_slot: bool = True) -> Transfer:
+        job = self.jobs[e.job]
+        if job.nvme_quota and job.nvme_used + e.slot.nbytes > job.nvme_quota:
+            raise CapacityError(
+                f"job {job.name!r} reached its NVMe quota ({job.nvme_used} of "
+                f"{job.nvme_quota} B used), cannot write {e.key} ({e.slot.nbytes} B); "
+                f"delete tensors or raise the job's quota in the config file")
         off = self.nvme.extents.alloc(e.slot.nbytes)
         if off is None:
             raise CapacityError(
@@ -499,8 +384,9 @@ class Catalog:
                 f"cannot write {e.key} ({e.slot.nbytes} B); delete tensors or start the "
                 f"daemon with a larger --nvme-size")
         e.slot.pins += 1
-        t = Transfer(Direction.TO_NVME, e, e.slot,
-                     DiskExtent(off, self.nvme.extents.extent_size(e.slot.nbytes)), drop_slot)
+        disk = DiskExtent(off, self.nvme.extents.extent_size(e.slot.nbytes), e.job)
+        job.nvme_used += disk.nbytes
+        t = Transfer(Direction.TO_NVME, e, e.slot, disk, drop_slot)
         e.to_writing_back(t)
         self.counters.evictions += drop_slot
         self._started.append(t)
@@ -509,7 +395,7 @@ class Catalog:
     def _alloc_slot(self, job: str, nbytes: int, blocked: Blocked, protect) -> PoolSlot | None:
         """A pool slot for ``job``, or None after planning evictions into ``blocked``."""
         while True:
-            got = self.pool.allocate(job, nbytes)
+            got = self.pool.allocate(job, nbytes, self.jobs[job].pool_quota)
             if got is not None:
                 seg, off = got
                 return PoolSlot(seg, off, seg.extents.extent_size(nbytes))
@@ -517,24 +403,42 @@ class Catalog:
                 break
         if blocked.wait:
             return None
+        quota = self.jobs[job].pool_quota
+        if quota and self.pool.job_used_bytes(job) + nbytes > quota:
+            raise CapacityError(
+                f"job {job!r} is at its pool quota ({self.pool.job_used_bytes(job)} of {quota} B "
+                f"used) with nothing evictable for {nbytes} B more (all leased); release "
+                f"leases or raise the job's pool quota")
         raise CapacityError(
             f"pool full: {self.pool.used_bytes} of {self.pool.budget} B in use and nothing "
             f"evictable for {nbytes} B more (leased or in this request); release leases, "
             f"lease smaller batches, or start the daemon with a larger --pool")
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked, protect) -> bool:
-        """Free or start freeing about ``nbytes`` of ``job``'s pool, least recently
-        used first. True when something was freed at once (retry allocating)."""
-        protected = {id(p) for p in protect}
-        victims = sorted((e for (j, _), e in self.entries.items()
-                          if j == job and e.state is Residency.IN_POOL and not e.slot.pins
-                          and not e.slot.writer and id(e) not in protected),
-                         key=lambda e: e.last_use)
+        """Free or start freeing about ``nbytes`` of pool for ``job`` (see the
+        Note in :mod:`tierd.server.eviction`). True when something was freed at
+        once (retry allocating); otherwise what to wait for is in ``blocked``."""
         pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
         for t in self._writebacks_in_flight(job):
             if t not in blocked.wait:
                 blocked.wait.append(t)
                 pending += t.slot.nbytes
+        if pending >= nbytes:
+            return False
+        quota = self.jobs[job].pool_quota
+        at_quota = quota and self.pool.job_used_bytes(job) + nbytes > quota
+        if not at_quota and self.pool.mapped_bytes + nbytes > self.pool.budget:
+            usage = {name: self.pool.job_used_bytes(name) for name in self.jobs}
+            other = eviction.job_to_take_from(self.pool.budget, usage, job)
+            if other is not None:
+                freed = self._evict_segment(other, blocked)
+                if freed is not None:
+                    return freed
+        protected = {id(p) for p in protect}
+        victims = eviction.least_recently_used(
+            e for (j, _), e in self.entries.items()
+            if j == job and e.state is Residency.IN_POOL and not e.slot.pins
+            and not e.slot.writer and id(e) not in protected)
         for e in victims:
             if pending >= nbytes:
                 break
@@ -558,6 +462,36 @@ class Catalog:
             pending += e.slot.nbytes
         return False
 
+    def _evict_segment(self, job: str, blocked: Blocked) -> bool | None:
+        """Empty the coldest fully evictable segment of ``job`` so the pool can
+        hand its memory to another job. True: emptied at once; False: write-backs
+        to wait for are in ``blocked``; None: nothing of ``job`` can go."""
+        in_flight = self._writebacks_in_flight(job)
+        if in_flight:
+            blocked.wait.extend(t for t in in_flight if t not in blocked.wait)
+            return False
+        by_segment: dict[int, list[Entry]] = {}
+        for (j, _), e in self.entries.items():
+            if j == job and e.slot is not None:
+                by_segment.setdefault(e.slot.segment.id, []).append(e)
+        movable = {
+            sid: ents for sid, ents in by_segment.items()
+            if all(e.state is Residency.IN_POOL and not e.slot.pins and not e.slot.writer
+                   for e in ents)
+            and sum(e.slot.nbytes for e in ents) == self.pool.segments[sid].extents.used}
+        sid = eviction.coldest_segment(movable)
+        if sid is None:
+            return None
+        started = False
+        for e in movable[sid]:
+            if not e.dirty and e.disk is not None:
+                self._drop_slot(e)
+                self.counters.evictions += 1
+            else:
+                blocked.wait.append(self._start_writeback(e))
+                started = True
+        return not started
+
     def _writebacks_in_flight(self, job: str) -> list[Transfer]:
         return [e.transfer for (j, _), e in self.entries.items()
                 if j == job and e.state is Residency.WRITING_BACK and e.transfer.drop_slot]
@@ -577,6 +511,8 @@ class Catalog:
     def _drop_entry(self, e: Entry) -> None:
         del self.entries[(e.job, e.key)]
         self.stored_bytes -= align_up(max(e.spec.nbytes, 1))
+        if e.job in self.jobs:
+            self.jobs[e.job].stored_bytes -= align_up(max(e.spec.nbytes, 1))
         if e.slot is not None:
             e.slot.orphan = True
             self._free_slot_if_idle(e.slot)
@@ -601,6 +537,8 @@ class Catalog:
         if disk.orphan and not disk.pins and not disk.freed:
             disk.freed = True
             self.nvme.extents.free(disk.offset)
+            if disk.job in self.jobs:
+                self.jobs[disk.job].nvme_used -= disk.nbytes
 
     def _free_disk(self, disk: DiskExtent) -> None:
         self._free_disk_if_idle(disk, orphan=True)

@@ -1,0 +1,51 @@
+"""Eviction policy: which tensors leave the pool when room is needed.
+
+Plain functions over plain values, so the policy can be read and tested
+without the catalog's bookkeeping around it.
+
+[Note: fair eviction] The pool is shared by jobs. A job's *fair share* is the
+pool divided by the jobs holding pool memory. A job asking for room evicts its
+own least recently used tensors first when it is at or above its share (or
+above its quota); when it is below its share it takes room from the job
+furthest above its share instead, a whole segment at a time, since pool
+memory moves between jobs only as whole segments (see hostpool's Note on
+segment lifetime). Leased tensors are never candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+
+class Evictable(Protocol):
+    last_use: int
+
+
+def least_recently_used(candidates: Iterable[Evictable]) -> list:
+    """Candidates in eviction order: least recently used first."""
+    return sorted(candidates, key=lambda e: e.last_use)
+
+
+def fair_share(budget: int, usage: Mapping[str, int], requester: str) -> int:
+    """The pool bytes each job may hold when all jobs with pool memory (and
+    the requester) split it evenly."""
+    holders = {j for j, used in usage.items() if used > 0} | {requester}
+    return budget // len(holders)
+
+
+def job_to_take_from(budget: int, usage: Mapping[str, int], requester: str) -> str | None:
+    """The job whose segment should make room for ``requester``, or None when
+    the requester should evict its own tensors."""
+    share = fair_share(budget, usage, requester)
+    if usage.get(requester, 0) >= share:
+        return None
+    over = {j: used - share for j, used in usage.items() if j != requester and used > share}
+    return max(over, key=over.get) if over else None
+
+
+def coldest_segment(segments: Mapping[int, list[Evictable]]) -> int | None:
+    """Of fully evictable segments (id -> their tensors), the least recently used."""
+    if not segments:
+        return None
+    return min(segments, key=lambda sid: max((e.last_use for e in segments[sid]), default=0))

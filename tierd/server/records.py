@@ -1,0 +1,163 @@
+"""The catalog's records: tensors, slots, extents, transfers, sessions, jobs.
+
+Each lifecycle is one enum whose members say where the bytes are; transitions
+are the ``to_*`` methods, which assert the states they accept.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tierd.backends.hostpool import Segment
+from tierd.protocol import Placement, TensorSpec
+
+
+class Residency(enum.Enum):
+    """Where the bytes of a key's current version are."""
+
+    IN_POOL = "in_pool"            # readable in a pool slot; ``disk`` is a clean copy unless dirty
+    WRITING_BACK = "writing_back"  # pool -> NVMe in flight; pool bytes still readable
+    ON_NVME = "on_nvme"            # only on NVMe; a lease must swap it in first
+    READING_IN = "reading_in"      # NVMe -> pool in flight into a slot nobody may read yet
+
+
+@dataclass(eq=False)
+class PoolSlot:
+    segment: Segment
+    offset: int
+    nbytes: int
+    pins: int = 0          # leases and in-flight write-backs reading it
+    writer: bool = False   # a write lease or an in-flight swap-in is changing it
+    orphan: bool = False   # no entry refers to it; free once unpinned
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class DiskExtent:
+    offset: int
+    nbytes: int
+    job: str
+    pins: int = 0          # in-flight swap-ins reading it
+    orphan: bool = False
+    freed: bool = False
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str
+    job: str
+    spec: TensorSpec
+    version: int
+    state: Residency
+    slot: PoolSlot | None
+    disk: DiskExtent | None = None
+    dirty: bool = True     # pool bytes newer than ``disk``
+    last_use: int = 0
+    transfer: "Transfer | None" = None
+
+    def placement(self) -> Placement:
+        s = self.spec
+        return Placement(self.key, self.slot.segment.id, self.slot.offset, s.nbytes,
+                         s.dtype, s.shape, self.version)
+
+    # -- transitions -------------------------------------------------
+    def to_writing_back(self, transfer: "Transfer") -> None:
+        assert self.state is Residency.IN_POOL, (self.key, self.state)
+        self.transfer = transfer
+        self.state = Residency.WRITING_BACK
+
+    def to_reading_in(self, transfer: "Transfer") -> None:
+        assert self.state is Residency.ON_NVME, (self.key, self.state)
+        self.slot = transfer.slot
+        self.transfer = transfer
+        self.state = Residency.READING_IN
+
+    def to_in_pool(self) -> None:
+        assert self.state in (Residency.WRITING_BACK, Residency.READING_IN), (self.key, self.state)
+        self.transfer = None
+        self.state = Residency.IN_POOL
+
+    def to_on_nvme(self) -> None:
+        assert self.state in (Residency.IN_POOL, Residency.READING_IN), (self.key, self.state)
+        assert self.disk is not None and not self.dirty, self.key
+        self.slot = None
+        self.transfer = None
+        self.state = Residency.ON_NVME
+
+
+class Direction(enum.Enum):
+    TO_NVME = "to_nvme"
+    TO_POOL = "to_pool"
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One tensor moving between the pool and NVMe; the daemon runs the I/O."""
+
+    direction: Direction
+    entry: Entry
+    slot: PoolSlot
+    disk: DiskExtent
+    drop_slot: bool = False   # a write-back that evicts: free the slot when done
+    done: bool = False
+    error: Exception | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.disk.nbytes   # whole aligned extent: what O_DIRECT moves
+
+
+@dataclass
+class Blocked:
+    """Retry the call once the transfers in ``wait`` are done."""
+
+    wait: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Session:
+    """One connected client process."""
+
+    id: int
+    job: str
+    pid: int
+    uid: int
+    leases: dict[str, list[tuple[Entry, PoolSlot, bool]]] = field(default_factory=dict)
+    reserved: dict[str, tuple[TensorSpec, PoolSlot]] = field(default_factory=dict)
+
+
+@dataclass
+class TierCounters:
+    bytes_to_nvme: int = 0
+    bytes_to_pool: int = 0
+    evictions: int = 0
+    io_errors: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    """A namespace of keys. A process's default job (``ephemeral``) ends with
+    its last session; a named job lives until dropped."""
+
+    name: str
+    owner_uid: int
+    ephemeral: bool
+    sessions: set[int] = field(default_factory=set)
+    pool_quota: int = 0      # bytes of pool it may use; 0: no quota
+    nvme_quota: int = 0      # bytes of NVMe it may use; 0: no quota
+    nvme_used: int = 0
+    stored_bytes: int = 0    # as Catalog.stored_bytes, for this job
+    largest: int = 0         # largest tensor it ever stored (its swap headroom)
+
+
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+            "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+            "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    n = ITEMSIZE[spec.dtype]
+    for d in spec.shape:
+        n *= d
+    return n
