@@ -29,6 +29,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--socket", help=f"socket path (default {default_socket_path()})")
     p.add_argument("--segment-size", help="pool segment size (default 256MiB)")
     p.add_argument("--io-threads", type=int, help="NVMe I/O threads (default 8)")
+    p.add_argument("--default-pool-quota", help="pool bytes per job, e.g. 8GiB (default: none)")
+    p.add_argument("--default-nvme-quota", help="NVMe bytes per job (default: none)")
     p.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG} if present)")
     p.add_argument("--print-config", action="store_true", help="print the merged settings and exit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -40,6 +42,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if path is not None:
         values.update(load_toml(path))
     for name in ServeConfig.field_names():
+        if name == "job_quotas":
+            continue  # only the config file's [jobs.NAME] tables set these
         env = os.environ.get(f"TIERD_{name.upper()}")
         if env is not None:
             values[name] = env
@@ -91,6 +95,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drop_job(args: argparse.Namespace) -> int:
+    import tierd
+    with tierd.connect(args.socket, job=args.name) as c:
+        n = len(c.keys())
+        c.drop_job()
+    print(f"dropped job {args.name!r} ({n} tensors)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,10 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print the daemon's pool/NVMe use and jobs")
     st.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
     st.add_argument("--json", action="store_true")
+    dj = sub.add_parser("drop-job", help="delete every tensor of a named job")
+    dj.add_argument("name")
+    dj.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    from tierd.demo import run as demo
+    demo.add_parser(sub)
     return parser
 
 
-COMMANDS = {"serve": cmd_serve, "status": cmd_status}
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tierd.demo.run import cmd_demo as run_demo
+    return run_demo(args)
+
+
+COMMANDS = {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "drop-job": cmd_drop_job}
 
 
 def main(argv: list[str] | None = None) -> int:
