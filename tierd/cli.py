@@ -34,13 +34,20 @@ def _serve_parser(sub) -> None:
     p.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG} if present)")
     p.add_argument("--print-config", action="store_true", help="print the merged settings and exit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-format", choices=("text", "json"), help="log lines (default text)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default off)")
+    p.add_argument("--metrics-host", help="address of the metrics server (default 127.0.0.1)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     values: dict = {}
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     if path is not None:
-        values.update(load_toml(path))
+        try:
+            values.update(load_toml(path))
+        except (OSError, ValueError) as exc:   # TOMLDecodeError is a ValueError
+            raise TierdError(f"config file {path}: {exc}") from None
     for name in ServeConfig.field_names():
         if name == "job_quotas":
             continue  # only the config file's [jobs.NAME] tables set these
@@ -52,9 +59,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             values[name] = flag
     if "nvme" not in values:
         raise TierdError("--nvme DIR is required (the directory for the NVMe tier)")
-    for name in ("io_threads", "max_requests_per_client", "max_requests"):
+    for name in ("io_threads", "max_requests_per_client", "max_requests", "metrics_port"):
         if name in values:
-            values[name] = int(values[name])
+            try:
+                values[name] = int(values[name])
+            except ValueError:
+                raise TierdError(f"{name} = {values[name]!r} is not a whole number") from None
     if isinstance(values.get("allow_root_join"), str):
         values["allow_root_join"] = values["allow_root_join"].lower() in ("1", "true", "yes")
     try:
@@ -63,8 +73,27 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise TierdError(str(exc)) from None
 
 
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``message`` (+ ``exc``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": round(record.created, 6), "level": record.levelname,
+                "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
+    configure_logging(args.log_level, cfg.log_format)
     if args.print_config:
         print(json.dumps({k: str(v) if isinstance(v, Path) else v
                           for k, v in dataclasses.asdict(cfg).items()}, indent=2))

@@ -65,6 +65,13 @@ class ServeConfig:
     """Bytes preallocated for the NVMe data file."""
     socket: Path = dataclasses.field(default_factory=default_socket_path)
     """Request socket path (ZeroMQ ipc); the control socket is ``<socket>.ctl``."""
+    log_format: str = "text"
+    """``text`` (one human-readable line per event) or ``json`` (one JSON object per
+    line with ``ts``, ``level``, ``logger``, ``message``; for log collectors)."""
+    metrics_port: int | None = None
+    """TCP port for Prometheus text metrics at ``/metrics``; unset: no metrics server."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server binds; the default keeps it local to the node."""
     segment_size: int = 256 << 20
     """Pool memory is created per job in segments of at least this size."""
     io_threads: int = 8
@@ -79,6 +86,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         self.nvme = Path(self.nvme)
         self.socket = Path(self.socket)
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format = {self.log_format!r}; use 'text' or 'json'")
+        if self.metrics_port is not None and not 0 <= int(self.metrics_port) < 65536:
+            raise ValueError(f"metrics_port = {self.metrics_port} is not a TCP port (0-65535)")
         for name in ("pool", "nvme_size", "segment_size"):
             setattr(self, name, parse_size(getattr(self, name)))
             if getattr(self, name) < 4096:
