@@ -1,0 +1,1 @@
+"""tierd benchmarks: ``python -m bench.run`` (see README, "Performance")."""

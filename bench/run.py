@@ -1,0 +1,149 @@
+"""The benchmark suite: ``python -m bench.run [--quick] [--out DIR] [--only a,b]``.
+
+Measures the limits (pinned copies, raw O_DIRECT), tierd's data plane, the
+training step and forward pass against the all-on-GPU reference and the peers
+(FSDP2 CPU offload, accelerate cpu_offload), the control plane's share of a
+step and two jobs on one daemon, all in one run so every ratio compares
+figures measured side by side. Prints a table and writes
+``<out>/<gpu-or-cpu>-<yyyy-mm-dd>.json`` (``-quick`` added with ``--quick``)
+plus a PNG and a Markdown table of the same figures.
+
+Sections (``--only`` takes names or numbers): 1 limits, 2 dataplane,
+3 training, 4 forward, 5 control, 6 multijob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench import dataplane, limits, multijob, report, training
+from bench.common import FULL, QUICK, ROOT, Context, SectionTimeout, Skip, time_limit
+
+SECTIONS = {   # name: (title, function, share of the time budget it may take)
+    "limits": ("1 limits", limits.run, 0.15),
+    "dataplane": ("2 tierd data plane", dataplane.run, 0.2),
+    "training": ("3 training step", training.train_rows, 0.75),
+    "forward": ("4 forward only", training.forward_rows, 0.3),
+    "control": ("5 control plane share", training.control_rows, 0.35),
+    "multijob": ("6 multi-job", multijob.run, 0.5),
+}
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (CPU: under a minute)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                   help="where the JSON, PNG and Markdown go (default bench/results)")
+    p.add_argument("--only", default="", help="comma-separated sections, e.g. limits,3")
+    p.add_argument("--nvme", type=Path, default=None,
+                   help="directory for the disk tests and the daemon's NVMe file "
+                        "(default: a temp dir under ~/.cache/tierd)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting work after this many seconds (default 50 quick, 470 full)")
+    return p.parse_args(argv)
+
+
+def selected(only: str) -> list[str]:
+    names = list(SECTIONS)
+    if not only:
+        return names
+    out = []
+    for item in only.split(","):
+        item = item.strip()
+        name = names[int(item) - 1] if item.isdigit() and 0 < int(item) <= len(names) else item
+        if name not in SECTIONS:
+            raise SystemExit(f"--only: unknown section {item!r}; use {', '.join(names)} or 1-6")
+        out.append(name)
+    return [n for n in names if n in out]
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "cpu"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sizes = QUICK if args.quick else FULL
+    budget = args.budget_s or (50 if args.quick else 470)
+    from tierd.client.embedded import cache_dir
+    base = args.nvme or cache_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    nvme_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=base))
+    names = selected(args.only)
+    ctx = Context(sizes=sizes, out=args.out, nvme_dir=nvme_dir,
+                  deadline=time.monotonic() + budget, cuda=torch.cuda.is_available(),
+                  device_name=device_name(), selected=tuple(names))
+    today = datetime.date.today().isoformat()
+    results = {"meta": {
+        "device": ctx.device_name, "date": today,
+        "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": sizes.quick, "torch": torch.__version__, "python": platform.python_version(),
+        "cpus": os.cpu_count(), "host": platform.node(), "nvme_dir": str(nvme_dir),
+        "sizes": {k: v for k, v in sizes.__dict__.items()}}, "sections": {}}
+    started = time.monotonic()
+    try:
+        for name in names:
+            results["sections"][name] = run_section(ctx, name, budget)
+            print(f"[{time.monotonic() - started:6.1f} s] {name}: "
+                  f"{results['sections'][name]['status']}", file=sys.stderr, flush=True)
+    finally:
+        ctx.stop()
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    for name in SECTIONS:
+        results["sections"].setdefault(name, {"title": SECTIONS[name][0], "status": "skipped",
+                                              "reason": "not selected (--only)", "rows": []})
+    results["sections"] = {n: results["sections"][n] for n in SECTIONS}
+    results["meta"]["elapsed_s"] = time.monotonic() - started
+    write(results, args.out, slug(ctx.device_name) + "-" + today + ("-quick" if args.quick else ""))
+    return 0
+
+
+def run_section(ctx: Context, name: str, budget: float) -> dict:
+    title, fn, share = SECTIONS[name]
+    sec = {"title": title, "status": "ok", "rows": []}
+    t0 = time.monotonic()
+    try:
+        with time_limit(min(share * budget, ctx.remaining())):
+            sec["rows"] = fn(ctx)
+    except Skip as exc:
+        sec.update(status="skipped", reason=str(exc))
+    except SectionTimeout as exc:
+        sec.update(status="timeout", reason=str(exc))
+    except Exception as exc:   # a broken section must not lose the others' figures
+        sec.update(status="error", reason=f"{type(exc).__name__}: {exc}",
+                   traceback=traceback.format_exc()[-3000:])
+    sec["elapsed_s"] = time.monotonic() - t0
+    ctx.results[name] = sec
+    return sec
+
+
+def write(results: dict, out: Path, stem: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / f"{stem}.md").write_text(report.markdown(results) + "\n")
+    why = report.plot(results, out / f"{stem}.png")
+    print(report.table(results))
+    print(f"\nwrote {path}" + (f" (no PNG: {why})" if why else f", {stem}.png, {stem}.md"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
