@@ -14,6 +14,7 @@ import secrets
 import signal
 import socket
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tierd.backends.nvme import NvmeStore, chunks
 from tierd.config import ServeConfig, format_size
 from tierd.errors import Busy, CapacityError, DaemonUnavailable, ProtocolError, TierdError
 from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
+from tierd.server.metrics import Metrics, serve_metrics
 
 log = logging.getLogger("tierd.daemon")
 
@@ -72,6 +74,7 @@ class Daemon:
         self._tokens: dict[bytes, Session] = {}
         self._inflight: dict[int, int] = {}
         self._next_session = 1
+        self.metrics = Metrics()
 
     # ---------------------------------------------------------- lifecycle
     def open(self) -> None:
@@ -113,6 +116,9 @@ class Daemon:
         try:
             self._spawn(self._accept_loop())
             self._spawn(self._router_loop())
+            if self.config.metrics_port is not None:
+                self._spawn(serve_metrics(self.config.metrics_host, self.config.metrics_port,
+                                          lambda: self.metrics.render(self.catalog.stats())))
             await self.stopping.wait()
             log.info("tierd stopping")
         finally:
@@ -226,10 +232,12 @@ class Daemon:
 
     def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
         """Answer at once when the catalog can; else finish in a tracked task."""
+        start = time.perf_counter()
         try:
             result = self._attempt(session, req)
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
+            self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
             return
         except Exception as exc:  # a bug: answer, log, keep serving the others
             log.exception("internal error serving %s", type(req).__name__)
@@ -237,11 +245,13 @@ class Daemon:
             return
         if isinstance(result, Blocked):
             self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
-            self._spawn(self._serve_blocked(ident, session, rid, req, result))
+            self._spawn(self._serve_blocked(ident, session, rid, req, result, start))
         else:
             self._send(ident, P.encode_reply(rid, result))
+            self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
 
-    async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked) -> None:
+    async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked,
+                             start: float) -> None:
         try:
             for _ in range(MAX_RETRIES):
                 await self._wait(blocked)
@@ -256,6 +266,7 @@ class Daemon:
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
         finally:
+            self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
             self._inflight[session.id] -= 1
             if not self._inflight[session.id]:
                 del self._inflight[session.id]
@@ -307,6 +318,7 @@ class Daemon:
             pass
 
     def _reply_error(self, ident: bytes, rid: int, exc: TierdError) -> None:
+        self.metrics.error(exc.code)
         self._send(ident, P.encode_error(rid, exc.code, str(exc)))
 
     # --------------------------------------------------------- transfers
