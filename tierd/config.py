@@ -82,6 +82,13 @@ class ServeConfig:
     """Requests in flight in total before clients get Busy replies."""
     allow_root_join: bool = True
     """Whether root may join jobs created by other users."""
+    default_pool_quota: int = 0
+    """Pool bytes one job may use (0: no quota); over it a job spills its own tensors."""
+    default_nvme_quota: int = 0
+    """NVMe bytes one job may use (0: no quota); over it the job gets CapacityError."""
+    job_quotas: dict = dataclasses.field(default_factory=dict)
+    """Per-job overrides: the TOML file's ``[jobs.NAME]`` tables with
+    ``pool_quota`` and/or ``nvme_quota``."""
 
     def __post_init__(self) -> None:
         self.nvme = Path(self.nvme)
@@ -97,6 +104,20 @@ class ServeConfig:
         for name in ("io_threads", "max_requests_per_client", "max_requests"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        self.default_pool_quota = parse_size(self.default_pool_quota)
+        self.default_nvme_quota = parse_size(self.default_nvme_quota)
+        for job, table in self.job_quotas.items():
+            unknown = set(table) - {"pool_quota", "nvme_quota"}
+            if unknown:
+                raise ValueError(f"[jobs.{job}]: unknown settings {sorted(unknown)}; "
+                                 f"known: pool_quota, nvme_quota")
+            self.job_quotas[job] = {k: parse_size(v) for k, v in table.items()}
+
+    def quotas(self, job: str) -> tuple[int, int]:
+        """(pool quota, NVMe quota) of a job, 0 meaning none."""
+        table = self.job_quotas.get(job, {})
+        return (table.get("pool_quota", self.default_pool_quota),
+                table.get("nvme_quota", self.default_nvme_quota))
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -112,4 +133,8 @@ def load_toml(path: Path) -> dict:
     if unknown:
         raise ValueError(f"{path}: unknown [serve] settings {sorted(unknown)}; "
                          f"known: {ServeConfig.field_names()}")
-    return {k.replace("-", "_"): v for k, v in table.items()}
+    values = {k.replace("-", "_"): v for k, v in table.items()}
+    if "jobs" in data:
+        values["job_quotas"] = {job: {k.replace("-", "_"): v for k, v in t.items()}
+                                for job, t in data["jobs"].items()}
+    return values

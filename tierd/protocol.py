@@ -133,6 +133,13 @@ class Delete:
 
 
 @dataclass(frozen=True)
+class DropJob:
+    """Delete every tensor of the caller's job."""
+
+    op: ClassVar[str] = "drop_job"
+
+
+@dataclass(frozen=True)
 class Keys:
     op: ClassVar[str] = "keys"
     prefix: str = ""
@@ -144,8 +151,9 @@ class Stats:
 
 
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
-                                    Evict, Delete, Keys, Stats)}
-Request = Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | Keys | Stats
+                                    Evict, Delete, DropJob, Keys, Stats)}
+Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | DropJob
+           | Keys | Stats)
 
 
 # ----------------------------------------------------------------- replies
@@ -234,7 +242,7 @@ def _placement(v: Any) -> Placement:
 
 
 def _body(cls: type, body: dict) -> Any:
-    match cls.op if hasattr(cls, "op") else None:
+    match cls.op:
         case "reserve":
             return Reserve(tuple(_spec(s) for s in _list(body.get("specs"), "specs")))
         case "lease":
@@ -248,6 +256,8 @@ def _body(cls: type, body: dict) -> Any:
             return Keys(prefix)
         case "stats":
             return Stats()
+        case "drop_job":
+            return DropJob()
         case _:
             return cls(_keys(body.get("keys")))
 

@@ -216,6 +216,10 @@ class Client(_Procedures):
     def keys(self, prefix: str = "") -> list[str]:
         return list(self._call(P.Keys(prefix)).keys)
 
+    def drop_job(self) -> None:
+        """Delete every tensor of this client's job (other clients of it stay)."""
+        self._call(P.DropJob())
+
     def stats(self) -> dict:
         """Pool and NVMe sizes and use, tensor count, traffic counters, jobs."""
         return self._call(P.Stats()).stats
@@ -353,6 +357,9 @@ class AsyncClient(_Procedures):
 
     async def keys(self, prefix: str = "") -> list[str]:
         return list((await self._call(P.Keys(prefix))).keys)
+
+    async def drop_job(self) -> None:
+        await self._call(P.DropJob())
 
     async def stats(self) -> dict:
         return (await self._call(P.Stats())).stats

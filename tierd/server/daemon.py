@@ -93,7 +93,7 @@ class Daemon:
         check_socket_free(cfg.socket)
         self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size)
         self.pool = HostPool(cfg.pool, cfg.segment_size)
-        self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join)
+        self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas)
         self.executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tierd-io")
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
@@ -166,6 +166,7 @@ class Daemon:
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         session = token = None
+        pidfd = _watch_process(pid, conn)
         try:
             hello = await _recv_ctl(conn)
             job = hello.get("job")
@@ -196,6 +197,9 @@ class Daemon:
             except OSError:
                 pass
         finally:
+            if pidfd is not None:
+                asyncio.get_running_loop().remove_reader(pidfd)
+                os.close(pidfd)
             conn.close()
             if token is not None:
                 del self._tokens[token]
@@ -291,6 +295,8 @@ class Daemon:
                     r = c.evict(s, keys)
                 case P.Delete(keys):
                     r = c.delete(s, keys)
+                case P.DropJob():
+                    r = c.drop_job(s.job)
                 case P.Keys(prefix):
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
@@ -344,6 +350,25 @@ class Daemon:
             self.catalog.finish(t, error)
             self._io.pop(t).set_result(None)
             self._run_started()
+
+
+def _watch_process(pid: int, conn: socket.socket) -> int | None:
+    """End the session when the client process exits, even if a child it forked
+    still holds the control socket open: a pidfd becomes readable at exit and
+    we then shut the socket down, which ends ``_serve_ctl``'s read with EOF."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None  # no pidfd (old kernel, other pid namespace): the socket's EOF ends it
+    asyncio.get_running_loop().add_reader(pidfd, _shut, conn)
+    return pidfd
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 async def _recv_exact(conn: socket.socket, n: int) -> bytes:
