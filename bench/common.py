@@ -59,7 +59,7 @@ class Sizes:
 
 
 QUICK = Sizes(quick=True, disk_bytes=64 << 20, tensor_bytes=4 << 20, copy_bytes=64 << 20,
-              latency_ops=200, pool=384 << 20, nvme_size=512 << 20, train_steps=3,
+              latency_ops=100, pool=384 << 20, nvme_size=512 << 20, train_steps=3,
               warmup_steps=1, model="tiny", batches=(2, 4), seq=64, case_timeout_s=60)
 FULL = Sizes(quick=False, disk_bytes=4 << 30, tensor_bytes=64 << 20, copy_bytes=4 << 30,
              latency_ops=2000, pool=48 << 30, nvme_size=10 << 30, train_steps=4,

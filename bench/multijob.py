@@ -16,7 +16,7 @@ import threading
 import time
 
 from bench import models
-from bench.common import Context, row, subprocess_env, ROOT
+from bench.common import ROOT, Context, SectionTimeout, row, subprocess_env
 from bench.training import need
 
 
@@ -67,7 +67,7 @@ def run_group(spec: dict, n: int, timeout: float) -> list[dict]:
             elif line.startswith("{"):
                 results[i] = json.loads(line)
     except queue.Empty:
-        raise RuntimeError(f"jobs did not finish within {timeout:.0f} s") from None
+        raise SectionTimeout(f"jobs did not finish within {timeout:.0f} s") from None
     finally:
         for p in procs:
             if p.poll() is None:

@@ -15,6 +15,7 @@ Sections (``--only`` takes names or numbers): 1 limits, 2 dataplane,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -82,6 +83,8 @@ def slug(name: str) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     sizes = QUICK if args.quick else FULL
+    if sizes.quick and not torch.cuda.is_available():   # the CI smoke run: one batch size
+        sizes = dataclasses.replace(sizes, batches=sizes.batches[:1], train_steps=2)
     budget = args.budget_s or (50 if args.quick else 470)
     from tierd.client.embedded import cache_dir
     base = args.nvme or cache_dir()
