@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import torch
+
 from tests.conftest import subprocess_env, tierd_command
 
 
@@ -82,3 +84,37 @@ def test_json_log_format_writes_one_object_per_line(daemon_factory):
     assert any(m.startswith("tierd serving at") for m in messages), messages
     assert "tierd stopped" in messages
     assert all({"ts", "level", "logger", "message"} <= set(line) for line in lines)
+
+
+def test_health_exits_0_for_a_live_daemon_and_1_without_one(daemon, tmp_path):
+    proc = tierd_run("health", "--socket", str(daemon.socket))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok:")
+    proc = tierd_run("health", "--socket", str(tmp_path / "none.sock"))
+    assert proc.returncode == 1 and "unhealthy" in proc.stderr
+    daemon.stop()
+    proc = tierd_run("health", "--socket", str(daemon.socket))
+    assert proc.returncode == 1, proc.stdout
+
+
+def test_health_uses_tierd_socket_from_the_environment(daemon):
+    proc = tierd_run("health", env={"TIERD_SOCKET": str(daemon.socket)})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_top_refreshes_count_times_with_rates(daemon):
+    with daemon.connect(job="top-test") as c:
+        c.put("x", torch.zeros(4096))
+        proc = tierd_run("top", "--socket", str(daemon.socket), "--count", "3",
+                         "--interval", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tierd top") == 3
+    assert proc.stdout.count("rate ") == 2          # from the second refresh on
+    assert proc.stdout.count("\ntop-test ") == 3     # the jobs table, each time
+
+
+def test_top_and_status_fail_without_a_daemon(tmp_path):
+    for cmd in ("top", "status"):
+        proc = tierd_run(cmd, "--socket", str(tmp_path / "none.sock"), "--count", "1"
+                         ) if cmd == "top" else tierd_run(cmd, "--socket", str(tmp_path / "x"))
+        assert proc.returncode == 2 and "no tierd daemon" in proc.stderr

@@ -11,8 +11,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import itertools
 import os
 import sys
+import time
 from pathlib import Path
 
 from tierd.config import ServeConfig, default_socket_path, format_size, load_toml
@@ -110,6 +112,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
+    print_status(stats)
+    return 0
+
+
+def print_status(stats: dict) -> None:
     print(f"pool  {format_size(stats['pool_used_bytes']):>10} used of "
           f"{format_size(stats['pool_bytes'])} ({format_size(stats['pool_mapped_bytes'])} mapped)")
     print(f"nvme  {format_size(stats['nvme_used_bytes']):>10} used of "
@@ -121,6 +128,47 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, j in sorted(stats["jobs"].items()):
         print(f"{name:<24} {j['owner_uid']:>6} {j['sessions']:>7} {j['tensors']:>8} "
               f"{format_size(j['pool_used_bytes']):>10} {format_size(j['nvme_used_bytes']):>10}")
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """``tierd status`` every ``--interval`` seconds, with transfer rates."""
+    import tierd
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    with tierd.connect(args.socket) as c:
+        before, then = None, time.monotonic()
+        for i in itertools.count(1):
+            stats, now = c.stats(), time.monotonic()
+            print(f"{clear}tierd top  {time.strftime('%H:%M:%S')}  every {args.interval:g} s")
+            if before is not None:
+                dt = max(now - then, 1e-9)
+                print(f"rate  {format_size(int((stats['bytes_to_nvme'] - before['bytes_to_nvme']) / dt))}/s"
+                      f" to NVMe, {format_size(int((stats['bytes_to_pool'] - before['bytes_to_pool']) / dt))}/s"
+                      f" to pool, {(stats['evictions'] - before['evictions']) / dt:.1f} evictions/s")
+            print_status(stats)
+            sys.stdout.flush()
+            if args.count and i >= args.count:
+                return 0
+            before, then = stats, now
+            time.sleep(args.interval)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the daemon answers a stats request within ``--timeout``, else 1."""
+    import asyncio
+
+    import tierd
+
+    async def probe() -> dict:
+        async with await tierd.aconnect(args.socket) as c:
+            return await c.stats()
+    try:
+        stats = asyncio.run(asyncio.wait_for(probe(), args.timeout))
+    except (TierdError, TimeoutError, asyncio.TimeoutError, OSError) as exc:
+        print(f"tierd health: unhealthy: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    print(f"ok: {stats['sessions']} sessions, pool {format_size(stats['pool_used_bytes'])} "
+          f"of {format_size(stats['pool_bytes'])}, {stats['io_errors']} I/O errors")
     return 0
 
 
@@ -140,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print the daemon's pool/NVMe use and jobs")
     st.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
     st.add_argument("--json", action="store_true")
+    top = sub.add_parser("top", help="tierd status, refreshed every --interval seconds")
+    top.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    health = sub.add_parser("health", help="exit 0 if the daemon answers, 1 if not (probes)")
+    health.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     dj = sub.add_parser("drop-job", help="delete every tensor of a named job")
     dj.add_argument("name")
     dj.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
@@ -153,7 +208,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "drop-job": cmd_drop_job}
+COMMANDS = {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "top": cmd_top,
+            "health": cmd_health, "drop-job": cmd_drop_job}
 
 
 def main(argv: list[str] | None = None) -> int:
