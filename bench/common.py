@@ -62,7 +62,7 @@ QUICK = Sizes(quick=True, disk_bytes=64 << 20, tensor_bytes=4 << 20, copy_bytes=
               latency_ops=100, pool=384 << 20, nvme_size=512 << 20, train_steps=3,
               warmup_steps=1, model="tiny", batches=(2, 4), seq=64, case_timeout_s=60)
 FULL = Sizes(quick=False, disk_bytes=4 << 30, tensor_bytes=64 << 20, copy_bytes=4 << 30,
-             latency_ops=2000, pool=48 << 30, nvme_size=10 << 30, train_steps=4,
+             latency_ops=2000, pool=48 << 30, nvme_size=10 << 30, train_steps=3,
              warmup_steps=2, model="gpt2-1.3b", batches=(8, 16), seq=1024,
              case_timeout_s=200)
 
@@ -157,14 +157,28 @@ def run_worker(ctx: Context, spec: dict, timeout: float | None = None) -> dict:
                               capture_output=True, text=True, timeout=timeout,
                               env=subprocess_env(), cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout:.0f} s",
-                "log": _tail(exc.stderr)}
+        partial = _last_json(exc.stdout)
+        if partial is not None:   # the measurements it finished still count
+            return {**partial, "partial": f"killed after {timeout:.0f} s"}
+        return {"error": f"timed out after {timeout:.0f} s", "log": _tail(exc.stderr)}
     finally:
         os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    result = _last_json(proc.stdout)
+    if result is None:
         return {"error": f"worker exited {proc.returncode}", "log": _tail(proc.stderr)}
-    return json.loads(lines[-1])
+    if proc.returncode != 0:
+        result["partial"] = f"worker exited {proc.returncode}: {_tail(proc.stderr, 500)}"
+    return result
+
+
+def _last_json(text) -> dict | None:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = [ln for ln in (text or "").splitlines() if ln.startswith("{")]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return json.loads(lines[-2]) if len(lines) > 1 else None
 
 
 def _tail(text, n: int = 1500) -> str:

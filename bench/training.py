@@ -89,8 +89,9 @@ def train_rows(ctx: Context) -> list[dict]:
         ref = results["gpu"].get("train", {}).get(str(b))
         for name, res in results.items():
             what = f"train step B={b}: {SYSTEMS[name]}"
-            if "error" in res:
-                rows.append(_error_row(what, res))
+            if "error" in res or str(b) not in res.get("train", {}):
+                rows.append(_error_row(what, res if "error" in res else
+                                       {"error": res.get("partial", "not measured")}))
                 continue
             r = res["train"][str(b)]
             cfg = config_text(ctx, b, TRAIN_CONFIG[name].format(
@@ -99,6 +100,8 @@ def train_rows(ctx: Context) -> list[dict]:
                            peak_gpu_bytes=r.get("peak_gpu_bytes"),
                            h2d_bytes=r.get("h2d_bytes", 0), d2h_bytes=r.get("d2h_bytes", 0),
                            steps_s=r["steps_s"], params=res["params"])
+            if res.get("partial"):
+                figures["partial"] = res["partial"]
             if ref:
                 figures["ratio"] = r["step_s"] / ref["step_s"]
                 figures["limit"] = "all-on-GPU step"
@@ -122,7 +125,8 @@ def forward_rows(ctx: Context) -> list[dict]:
     for name, res in results.items():
         what = f"forward B={b}: {SYSTEMS[name]}"
         if "error" in res or "forward" not in res:
-            rows.append(_error_row(what, res if "error" in res else {"error": "no forward"}))
+            rows.append(_error_row(what, res if "error" in res else
+                                   {"error": res.get("partial", "no forward measured")}))
             continue
         r = res["forward"]
         figures = dict(step_s=r["step_s"], tokens_per_s=r["tokens_per_s"],
@@ -145,7 +149,9 @@ def control_rows(ctx: Context) -> list[dict]:
     what = f"tierd hooks + requests, share of step B={b}"
     if "error" in res:
         return [_error_row(what, res)]
-    c = res["train"][str(b)]["control"]
+    c = res.get("train", {}).get(str(b), {}).get("control")
+    if c is None:
+        return [_error_row(what, {"error": res.get("partial", "not measured")})]
     return [row(what, config_text(ctx, b, c["method"]), share=c["control_share"],
                 hook_share=c["hook_share"], hook_s=c["hook_s"],
                 request_s_outside_hooks=c["request_s_outside_hooks"],

@@ -27,7 +27,7 @@ from bench.common import median
 
 def main(path: str) -> None:
     spec = json.load(open(path))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     mode = spec["mode"]
     setup = {"gpu": setup_gpu, "tierd": setup_tierd, "fsdp2": setup_fsdp2,
              "accelerate": setup_accelerate}[mode]
@@ -37,11 +37,13 @@ def main(path: str) -> None:
            "params": extra.pop("params"), "train": {}, **extra}
     for b in spec.get("batches", []):
         out["train"][str(b)] = measure_train(spec, model, opt, b, device)
+        print(json.dumps(out), flush=True)   # partial results survive a timeout
     if spec.get("forward_batch"):
         if mode == "gpu":   # forward-only reference: the same model in bf16
             opt = None
             model = model.to(torch.bfloat16)
         out["forward"] = measure_forward(spec, model, spec["forward_batch"], device)
+    out["complete"] = True
     print(json.dumps(out), flush=True)
 
 
@@ -56,6 +58,7 @@ def setup_gpu(spec, device):
 def setup_tierd(spec, device):
     import tierd
     model = models.build(spec["model"], spec["seq"], device).cpu()
+    _empty_cache(device)
     params = models.n_params(model)
     client = tierd.connect(spec["socket"])
     tierd.attach(model, client=client, compute_dtype="bf16",
@@ -73,6 +76,7 @@ def setup_fsdp2(spec, device):
     store = dist.FileStore(tempfile.mktemp(prefix="bench-fsdp-"), 1)
     dist.init_process_group("cuda:nccl,cpu:gloo", store=store, rank=0, world_size=1)
     model = models.build(spec["model"], spec["seq"], device).cpu()
+    _empty_cache(device)
     policy = CPUOffloadPolicy(pin_memory=True)
     for block in model.transformer.h:
         fully_shard(block, offload_policy=policy)
@@ -84,8 +88,15 @@ def setup_fsdp2(spec, device):
 def setup_accelerate(spec, device):
     from accelerate import cpu_offload
     model = models.build(spec["model"], spec["seq"], device).to(torch.bfloat16).cpu().eval()
+    _empty_cache(device)
     cpu_offload(model, execution_device=device)
     return model, None, {"params": models.n_params(model)}
+
+
+def _empty_cache(device) -> None:
+    """The model was built on the GPU (fast init) and moved off: give the memory back."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- measuring
