@@ -54,6 +54,11 @@ class AttachConfig:
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
     #: (per block on the compute device) or "cpu" (in place in the pool).
     optimizer_placement: str = "gpu-stream"
+    #: Keep lasting pool leases on the model's keys (compute-dtype params,
+    #: then optimizer states) while they take at most this fraction of the
+    #: pool: no daemon request per use. Above it, keys are leased per use and
+    #: may spill to NVMe. 0 disables holding.
+    hold_fraction: float = 0.5
     #: Gradients are written to the pool in buckets of about this many bytes.
     grad_bucket_bytes: int = 32 << 20
     #: Key prefix in the daemon (a random one when None); must be unique.
@@ -74,6 +79,8 @@ class AttachConfig:
                   "grad_bucket_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        if not 0.0 <= self.hold_fraction <= 1.0:
+            raise ValueError(f"hold_fraction={self.hold_fraction} must be in [0, 1]")
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
@@ -147,6 +154,7 @@ def detach(model: nn.Module) -> nn.Module:
     session = session_of(model)
     session.hooks.remove()
     restore_parameters(session)
+    session.leases.unhold_all()
     session.client.delete(session.client.keys(session.prefix + "/"))
     object.__delattr__(model, _SESSION_ATTR)
     if session.owns_client:

@@ -19,18 +19,19 @@ resizes the storage to 0, see the Note in ``tiered_param``.
 
 from __future__ import annotations
 
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
 from tierd.client.copy_stream import CopyStream, register_pool
 from tierd.client.grads import GradBucket
+from tierd.client.leases import LeaseTable
 from tierd.client.planner import PrefetchPlanner
 from tierd.client.releases import PendingReleases
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
-from tierd.errors import CapacityError
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,22 +44,15 @@ class Unit:
     nbytes: int
 
 
-class _LeaseBatch:
-    """One ``lease_async`` request whose reply is read once, when first needed."""
+@dataclass
+class SessionStats:
+    """Counters of one attached model since attach (see :meth:`Session.stats`)."""
 
-    def __init__(self, pending) -> None:
-        self._pending = pending
-        self._views: dict[str, torch.Tensor] | None = None
-        self.failed = False
-
-    def views(self) -> dict[str, torch.Tensor] | None:
-        """The leased views, or None if the daemon had no room (a prefetch is a hint)."""
-        if self._views is None and not self.failed:
-            try:
-                self._views = {lease.key: lease.tensor for lease in self._pending.result()}
-            except CapacityError:
-                self.failed = True
-        return self._views
+    hook_seconds: float = 0.0      # host time inside tierd's hooks (optimizer included)
+    optimizer_seconds: float = 0.0  # of which: launching fused optimizer updates
+    requests: int = 0              # requests sent to the daemon
+    steps: int = 0                 # root forwards that began a step
+    backwards: int = 0             # outermost backward passes that ended
 
 
 def _current_graph_task() -> int:
@@ -78,19 +72,24 @@ class Session:
         self.device = config.resolved_device()
         self.prefix = f"tierd-attach/{config.name or uuid.uuid4().hex[:12]}"
         self.copy = CopyStream(self.device)
-        self.releases = PendingReleases(client)
+        self.counters = SessionStats()
+        self.leases = LeaseTable(client, self.counters)
+        self.releases = PendingReleases(self.leases)
+        self.pool_bytes = int(client.stats()["pool_bytes"])
+        self.held_bytes = 0
         # Leases held for prefetch, gradient buckets and optimizer blocks pin
         # pool space; each gets at most a quarter of the pool so together they
         # can never ask for more than it holds (that would be a CapacityError).
-        self.lease_cap = max(1, int(client.stats()["pool_bytes"]) // 4)
-        self.grads = GradBucket(client, self.copy, self.releases,
+        self.lease_cap = max(1, self.pool_bytes // 4)
+        self.grads = GradBucket(client, self.leases, self.copy, self.releases,
                                 min(config.grad_bucket_bytes, self.lease_cap))
         self.params: dict[str, TieredParam] = {}     # canonical name -> param
         self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
         self.units: list[Unit] = []
         self.unit_of: dict[int, Unit] = {}           # id(module) -> unit
         self._holds: dict[TieredParam, int] = {}     # forward calls using it now
-        self._leases: dict[TieredParam, _LeaseBatch] = {}  # prefetched, not copied
+        self._leases: set[TieredParam] = set()       # leases asked for, not copied
+        self.optimizers: list = []   # tierd.optim updaters fused into backward
         self._announced: list[TieredParam] = []      # prefetched, copy not started
         self._device_bytes = 0
         self._tasks_with_callback: set[int] = set()
@@ -104,6 +103,31 @@ class Session:
         """Called once the registry and units are built (``registry.take_parameters``)."""
         self.planner = PrefetchPlanner({u.index: u.nbytes for u in self.units},
                                        min(self.config.prefetch_bytes, self.lease_cap))
+        tps = [tp for tp in self.params.values() if not tp.resident]
+        self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
+
+    def try_hold(self, keys: list[str], nbytes: int) -> bool:
+        """Hold leases on ``keys`` for good if all held bytes stay under
+        ``hold_fraction`` of the pool (see [Note: held leases] in leases.py)."""
+        if self.held_bytes + nbytes > self.config.hold_fraction * self.pool_bytes:
+            return False
+        if not self.leases.hold(keys):
+            return False
+        self.held_bytes += nbytes
+        return True
+
+    def stats(self) -> dict:
+        """Counters since attach: hook seconds, daemon requests, bytes copied in
+        and out, steps and backwards. Diff two calls to get one step's figures.
+
+        Example:
+            >>> before = session.stats(); train_step(); after = session.stats()  # doctest: +SKIP
+            >>> after["h2d_bytes"] - before["h2d_bytes"]                           # doctest: +SKIP
+        """
+        out = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
+        out.update(h2d_bytes=self.copy.h2d_bytes, d2h_bytes=self.copy.d2h_bytes,
+                   held_bytes=self.held_bytes)
+        return out
 
     def all_params(self) -> list[TieredParam]:
         return list(self.params.values())
@@ -113,7 +137,8 @@ class Session:
         """Root forward starts a step (unless it is a re-run inside backward)."""
         if _current_graph_task() != -1:
             return
-        self.settle()
+        self.counters.steps += 1
+        self.settle(synchronize=False)
         self._prefetch(self.planner.begin_step())
 
     def pre_forward(self, unit: Unit) -> None:
@@ -138,26 +163,40 @@ class Session:
         self._start_announced()
 
     # ------------------------------------------------------------- backward
-    def pre_backward(self, unit: Unit) -> None:
+    def _enter_backward(self) -> int:
         task = _current_graph_task()
         if task not in self._tasks_with_callback:
+            outermost = not self._tasks_with_callback
             self._tasks_with_callback.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self.end_backward(task))
+            if outermost:
+                for opt in self.optimizers:
+                    opt.begin_backward()
+        return task
+
+    def pre_backward(self, unit: Unit) -> None:
+        task = self._enter_backward()
         self._observe(unit)
         self.require(unit)
         for tp in unit.params:
             if tp.backward_task == -1:
                 tp.backward_task = task
+        for opt in self.optimizers:
+            opt.prefetch()
 
     def on_grad_of(self, param: TieredParameter) -> None:
+        t0 = time.perf_counter()
         self.on_grad(param.tiered)
+        self.counters.hook_seconds += time.perf_counter() - t0
 
     def on_grad(self, tp: TieredParam) -> None:
-        """Autograd accumulated ``tp``'s gradient: move it out, then free ``tp``."""
+        """Autograd accumulated ``tp``'s gradient: hand it to a fused optimizer
+        or move it out, then free ``tp``."""
+        self._enter_backward()
         grad = tp.param.grad
         tp.param.grad = None
-        if grad is not None:
+        if grad is not None and not any(opt.on_grad(tp, grad) for opt in self.optimizers):
             self.grads.add(tp, grad)
         if (tp.state is ParamState.DEVICE and not tp.resident
                 and self._holds.get(tp, 0) == 0):
@@ -165,6 +204,11 @@ class Session:
 
     def end_backward(self, task: int) -> None:
         """Engine callback at the end of a backward graph task."""
+        t0 = time.perf_counter()
+        self._end_backward(task)
+        self.counters.hook_seconds += time.perf_counter() - t0
+
+    def _end_backward(self, task: int) -> None:
         self._tasks_with_callback.discard(task)
         self.grads.flush()
         for tp in self.params.values():
@@ -172,19 +216,22 @@ class Session:
                     and not tp.resident and self._holds.get(tp, 0) == 0):
                 self._free(tp)
         if not self._tasks_with_callback:
-            self.settle()
+            self.counters.backwards += 1
+            for opt in self.optimizers:
+                opt.end_backward()
+            self.settle(synchronize=False)
 
     # ------------------------------------------------------------- movement
     def require(self, unit: Unit) -> None:
         """Make every parameter of ``unit`` usable on the compute device."""
         for tp in unit.params:   # a failed prefetch falls back to on-demand
-            batch = self._leases.get(tp)
-            if batch is not None and batch.views() is None:
-                self._leases.pop(tp)
+            if tp in self._leases and self.leases.view(tp.key) is None:
+                self._drop_lease(tp)
         on_demand = [tp for tp in unit.params
                      if tp.state is ParamState.HOST and tp not in self._leases]
         if on_demand:
             self._lease_batch(on_demand)
+            self.leases.views([tp.key for tp in on_demand])   # raises if no room
         for tp in unit.params:
             if tp.state is ParamState.HOST:
                 self._start_swap_in(tp)
@@ -195,8 +242,9 @@ class Session:
                 tp.finish_write_back()
         self.releases.drain()
 
-    def settle(self) -> None:
-        """Bring every parameter back to rest: freed, no copy or lease pending."""
+    def settle(self, *, synchronize: bool = True) -> None:
+        """Bring every parameter back to rest: freed, no lease pending; with
+        ``synchronize`` also every copy landed (before the host reads the pool)."""
         self.grads.flush()
         self._announced.clear()
         for tp in self.params.values():
@@ -207,12 +255,15 @@ class Session:
             if (tp.state is ParamState.DEVICE and not tp.resident
                     and self._holds.get(tp, 0) == 0):
                 self._free(tp)
-        if self._leases:   # prefetched but never used: give the slots back
-            keys = [tp.key for tp, batch in self._leases.items() if batch.views() is not None]
-            self._leases.clear()
-            if keys:
-                self.client.release(keys)
-        self.releases.drain(block=True)
+        for tp in list(self._leases):   # prefetched but never used: give them back
+            self._drop_lease(tp)
+        if synchronize:
+            for opt in self.optimizers:
+                opt.settle()
+            self.copy.synchronize()
+            self.releases.drain(block=True)
+        else:
+            self.releases.drain()
 
     def _observe(self, unit: Unit) -> None:
         self._prefetch(self.planner.on_use(unit.index))
@@ -223,7 +274,7 @@ class Session:
             if tp.state is ParamState.HOST and tp not in self._leases))
         if not wanted:
             return
-        self._lease_batch(wanted, asynchronous=True)
+        self._lease_batch(wanted)
         self._announced.extend(wanted)
         self._start_announced()
 
@@ -232,31 +283,29 @@ class Session:
         budget = self.config.gpu_budget_bytes
         while self._announced:
             tp = self._announced[0]
-            batch = self._leases.get(tp)
-            if tp.state is not ParamState.HOST or batch is None:
+            if tp.state is not ParamState.HOST or tp not in self._leases:
                 self._announced.pop(0)
                 continue
-            if batch.views() is None:
+            if self.leases.view(tp.key) is None:
                 self._announced.pop(0)
-                self._leases.pop(tp)
+                self._drop_lease(tp)
                 continue
             if self._device_bytes + tp.nbytes > budget:
                 return
             self._announced.pop(0)
             self._start_swap_in(tp)
 
-    def _lease_batch(self, tps: list[TieredParam], *, asynchronous: bool = False) -> None:
-        keys = [tp.key for tp in tps]
-        pending = self.client.lease_async(keys)
-        batch = _LeaseBatch(pending)
-        if not asynchronous:
-            batch.views()
-        for tp in tps:
-            self._leases[tp] = batch
+    def _lease_batch(self, tps: list[TieredParam]) -> None:
+        self.leases.acquire([tp.key for tp in tps])
+        self._leases.update(tps)
+
+    def _drop_lease(self, tp: TieredParam) -> None:
+        self._leases.discard(tp)
+        self.leases.release([tp.key])
 
     def _start_swap_in(self, tp: TieredParam) -> None:
-        view = self._leases.pop(tp).views()[tp.key]
-        copy = tp.start_swap_in(view, (tp.key,), self.copy)
+        self._leases.discard(tp)
+        copy = tp.start_swap_in(self.leases.view(tp.key), (tp.key,), self.copy)
         self._device_bytes += tp.nbytes
         self.releases.add(copy, written=False)
 
@@ -272,17 +321,26 @@ class Session:
             tp.grad_in_pool = False
             tp.grad_norm = None
 
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """New CPU tensors with the stored bytes of this session's keys."""
+        self.settle()
+        keys = list(dict.fromkeys(keys))
+        self.leases.acquire(keys)
+        try:
+            return {k: v.clone() for k, v in self.leases.views(keys).items()}
+        finally:
+            self.leases.release(keys)
+
     def read_values(self, tps: list[TieredParam]) -> dict[TieredParam, torch.Tensor]:
         """Current values (fp32 master if any), as new CPU tensors in the original dtype."""
-        self.grads.flush()
-        got = self.client.get_many(list(dict.fromkeys(tp.master_key for tp in tps)))
+        got = self.read([tp.master_key for tp in tps])
         return {tp: got[tp.master_key].to(tp.orig_dtype) for tp in tps}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients by parameter name (for inspection)."""
         self.grads.flush()
         with_grad = [tp for tp in self.params.values() if tp.grad_in_pool]
-        got = self.client.get_many([tp.grad_key for tp in with_grad])
+        got = self.read([tp.grad_key for tp in with_grad])
         return {tp.name: got[tp.grad_key] for tp in with_grad}
 
     def fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str) -> None:

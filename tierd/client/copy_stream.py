@@ -15,15 +15,15 @@ import torch
 
 @dataclass(frozen=True)
 class InflightCopy:
-    """A queued copy paired with its completion event.
+    """A queued copy (or batch of copies) paired with its completion event.
 
     Holding this value keeps ``src`` and ``dst`` alive, so the caching
     allocator cannot hand their memory to someone else, and the pool lease on
     ``keys`` must not be released, until :meth:`done` says the copy finished.
     """
 
-    dst: torch.Tensor
-    src: torch.Tensor
+    dst: torch.Tensor | tuple[torch.Tensor, ...]
+    src: torch.Tensor | tuple[torch.Tensor, ...]
     keys: tuple[str, ...]
     event: "torch.cuda.Event | None"
 
@@ -37,8 +37,20 @@ class InflightCopy:
             self.event.synchronize()
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class CopyStream:
     """Queues copies between pool views and compute-device tensors.
+
+    [Note: two copy streams]
+    PCIe moves bytes both ways at once (98 GB/s together vs 55 GB/s one
+    way on the H200 host), but one CUDA stream runs its copies in order, so
+    a pool->device copy queued behind a device->pool one would wait for it.
+    Copies in and copies out therefore get a stream each. A copy in of a key
+    waits for the event of the last copy out into that key (``_written``), so
+    a value written back by the optimizer is never read half-written.
 
     Example:
         >>> import torch
@@ -50,53 +62,120 @@ class CopyStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream: torch.cuda.Stream | None = None
+        self._in: torch.cuda.Stream | None = None
+        self._out: torch.cuda.Stream | None = None
+        self._written: dict[str, torch.cuda.Event] = {}
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
         if device.type == "cuda":
-            # The only stream tierd creates. Copies on their own stream overlap
-            # the kernels of the (user's) current stream; ordering between the
-            # two is expressed with events recorded per copy (see `wait`).
-            self._stream = torch.cuda.Stream(device=device)
+            # The only streams tierd creates, see [Note: two copy streams].
+            # Copies on their own streams overlap the kernels of the (user's)
+            # current stream; ordering is expressed with per-copy events.
+            self._in = torch.cuda.Stream(device=device)
+            self._out = torch.cuda.Stream(device=device)
+
+    @property
+    def on_device(self) -> bool:
+        return self._in is not None
+
+    def _after_writes(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            event = self._written.get(key)
+            if event is not None:
+                if event.query():
+                    del self._written[key]
+                else:
+                    self._in.wait_event(event)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor,
                 keys: tuple[str, ...]) -> InflightCopy:
         """Queue ``dst.copy_(src)`` (pool view -> device tensor)."""
-        if self._stream is None:
-            dst.copy_(src)
-            return InflightCopy(dst, src, keys, None)
-        compute = torch.cuda.current_stream(self.device)
-        # dst was allocated on the compute stream: its memory may still be read
-        # by kernels queued there for a tensor freed earlier. Start after them.
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
+        return self.copy_in_many([(dst, src)], keys, after_compute=True)
+
+    def copy_in_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                     keys: tuple[str, ...], *, after_compute: bool = False) -> InflightCopy:
+        """Queue ``dst.copy_(src)`` for each (device dst, pool src) pair; one event.
+
+        ``after_compute``: dst was allocated on the compute stream, whose queued
+        kernels may still read its memory (a tensor freed earlier): start after
+        them. Buffers allocated with :meth:`empty_for_copy_in` need no such wait.
+        """
+        self.h2d_bytes += sum(_nbytes(s) for _, s in pairs)
+        dsts = tuple(d for d, _ in pairs)
+        srcs = tuple(s for _, s in pairs)
+        if self._in is None:
+            for d, s in pairs:
+                d.copy_(s)
+            return InflightCopy(dsts, srcs, keys, None)
+        if after_compute:
+            self._in.wait_stream(torch.cuda.current_stream(self.device))
+        self._after_writes(keys)
+        with torch.cuda.stream(self._in):
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
-        # dst's memory is written on our stream: keep it from being reused
-        # for another tensor before that write is done.
-        dst.record_stream(self._stream)
-        return InflightCopy(dst, src, keys, event)
+            event.record(self._in)
+        if after_compute:
+            # dst's memory is written on our stream: keep it from being reused
+            # for another tensor before that write is done.
+            for d in dsts:
+                d.record_stream(self._in)
+        return InflightCopy(dsts, srcs, keys, event)
+
+    def empty_for_copy_in(self, like: torch.Tensor) -> torch.Tensor:
+        """A device buffer shaped like ``like`` (fp32), allocated on the copy-in
+        stream so filling it waits for nothing on the compute stream; the
+        compute stream is recorded as a user, so its memory is not reused before
+        the compute stream is done with it."""
+        if self._in is None:
+            return torch.empty(like.shape, dtype=like.dtype)
+        with torch.cuda.stream(self._in):
+            out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        out.record_stream(torch.cuda.current_stream(self.device))
+        return out
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor,
                  keys: tuple[str, ...]) -> InflightCopy:
         """Queue ``dst.copy_(src)`` (device tensor -> pool view) after the
         compute stream has produced ``src``."""
-        if self._stream is None:
-            dst.copy_(src)
-            return InflightCopy(dst, src, keys, None)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
+        return self.copy_out_many([(dst, src)], keys)
+
+    def copy_out_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                      keys: tuple[str, ...]) -> InflightCopy:
+        """Queue ``dst.copy_(src)`` for each (pool dst, device src) pair once the
+        compute stream has produced the sources; one event for all."""
+        self.d2h_bytes += sum(_nbytes(s) for _, s in pairs)
+        dsts = tuple(d for d, _ in pairs)
+        srcs = tuple(s for _, s in pairs)
+        if self._out is None:
+            for d, s in pairs:
+                d.copy_(s)
+            return InflightCopy(dsts, srcs, keys, None)
+        self._out.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._out):
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(self._out)
         # src was made on the compute stream and is read on ours: keep its
         # memory from being reused until this stream's work is done.
-        src.record_stream(self._stream)
-        return InflightCopy(dst, src, keys, event)
+        for s in srcs:
+            s.record_stream(self._out)
+        for key in keys:
+            self._written[key] = event
+        return InflightCopy(dsts, srcs, keys, event)
 
     def wait(self, copy: InflightCopy) -> None:
         """Make the compute stream wait for ``copy`` (no host blocking)."""
         if copy.event is not None:
             torch.cuda.current_stream(self.device).wait_event(copy.event)
+
+    def synchronize(self) -> None:
+        """Block the host until every queued copy has landed."""
+        if self._in is not None:
+            self._in.synchronize()
+            self._out.synchronize()
+            self._written.clear()
 
 
 def register_pool(client, device: torch.device) -> None:

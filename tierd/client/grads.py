@@ -33,9 +33,10 @@ class GradBucket:
         >>> bucket.add(tp, grad); bucket.flush()                                        # doctest: +SKIP
     """
 
-    def __init__(self, client, stream: CopyStream, releases: PendingReleases,
+    def __init__(self, client, leases, stream: CopyStream, releases: PendingReleases,
                  bucket_bytes: int) -> None:
         self._client = client
+        self._leases = leases   # the session's LeaseTable
         self._stream = stream
         self._releases = releases
         self._bucket_bytes = bucket_bytes
@@ -54,8 +55,10 @@ class GradBucket:
             return
         entries, self._entries, self._bytes = self._entries, [], 0
         keys = list(dict.fromkeys(tp.grad_key for tp, _ in entries))
-        views = {lease.key: lease.tensor for lease in self._client.lease(keys, write=True)}
-        on_device = self._stream.device.type != "cpu"
+        self._create([tp for tp, _ in entries])
+        self._leases.acquire(keys)
+        views = self._leases.views(keys)
+        on_device = self._stream.on_device
         accumulated: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for tp, grad in entries:
@@ -76,11 +79,21 @@ class GradBucket:
                 tp.grad_norm = torch.linalg.vector_norm(acc, 2.0)
         self._write_back(keys, views, accumulated, on_device)
 
+    def _create(self, tps: list[TieredParam]) -> None:
+        """Gradient keys are made on first use: a model trained with a fused
+        optimizer never needs them."""
+        missing = {tp.grad_key: torch.zeros(tp.param.shape, dtype=torch.float32)
+                   for tp in tps if not tp.grad_created}
+        if missing:
+            self._client.put_many(missing)
+            for tp in tps:
+                tp.grad_created = True
+
     def _write_back(self, keys: list[str], views: dict[str, torch.Tensor],
                     accumulated: dict[str, torch.Tensor], on_device: bool) -> None:
         if not on_device:   # summed in place in the pool already
-            self._client.release(keys, written=True)
+            self._leases.release(keys, written=True)
             return
-        for key in keys:
-            copy = self._stream.copy_out(views[key], accumulated[key], (key,))
-            self._releases.add(copy, written=True)
+        copy = self._stream.copy_out_many([(views[k], accumulated[k]) for k in keys],
+                                          tuple(keys))
+        self._releases.add(copy, written=True)

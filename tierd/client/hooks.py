@@ -7,6 +7,7 @@ function is patched; only public ``nn.Module`` / autograd hook APIs are used.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -49,18 +50,33 @@ class ModuleHooks:
 
     # The root's pre-hook is registered first, so it runs before the root
     # unit's own pre-hook (if the root owns parameters).
+    # Every hook adds its host time to session.counters.hook_seconds (the
+    # benchmark reports it as the overhead share of a step).
     def _begin_step(self, module: nn.Module, args: Any) -> None:
+        t0 = time.perf_counter()
         self._session.begin_step()
+        self._session.counters.hook_seconds += time.perf_counter() - t0
 
     def _pre_forward_of(self, unit: Unit):
         def hook(module: nn.Module, args: Any) -> None:
+            t0 = time.perf_counter()
             self._session.pre_forward(unit)
+            self._session.counters.hook_seconds += time.perf_counter() - t0
         return hook
 
     def _post_forward_of(self, unit: Unit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            t0 = time.perf_counter()
             self._session.post_forward(unit)
             self._register_pre_backward(unit, output)
+            self._session.counters.hook_seconds += time.perf_counter() - t0
+        return hook
+
+    def _pre_backward_of(self, unit: Unit):
+        def hook(grad: Any) -> None:
+            t0 = time.perf_counter()
+            self._session.pre_backward(unit)
+            self._session.counters.hook_seconds += time.perf_counter() - t0
         return hook
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
@@ -72,7 +88,7 @@ class ModuleHooks:
             # fires once per backward, when the first output gradient arrives,
             # i.e. before any backward node inside the unit runs
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grad: self._session.pre_backward(unit), mode="any")
+                tensors, self._pre_backward_of(unit), mode="any")
 
     def _state_dict_hook(self):
         # a fresh function per module: torch tags the hook object it is given

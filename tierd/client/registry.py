@@ -67,7 +67,6 @@ def _make(session: Session, param: nn.Parameter, name: str,
     if tp.has_master:
         uploads[tp.master_key] = cpu.to(torch.float32)
     if new.requires_grad:
-        uploads[tp.grad_key] = torch.zeros(value.shape, dtype=torch.float32)
         new.register_post_accumulate_grad_hook(session.on_grad_of)
     if resident:
         with torch.no_grad():

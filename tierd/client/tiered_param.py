@@ -76,7 +76,8 @@ class TieredParam:
     ``<prefix>/p/<name>`` the value in compute dtype (what is copied in),
     ``<prefix>/master/<name>`` fp32 master weights when the compute dtype is
     lower precision (the optimizer updates it, then refreshes ``p``),
-    ``<prefix>/grad/<name>`` the fp32 gradient accumulated across backwards.
+    ``<prefix>/grad/<name>`` the fp32 gradient accumulated across backwards
+    (created the first time a gradient is written to the pool).
     """
 
     def __init__(self, *, name: str, prefix: str, param: TieredParameter,
@@ -95,6 +96,8 @@ class TieredParam:
         self.nbytes = param.numel() * param.element_size()
         # The summed gradient is in the pool under grad_key (False after zero_grad).
         self.grad_in_pool = False
+        # The grad key exists in the daemon (made on first use, see grads.py).
+        self.grad_created = False
         # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
         self.grad_norm: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Session.end_backward).

@@ -25,7 +25,8 @@ class AdamW(StreamedOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
-                 placement: str | None = None) -> None:
+                 placement: str | None = None, fused: bool | None = None,
+                 accumulation_steps: int = 1, prefetch_bytes: int | None = None) -> None:
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if eps < 0:
@@ -37,7 +38,9 @@ class AdamW(StreamedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         block_bytes=block_bytes, placement=placement)
+                         block_bytes=block_bytes, placement=placement, fused=fused,
+                         accumulation_steps=accumulation_steps,
+                         prefetch_bytes=prefetch_bytes)
 
     def _update(self, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor,
                 moments: dict[str, torch.Tensor]) -> None:

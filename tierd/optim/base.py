@@ -1,12 +1,21 @@
-"""What every tierd optimizer shares: blocks, leases, clipping, placement.
+"""What every tierd optimizer shares: fused or deferred updates, leases, clipping.
 
 The fp32 master weights (the ``p`` key itself when the compute dtype is fp32),
-the optimizer's moments and the accumulated gradients all live in tierd. A
-step walks the parameters block by block (about ``block_bytes`` each): one
-write lease for the block's keys, the update on the compute device
-("gpu-stream") or in place in the pool ("cpu"), then one release. Subclasses
-only write the per-parameter math (:meth:`StreamedOptimizer._update`), copied
-from torch's single-tensor implementation so fp32 results are bitwise equal.
+the optimizer's moments and the accumulated gradients all live in tierd.
+Two ways to update, same math (:meth:`StreamedOptimizer._update`, copied from
+torch's single-tensor implementation so fp32 results are bitwise equal):
+
+- *fused* (the default where possible): during the backward that ends the
+  accumulation window, each unit's parameters are updated on the compute
+  device as soon as their gradients are final; ``step()`` then only closes
+  the window. See [Note: fused update] in ``tierd.optim.fused``.
+- *deferred*: gradients are summed into the pool during backward and
+  ``step()`` walks the parameters block by block (about ``block_bytes``): one
+  lease for the block's keys, the update on the compute device ("gpu-stream")
+  or in place in the pool ("cpu"), then one release. Used for the first step
+  (while the fused path learns the order), with ``max_grad_norm`` (the global
+  norm needs every gradient first), with ``placement="cpu"`` and with
+  ``fused=False``.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.optim.fused import FusedUpdates
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
@@ -24,14 +34,32 @@ class StreamedOptimizer(torch.optim.Optimizer):
     ``max_grad_norm`` clips by the global L2 norm of all gradients exactly as
     ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` followed by
     ``step()`` would; the norm before clipping is kept in ``last_grad_norm``.
-    ``placement`` overrides the attach config's ``optimizer_placement``.
+    Clipping uses the deferred path (correct, slower: gradients go through
+    the pool). ``placement`` overrides the attach config's ``optimizer_placement``.
+
+    ``fused`` (default: whenever there is no clipping and the placement is
+    "gpu-stream") updates inside backward. Contract: ``step()`` follows every
+    ``accumulation_steps``-th backward, and ``zero_grad()`` follows ``step()``
+    (the usual loop); breaking it raises StateError rather than training wrong.
+    ``prefetch_bytes`` bounds the fp32 state kept in flight on the device
+    (default: the attach config's ``gpu_budget_bytes``; at most a quarter of
+    the pool, at least one unit).
+
+    Example:
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, accumulation_steps=4)  # doctest: +SKIP
+        >>> for i, batch in enumerate(loader):                                          # doctest: +SKIP
+        ...     (model(**batch).loss / 4).backward()
+        ...     if (i + 1) % 4 == 0:
+        ...         opt.step(); opt.zero_grad()
     """
 
     #: names of the per-parameter state tensors this optimizer keeps in tierd
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
-                 block_bytes: int = 64 << 20, placement: str | None = None) -> None:
+                 block_bytes: int = 64 << 20, placement: str | None = None,
+                 fused: bool | None = None, accumulation_steps: int = 1,
+                 prefetch_bytes: int | None = None) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -44,24 +72,69 @@ class StreamedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
         if placement not in (None, "gpu-stream", "cpu"):
             raise ValueError(f"placement={placement!r}; use 'gpu-stream', 'cpu' or None")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
+        if fused and max_grad_norm is not None:
+            raise ValueError("fused=True cannot clip by the global norm before every "
+                             "gradient exists; leave fused=None (deferred when clipping)")
         self.max_grad_norm = max_grad_norm
         self.block_bytes = block_bytes
         self.placement = placement
+        self.accumulation_steps = accumulation_steps
         self.last_grad_norm: torch.Tensor | None = None
+        self.needs_zero_grad = False
+        self._fused: list[FusedUpdates] = []
+        self._create_states()
+        for session, tps in self._by_session(self._all()).items():
+            use = fused if fused is not None else (
+                max_grad_norm is None
+                and (placement or session.config.optimizer_placement) == "gpu-stream")
+            if use:
+                self._register(session, tps, prefetch_bytes)
+
+    def _create_states(self) -> None:
+        """Zero moments for every parameter, in blocks, held if they fit."""
+        for block in self._blocks(list(dict.fromkeys(self._all()))):
+            session = block[0].session
+            fresh = {self.state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
+                     for tp in block for n in self.state_names}
+            if fresh:
+                session.client.put_many(fresh)
+        for session, tps in self._by_session(list(dict.fromkeys(self._all()))).items():
+            keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
+                    if not session.leases.is_held(k)}
+            session.try_hold(list(keys), sum(keys.values()))
+
+    def _register(self, session, tps: list[TieredParam], prefetch_bytes: int | None) -> None:
+        mine = set(tps)
+        groups = [(g, [p.tiered for p in g["params"] if p.tiered in mine])
+                  for g in self.param_groups]
+        depth = session.config.gpu_budget_bytes if prefetch_bytes is None else prefetch_bytes
+        depth = min(depth, session.lease_cap)   # leases in flight pin pool space
+        fused = FusedUpdates(self, session, groups, depth)
+        session.optimizers.append(fused)
+        self._fused.append(fused)
 
     # ------------------------------------------------------------- API
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients of this optimizer's parameters."""
         for session, tps in self._by_session(self._all()).items():
             session.zero_grad(tps)
+        self.needs_zero_grad = False
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update every parameter that has a gradient, block by block."""
+        """Close the window: nothing left to do after a fused backward,
+        otherwise update every parameter that has a gradient, block by block."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(f.updated for f in self._fused):
+            for f in self._fused:
+                f.after_step()
+            self.needs_zero_grad = True
+            return loss
         for session in self._by_session(self._all()):
             session.settle()
         coef = self._clip_coef()
@@ -69,7 +142,20 @@ class StreamedOptimizer(torch.optim.Optimizer):
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
             for block in self._blocks(tps):
                 self._step_block(group, block, coef)
+        for f in self._fused:
+            f.after_step()
         return loss
+
+    def state_keys(self, tp: TieredParam) -> list[str]:
+        """The fp32 master key, then one key per state name."""
+        return [tp.master_key] + [self.state_key(tp, n) for n in self.state_names]
+
+    def update_param(self, group: dict, tp: TieredParam, param: torch.Tensor,
+                     grad: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
+        """One step of ``tp``: ``param`` (fp32 master) and ``moments`` in place."""
+        state = self.state[tp.param]
+        state["step"] = state.get("step", 0.0) + 1.0
+        self._update(group, state, param, grad, moments)
 
     # ------------------------------------------------------------- helpers
     def _all(self) -> list[TieredParam]:
@@ -114,7 +200,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 blocks.append(block)
         return blocks
 
-    def _state_key(self, tp: TieredParam, name: str) -> str:
+    def state_key(self, tp: TieredParam, name: str) -> str:
         return f"{tp.session.prefix}/optim/{name}/{tp.name}"
 
     def _compute_device(self, tp: TieredParam) -> torch.device:
@@ -124,35 +210,23 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def _step_block(self, group: dict, block: list[TieredParam],
                     coef: torch.Tensor | None) -> None:
-        client = block[0].session.client
-        fresh = {self._state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
-                 for tp in block if not self.state[tp.param] for n in self.state_names}
-        for tp in block:
-            self.state[tp.param].setdefault("step", 0.0)
-        if fresh:
-            client.put_many(fresh)
-        write = [k for tp in block for k in self._write_keys(tp, coef is not None)]
-        read = [tp.grad_key for tp in block] if coef is None else []
-        views = {lease.key: lease.tensor for lease in client.lease(write, write=True)}
-        if read:
-            views.update({lease.key: lease.tensor for lease in client.lease(read)})
+        session = block[0].session
+        keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp)))
+        session.leases.acquire(keys)
+        views = session.leases.views(keys)
         on_device = False
         for tp in block:
             on_device |= self._step_param(group, tp, views, coef)
         if on_device:
             # [Note: release after the event] in tierd.client.releases: the
             # copies back into the pool must land before the leases go.
-            torch.cuda.current_stream(block[0].session.device).synchronize()
-        client.release(write, written=True)
-        if read:
-            client.release(read)
+            torch.cuda.current_stream(session.device).synchronize()
+        session.leases.release(keys, written=True)
 
-    def _write_keys(self, tp: TieredParam, clip: bool) -> list[str]:
-        keys = [tp.master_key] + [self._state_key(tp, n) for n in self.state_names]
+    def _block_keys(self, tp: TieredParam) -> list[str]:
+        keys = self.state_keys(tp) + [tp.grad_key]
         if tp.has_master:
             keys.append(tp.key)
-        if clip:
-            keys.append(tp.grad_key)
         return keys
 
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
@@ -160,15 +234,13 @@ class StreamedOptimizer(torch.optim.Optimizer):
         device = self._compute_device(tp)
         on_device = device.type != "cpu"
         names = {"param": tp.master_key, "grad": tp.grad_key,
-                 **{n: self._state_key(tp, n) for n in self.state_names}}
+                 **{n: self.state_key(tp, n) for n in self.state_names}}
         work = {n: (views[k].to(device, non_blocking=True) if on_device else views[k])
                 for n, k in names.items()}
         if coef is not None:
             work["grad"].mul_(coef.to(work["grad"].device))
-        state = self.state[tp.param]
-        state["step"] += 1.0
-        self._update(group, state, work["param"], work["grad"],
-                     {n: work[n] for n in self.state_names})
+        self.update_param(group, tp, work["param"], work["grad"],
+                          {n: work[n] for n in self.state_names})
         if on_device:
             written = ["param", *self.state_names] + (["grad"] if coef is not None else [])
             for n in written:

@@ -17,7 +17,8 @@ class SGD(StreamedOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
-                 placement: str | None = None) -> None:
+                 placement: str | None = None, fused: bool | None = None,
+                 accumulation_steps: int = 1, prefetch_bytes: int | None = None) -> None:
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if momentum < 0 or weight_decay < 0:
@@ -29,7 +30,9 @@ class SGD(StreamedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         block_bytes=block_bytes, placement=placement)
+                         block_bytes=block_bytes, placement=placement, fused=fused,
+                         accumulation_steps=accumulation_steps,
+                         prefetch_bytes=prefetch_bytes)
 
     def _update(self, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor,
                 moments: dict[str, torch.Tensor]) -> None:

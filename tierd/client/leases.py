@@ -1,0 +1,140 @@
+"""The session's leases on its own keys: counted, shared, and held when they fit.
+
+[Note: one lease per key per session]
+Parameter movement, gradient buckets and the optimizer all touch the same
+keys (with fp32 compute the parameter key *is* the master weight). The
+daemon grants a write lease only to a key nobody else pins, so two parts of
+one session leasing the same key on their own would refuse each other. The
+:class:`LeaseTable` takes one daemon lease per key (always ``write=True``:
+the keys are private to this attach) and counts references; the daemon lease
+is released when the last reference goes, as written if any holder wrote.
+
+[Note: held leases]
+When the keys fit comfortably in the pool, the session *holds* them: one
+reference each that is kept across steps, so acquiring and releasing in the
+hot path are dictionary updates and no request reaches the daemon (DESIGN
+"Hot path has no round trip"). A held key cannot be evicted to NVMe, which
+is why only a fraction of the pool is ever held; bytes written while held are
+reported as written when the hold ends (:meth:`LeaseTable.unhold_all`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tierd.errors import CapacityError
+
+
+class _LeaseBatch:
+    """One ``lease_async`` request whose reply is read once, when first needed."""
+
+    def __init__(self, pending) -> None:
+        self._pending = pending
+        self._views: dict[str, torch.Tensor] | None = None
+        self.failed = False
+
+    def views(self) -> dict[str, torch.Tensor] | None:
+        """The leased views, or None if the daemon had no room."""
+        if self._views is None and not self.failed:
+            try:
+                self._views = {lease.key: lease.tensor for lease in self._pending.result()}
+            except CapacityError:
+                self.failed = True
+        return self._views
+
+
+class LeaseTable:
+    """Reference-counted write leases of one session (see the Notes above).
+
+    Example:
+        >>> table = LeaseTable(client, stats)           # doctest: +SKIP
+        >>> table.acquire(["k"]); v = table.view("k")    # doctest: +SKIP
+        >>> table.release(["k"], written=True)           # doctest: +SKIP
+    """
+
+    def __init__(self, client, stats) -> None:
+        self._client = client
+        self._stats = stats
+        self._refs: dict[str, int] = {}
+        self._batch: dict[str, _LeaseBatch] = {}
+        self._written: set[str] = set()
+        self._held: set[str] = set()
+
+    def acquire(self, keys: Iterable[str]) -> None:
+        """One more reference on each (deduplicated) key; keys not leased yet
+        are asked for in one request whose reply is read on first :meth:`view`."""
+        keys = list(dict.fromkeys(keys))
+        new = [k for k in keys if k not in self._refs or self._batch[k].failed]
+        for k in keys:
+            self._refs[k] = self._refs.get(k, 0) + 1
+        if new:
+            batch = _LeaseBatch(self._client.lease_async(new, write=True))
+            self._stats.requests += 1
+            for k in new:
+                self._batch[k] = batch
+
+    def view(self, key: str) -> torch.Tensor | None:
+        """The pool view of an acquired key, or None if the daemon had no room."""
+        views = self._batch[key].views()
+        return None if views is None else views[key]
+
+    def views(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Views of acquired keys; raises CapacityError if the pool had no room."""
+        out = {}
+        for k in keys:
+            v = self.view(k)
+            if v is None:
+                raise CapacityError(f"the pool has no room to lease {k!r}; give the "
+                                    "daemon a larger pool or lower the attach budgets")
+            out[k] = v
+        return out
+
+    def is_held(self, key: str) -> bool:
+        return key in self._held
+
+    def release(self, keys: Iterable[str], *, written: bool = False) -> None:
+        """Drop one reference per (deduplicated) key; the last one releases the
+        daemon lease, in one request per ``written`` flag."""
+        out: dict[bool, list[str]] = {False: [], True: []}
+        for k in dict.fromkeys(keys):
+            if written:
+                self._written.add(k)
+            left = self._refs[k] - 1
+            if left > 0:
+                self._refs[k] = left
+                continue
+            del self._refs[k]
+            batch = self._batch.pop(k)
+            was_written = k in self._written
+            self._written.discard(k)
+            if batch.views() is not None:   # waits for the grant, never releases early
+                out[was_written].append(k)
+        for w, ks in out.items():
+            if ks:
+                self._client.release_async(ks, written=w)
+                self._stats.requests += 1
+
+    def release_async(self, keys: Iterable[str], written: bool = False) -> None:
+        """:class:`tierd.client.releases.PendingReleases` calls this name."""
+        self.release(keys, written=written)
+
+    def hold(self, keys: Iterable[str]) -> bool:
+        """Take a lasting reference on each key; False (and nothing held) if the
+        pool had no room for them."""
+        keys = [k for k in dict.fromkeys(keys) if k not in self._held]
+        if not keys:
+            return True
+        self.acquire(keys)
+        if any(self.view(k) is None for k in keys):
+            self.release(keys)
+            return False
+        self._held.update(keys)
+        return True
+
+    def unhold_all(self) -> None:
+        """End every hold (e.g. before detach deletes the keys)."""
+        held, self._held = list(self._held), set()
+        if held:
+            self.release(held)

@@ -1,0 +1,276 @@
+"""The optimizer update fused into backward (DESIGN "Optimizer").
+
+[Note: fused update]
+On the backward that ends an accumulation window, each parameter is updated
+as soon as its gradient is final, on the compute device, and the gradient
+never crosses PCIe. Parameters are grouped in *buckets*, one per unit
+(module) and param group, so leases, copies and events are per bucket:
+
+1. Ahead of the gradients, in the learned order in which buckets completed in
+   the last backward (initially: reverse forward order), the bucket's fp32
+   master weights and moments (and the gradient summed in the pool by the
+   window's earlier backwards, if any) are leased and copied in on the copy-in
+   stream, keeping at most ``prefetch_bytes`` of them on the device.
+2. A gradient is final when autograd has delivered it as many times as in the
+   last backward (several times only under reentrant checkpointing); when all
+   of a bucket's gradients are, the compute stream waits for the bucket's
+   copy and runs the optimizer's own per-parameter math (bitwise the deferred
+   path's), then casts the new compute-dtype value.
+3. Master, moments and the new value go back to the pool on the copy-out
+   stream; the leases are released after that copy's event ([Note: release
+   after the event] in tierd.client.releases).
+At the end of backward, buckets with a missing gradient are updated with what
+they have (a parameter with no gradient at all is skipped, as torch does).
+
+The first backward only learns (delivery counts and order); its window is
+updated by ``step()`` (deferred path). On the CPU the same code runs on the
+pool views in place, with no copies.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tierd.client.tiered_param import TieredParam
+from tierd.errors import StateError
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's optimizer state is during a fused backward.
+
+    HOST: master weights and moments only in tierd (pool or NVMe).
+    FETCHED: leased; on CUDA being copied in on the copy-in stream (event kept).
+    DONE: all its parameters updated this backward; copies out queued, leases
+        released after them. A bucket updated while some parameter had no
+        gradient yet goes back to HOST (it is fetched again if one comes).
+    """
+
+    HOST = "host"
+    FETCHED = "fetched"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The parameters of one unit and param group, updated together."""
+
+    index: int
+    group: dict
+    tps: list[TieredParam]
+    nbytes: int                    # fp32 bytes copied in (master + moments)
+    state: BucketState = BucketState.HOST
+    keys: list[str] = field(default_factory=list)
+    work: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> device tensor
+    copy: object = None            # InflightCopy of the copy in (CUDA only)
+
+
+class FusedUpdates:
+    """Runs one optimizer's updates inside the backwards of one session.
+
+    Example:
+        >>> fused = FusedUpdates(opt, session, tps_by_group)   # doctest: +SKIP
+        >>> session.optimizers.append(fused)                    # doctest: +SKIP
+    """
+
+    def __init__(self, opt, session, groups: list[tuple[dict, list[TieredParam]]],
+                 prefetch_bytes: int) -> None:
+        self.opt = opt
+        self.session = session
+        self.prefetch_bytes = prefetch_bytes
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[TieredParam, Bucket] = {}
+        self._build(groups)
+        self.order = list(range(len(self.buckets)))[::-1]  # reverse forward order
+        self.expected: dict[TieredParam, int] = {}
+        self.learned = False
+        self.backwards = 0           # outermost backwards ended since step()
+        self.active = False          # this backward updates (ends the window)
+        self.updated = False         # a fused update ran since the last step()
+        self._got: dict[TieredParam, int] = {}
+        self._grads: dict[TieredParam, torch.Tensor] = {}
+        self._updated: set[TieredParam] = set()   # updated in this backward
+        self._seen: list[int] = []   # bucket first-delivery order this backward
+        self._cursor = 0
+        self._fetched_bytes = 0
+
+    def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
+        group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
+        states = len(self.opt.state_names)
+        units = [u.params for u in self.session.units] + [
+            tuple(tp for tp in group_of if tp.resident)]
+        for params in units:
+            for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
+                tps = [tp for tp in params
+                       if group_of.get(tp) == gi and tp not in self.bucket_of]
+                if not tps:
+                    continue
+                b = Bucket(len(self.buckets), groups[gi][0], tps,
+                           sum(tp.param.numel() * 4 * (1 + states) for tp in tps))
+                self.buckets.append(b)
+                for tp in tps:
+                    self.bucket_of[tp] = b
+
+    # ------------------------------------------------------------ window
+    def begin_backward(self) -> None:
+        """The outermost backward starts: decide whether it updates."""
+        if self.updated:
+            raise StateError(
+                "backward ran again after a fused optimizer update but before "
+                "opt.step(); if you accumulate gradients, pass accumulation_steps=N "
+                "to the tierd optimizer (or fused=False)")
+        if self.opt.needs_zero_grad:
+            raise StateError(
+                "backward ran after opt.step() without opt.zero_grad(): tierd's fused "
+                "optimizer consumes gradients inside backward; call opt.zero_grad() "
+                "after step(), or pass fused=False to keep accumulating across steps")
+        self.active = self.learned and self.backwards + 1 == self.opt.accumulation_steps
+        self._got.clear()
+        self._seen.clear()
+        self._updated.clear()
+        self._cursor = 0
+        if self.active:
+            self.prefetch()
+
+    def on_grad(self, tp: TieredParam, grad: torch.Tensor) -> bool:
+        """A gradient of ``tp`` arrived; True if consumed here (not sent to the pool)."""
+        bucket = self.bucket_of.get(tp)
+        if bucket is None:
+            return False
+        self._got[tp] = self._got.get(tp, 0) + 1
+        if bucket.index not in self._seen:
+            self._seen.append(bucket.index)
+        if not self.active:
+            return False
+        if tp in self._updated:
+            raise StateError(
+                f"parameter {tp.name!r} got a gradient after its fused update (more "
+                "deliveries than in the learned backward); pass fused=False")
+        g = grad.detach().to(torch.float32)
+        prev = self._grads.get(tp)
+        self._grads[tp] = g if prev is None else prev.add_(g)
+        # final when every parameter still waited for has all its deliveries
+        # (a parameter unused in the learned backward is not waited for)
+        if all(self._got.get(p, 0) >= self.expected.get(p, 1) for p in bucket.tps
+               if p not in self._updated and (self.expected.get(p, 0) > 0 or p in self._grads)):
+            self._update(bucket)
+        return True
+
+    def end_backward(self) -> None:
+        """The outermost backward ended: update what is left, learn the order."""
+        self.backwards += 1
+        if self.active:
+            for b in self.buckets:
+                if any(tp not in self._updated and (tp in self._grads or tp.grad_in_pool)
+                       for tp in b.tps):
+                    self._update(b)
+            self._release_unused()
+            self.updated = True
+            self.active = False
+        for tp, n in self._got.items():
+            self.expected[tp] = max(self.expected.get(tp, 0), n)
+        if self._seen:
+            self.order = self._seen + [i for i in self.order if i not in self._seen]
+        self.learned = True
+
+    def after_step(self) -> None:
+        for b in self.buckets:
+            b.state = BucketState.HOST
+        self.updated = False
+        self.backwards = 0
+
+    def settle(self) -> None:
+        """Nothing stays fetched between steps."""
+        if not self.active:
+            self._release_unused()
+
+    # ------------------------------------------------------------ movement
+    def prefetch(self) -> None:
+        """Fetch upcoming buckets (learned order) while ``prefetch_bytes`` allow."""
+        if not self.active:
+            return
+        while self._cursor < len(self.order):
+            b = self.buckets[self.order[self._cursor]]
+            if b.state is BucketState.HOST:
+                if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
+                    return
+                self._fetch(b)
+            self._cursor += 1
+
+    def _fetch(self, b: Bucket) -> None:
+        opt, session = self.opt, self.session
+        read = [k for tp in b.tps for k in opt.state_keys(tp)]
+        read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
+        b.keys = read + [tp.key for tp in b.tps if tp.has_master]
+        session.leases.acquire(b.keys)
+        views = session.leases.views(b.keys)
+        copy = session.copy
+        if copy.on_device:
+            pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
+            b.copy = copy.copy_in_many(pairs, tuple(read))
+            b.work = {k: d for k, (d, _) in zip(read, pairs)}
+        else:
+            b.work = views
+        b.state = BucketState.FETCHED
+        self._fetched_bytes += b.nbytes
+
+    @torch.no_grad()
+    def _update(self, b: Bucket) -> None:
+        t0 = time.perf_counter()
+        if b.state is BucketState.HOST:
+            self._fetch(b)
+        session, opt, copy = self.session, self.opt, self.session.copy
+        if b.copy is not None:
+            copy.wait(b.copy)
+        views = session.leases.views(b.keys)
+        written: list[tuple[str, torch.Tensor]] = []
+        for tp in b.tps:
+            if tp in self._updated:
+                continue
+            grad = self._grads.pop(tp, None)
+            if tp.grad_in_pool:
+                pooled = b.work[tp.grad_key]
+                grad = pooled if grad is None else pooled.add_(grad)
+            if grad is None:
+                continue   # no gradient this window: torch skips the parameter
+            keys = opt.state_keys(tp)
+            param = b.work[keys[0]]
+            opt.update_param(b.group, tp, param, grad,
+                             {n: b.work[k] for n, k in zip(opt.state_names, keys[1:])})
+            tp.grad_in_pool = False
+            tp.grad_norm = None
+            self._updated.add(tp)
+            written += [(k, b.work[k]) for k in keys]
+            if tp.has_master:
+                written.append((tp.key, param.to(tp.param.dtype)))
+            if tp.resident:
+                session.refresh_resident(tp, param)
+        if copy.on_device:
+            # every key of the bucket goes once the copy out has landed (which
+            # is after the copy in, that the compute stream waited for)
+            done = copy.copy_out_many([(views[k], t) for k, t in written], tuple(b.keys))
+            session.releases.add(done, written=True)
+        else:
+            for k, t in written:
+                if views[k].data_ptr() != t.data_ptr():
+                    views[k].copy_(t)
+            session.leases.release(b.keys, written=True)
+        self._fetched_bytes -= b.nbytes
+        done_all = all(tp in self._updated for tp in b.tps)
+        # a parameter without its gradient yet may still get one: fetch again then
+        b.work, b.copy = {}, None
+        b.state = BucketState.DONE if done_all else BucketState.HOST
+        session.counters.optimizer_seconds += time.perf_counter() - t0
+        self.prefetch()
+
+    def _release_unused(self) -> None:
+        for b in self.buckets:
+            if b.state is BucketState.FETCHED:
+                if b.copy is not None:
+                    b.copy.synchronize()
+                self.session.leases.release(b.keys)
+                self._fetched_bytes -= b.nbytes
+                b.work, b.copy, b.state = {}, None, BucketState.HOST
