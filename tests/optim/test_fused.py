@@ -1,0 +1,84 @@
+"""The optimizer update fused into backward (CPU: same code path, no streams)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, session_of
+from tierd.errors import StateError
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+
+def _pair(make, daemon, **options):
+    ref = make()
+    return attach(copy.deepcopy(ref), client=tierd.connect(daemon), **options), ref
+
+
+def test_fused_accumulation_matches_torch_bitwise_and_keeps_grads_off_the_pool(daemon):
+    model, ref = _pair(llama, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, accumulation_steps=3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(9)
+    assert train(model, opt, data, accumulate=3) == train(ref, ref_opt, data, accumulate=3)
+    assert_same_weights(model, ref)
+    assert all(f.learned for f in opt._fused)
+
+
+def test_fused_step_moves_no_gradient_and_sends_no_request_when_held(daemon):
+    model, ref = _pair(gpt2, daemon)
+    opt = tierd.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    data = batches(4)
+    session = session_of(model)
+    assert session.stats()["held_bytes"] > 0
+    assert train(model, opt, data[:2]) == train(ref, ref_opt, data[:2])   # learns
+    before = session.stats()
+    assert train(model, opt, data[2:]) == train(ref, ref_opt, data[2:])
+    after = session.stats()
+    assert after["requests"] == before["requests"]   # held leases: no round trip
+    assert after["backwards"] - before["backwards"] == 2
+    assert after["hook_seconds"] > before["hook_seconds"]
+    assert not any(tp.grad_in_pool for tp in session.params.values())
+    assert_same_weights(model, ref)
+
+
+def test_not_held_fused_path_still_matches(daemon):
+    model, ref = _pair(gpt2, daemon, hold_fraction=0.0, compute_dtype="fp32")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert session_of(model).stats()["held_bytes"] == 0
+    assert_same_weights(model, ref)
+
+
+def test_broken_window_contract_raises_instead_of_training_wrong(daemon):
+    model, _ = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    train(model, opt, [ids])   # learning step (deferred)
+    model(input_ids=ids, labels=ids).loss.backward()   # fused update
+    with pytest.raises(StateError, match="accumulation_steps"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt2_model, _ = _pair(gpt2, daemon, name="second")
+    opt2 = tierd.optim.AdamW(opt2_model.parameters(), lr=1e-3)
+    train(opt2_model, opt2, [ids])
+    opt2_model(input_ids=ids, labels=ids).loss.backward()
+    opt2.step()   # no zero_grad: torch would keep summing gradients we consumed
+    with pytest.raises(StateError, match="zero_grad"):
+        opt2_model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_fused_false_and_clipping_use_the_deferred_path(daemon):
+    model, ref = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
+    assert opt._fused == []
+    with pytest.raises(ValueError, match="fused=True"):
+        tierd.optim.AdamW(model.parameters(), fused=True, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        tierd.optim.AdamW(model.parameters(), accumulation_steps=0)
