@@ -229,7 +229,7 @@ async def async_round_trips(socket, ops: int) -> list[dict]:
             a = time.perf_counter()
             await c.get(keys[0])
             lat.append(time.perf_counter() - a)
-        rows.append(_latency_row("get round trip, 1 in flight",
+        rows.append(_latency_row("async get round trip, 1 in flight",
                                  f"{SMALL} B tensor, AsyncClient, 2 requests per op",
                                  lat, time.perf_counter() - t0, 2 * ops))
         lat = []
@@ -243,7 +243,7 @@ async def async_round_trips(socket, ops: int) -> list[dict]:
         per_lane = max(1, ops // IN_FLIGHT)
         t0 = time.perf_counter()
         await asyncio.gather(*(lane(k, per_lane) for k in keys))
-        rows.append(_latency_row(f"get round trip, {IN_FLIGHT} in flight",
+        rows.append(_latency_row(f"async get round trip, {IN_FLIGHT} in flight",
                                  f"{SMALL} B tensors, AsyncClient, {IN_FLIGHT} concurrent "
                                  "tasks, 2 requests per op", lat, time.perf_counter() - t0,
                                  2 * len(lat)))
