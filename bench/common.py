@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierd.backends import nvme
 from tierd.config import ServeConfig, format_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +27,26 @@ GB = 1e9
 
 #: the daemon's NVMe thread count and chunk size, read from the daemon's own code
 IO_THREADS = next(f.default for f in dataclasses.fields(ServeConfig) if f.name == "io_threads")
-IO_CHUNK = nvme.CHUNK
+
+
+def _daemon_chunk() -> int:
+    """The piece size the daemon splits NVMe transfers into (wherever it lives)."""
+    import importlib
+    for module in ("tierd.backends.recordio", "tierd.backends.nvme"):
+        try:
+            return int(importlib.import_module(module).CHUNK)
+        except (ImportError, AttributeError):
+            continue
+    return 8 << 20
+
+
+IO_CHUNK = _daemon_chunk()
+
+
+def chunks(offset: int, nbytes: int, chunk: int = IO_CHUNK):
+    """(file offset, start in buffer, length) pieces of a transfer, like the daemon's."""
+    for start in range(0, nbytes, chunk):
+        yield offset + start, start, min(chunk, nbytes - start)
 
 
 class Skip(Exception):
