@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +77,18 @@ def device_name() -> str:
     return "cpu"
 
 
+def git_commit() -> str | None:
+    """The measured tree's commit ($TIERD_BENCH_COMMIT for a copy without .git)."""
+    if os.environ.get("TIERD_BENCH_COMMIT"):
+        return os.environ["TIERD_BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "cpu"
 
@@ -100,6 +113,7 @@ def main(argv=None) -> int:
         "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": sizes.quick, "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "host": platform.node(), "nvme_dir": str(nvme_dir),
+        "commit": git_commit(),
         "sizes": {k: v for k, v in sizes.__dict__.items()}}, "sections": {}}
     started = time.monotonic()
     try:
