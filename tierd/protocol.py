@@ -35,6 +35,7 @@ MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024
 MAX_DIMS = 16
+MAX_TAG_LENGTH = 256
 
 # dtype names on the wire; the client maps them to torch dtypes.
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
@@ -150,10 +151,26 @@ class Stats:
     op: ClassVar[str] = "stats"
 
 
+@dataclass(frozen=True)
+class Commit:
+    """Make every tensor of the caller's (named) job durable as one version
+    tagged ``tag``; replies when the manifest is on disk."""
+
+    op: ClassVar[str] = "commit"
+    tag: str
+
+
+@dataclass(frozen=True)
+class Commits:
+    """Tags of the caller's job's commits, oldest first (the last is restorable)."""
+
+    op: ClassVar[str] = "commits"
+
+
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
-                                    Evict, Delete, DropJob, Keys, Stats)}
+                                    Evict, Delete, DropJob, Keys, Stats, Commit, Commits)}
 Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | DropJob
-           | Keys | Stats)
+           | Keys | Stats | Commit | Commits)
 
 
 # ----------------------------------------------------------------- replies
@@ -177,8 +194,21 @@ class StatsReply:
     stats: dict[str, Any]
 
 
-Reply = Placed | Done | KeyList | StatsReply
-_REPLIES = {"placed": Placed, "done": Done, "keylist": KeyList, "stats": StatsReply}
+@dataclass(frozen=True)
+class Committed:
+    """What a commit made durable: tag, seq, tensors, bytes, written_bytes."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TagList:
+    tags: tuple[str, ...]
+
+
+Reply = Placed | Done | KeyList | StatsReply | Committed | TagList
+_REPLIES = {"placed": Placed, "done": Done, "keylist": KeyList, "stats": StatsReply,
+            "committed": Committed, "tags": TagList}
 _REPLY_NAMES = {cls: name for name, cls in _REPLIES.items()}
 
 
@@ -258,6 +288,14 @@ def _body(cls: type, body: dict) -> Any:
             return Stats()
         case "drop_job":
             return DropJob()
+        case "commits":
+            return Commits()
+        case "commit":
+            tag = body.get("tag")
+            if type(tag) is not str or not 0 < len(tag) <= MAX_TAG_LENGTH:
+                raise _fail(f"tag must be a non-empty str of at most {MAX_TAG_LENGTH} "
+                            f"characters, got {tag!r:.80}")
+            return Commit(tag)
         case _:
             return cls(_keys(body.get("keys")))
 
@@ -346,6 +384,13 @@ def decode_reply(frame: bytes) -> tuple[int, Reply | tuple[str, str]]:
             return req_id, KeyList(_keys(body.get("keys")))
         case "stats" if type(body.get("stats")) is dict:
             return req_id, StatsReply(body["stats"])
+        case "committed" if type(body.get("info")) is dict:
+            return req_id, Committed(body["info"])
+        case "tags":
+            tags = _list(body.get("tags"), "tags")
+            if not all(type(t) is str for t in tags):
+                raise _fail("tags must be strs")
+            return req_id, TagList(tuple(tags))
         case other:
             raise _fail(f"unknown reply kind {other!r:.40}")
 

@@ -33,9 +33,9 @@ def run_io(cat: Catalog, fail: bool = False) -> int:
             if fail:
                 error = TierIOError("injected")
             elif t.direction is Direction.TO_NVME:
-                cat.nvme.write_from(t.disk.offset, view)
+                cat.nvme.write_record(t.disk.offset, t.entry.meta(), view)
             else:
-                cat.nvme.read_into(t.disk.offset, view)
+                cat.nvme.read_record(t.disk.offset, t.entry.meta(), view)
             view.release()
             cat.finish(t, error)
             n += 1
@@ -106,7 +106,7 @@ def test_dead_session_gives_back_leases_and_reserved_slots(catalog):
 def test_ephemeral_job_ends_with_its_last_session(catalog):
     s = catalog.open_session(1, None, pid=10, uid=0)
     put(catalog, s, "k", MiB, 1)
-    assert catalog.stored_bytes == MiB
+    assert catalog.stored_bytes == MiB + 4096    # the data and its NVMe record header
     catalog.close_session(1)
     assert catalog.pool.used_bytes == 0 and catalog.stored_bytes == 0
     assert "pid-10" not in catalog.jobs
@@ -165,7 +165,8 @@ def test_admission_keeps_room_to_swap(catalog):
         while True:
             put(catalog, s, f"k{n}", 4 * MiB, n % 256)
             n += 1
-    assert n == (8 + 32) // 4 - 1                 # one largest tensor kept free
+    record = 4 * MiB + 4096                       # data and its NVMe record header
+    assert n == (40 * MiB - record) // record     # one largest record kept free
     for i in range(n):                            # every key still readable
         assert read(catalog, s, f"k{i}") == bytes([i]) * 8
 
@@ -198,12 +199,12 @@ def test_quotas_spill_own_tensors_then_refuse(tmp_path):
     small = cat.open_session(1, "small", pid=10, uid=0)
     other = cat.open_session(2, "other", pid=11, uid=0)
     put(cat, other, "o", 4 * MiB, 1)
-    for i in range(5):                            # 10 MiB of 2 MiB tensors
+    for i in range(4):          # 8 MiB of 2 MiB tensors (+ a 4 KiB header each)
         put(cat, small, f"k{i}", 2 * MiB, i)
     assert pool.job_used_bytes("small") <= 4 * MiB   # spilled its own to NVMe
-    assert cat.jobs["small"].nvme_used >= 6 * MiB
+    assert cat.jobs["small"].nvme_used >= 4 * MiB
     with pytest.raises(CapacityError, match="over quota"):
-        put(cat, small, "k5", 2 * MiB, 5)
+        put(cat, small, "k4", 2 * MiB, 5)
     put(cat, other, "o2", 4 * MiB, 2)             # the other job is unaffected
     assert read(cat, other, "o") == bytes([1]) * 8
     pool.close()

@@ -77,3 +77,29 @@ class ExtentAllocator:
                 return
         self._starts.insert(i, start)
         self._lengths[start] = length
+
+    def claim(self, start: int, nbytes: int) -> None:
+        """Mark ``[start, start + nbytes)`` allocated, as after a restart when
+        the extents come from commit manifests; ValueError if any part of it
+        is outside the range or already allocated."""
+        need = self.extent_size(nbytes)
+        i = bisect.bisect_right(self._starts, start) - 1
+        if start % self.align or i < 0:
+            raise ValueError(f"extent {start}+{need} is not free in [0, {self.size})")
+        free_start = self._starts[i]
+        free_len = self._lengths[free_start]
+        if start + need > free_start + free_len:
+            raise ValueError(f"extent {start}+{need} is not free in [0, {self.size}) "
+                             f"(overlaps another extent or runs past the end)")
+        del self._lengths[free_start]
+        del self._starts[i]
+        if start > free_start:
+            self._starts.insert(i, free_start)
+            self._lengths[free_start] = start - free_start
+            i += 1
+        end, free_end = start + need, free_start + free_len
+        if free_end > end:
+            self._starts.insert(i, end)
+            self._lengths[end] = free_end - end
+        self._allocated[start] = need
+        self.used += need

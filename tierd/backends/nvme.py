@@ -3,8 +3,12 @@
 Reads and writes go straight between the file and a pool segment's mapping
 (both 4 KiB aligned), with no bounce buffer and no page cache. ``os.preadv``
 and ``os.pwritev`` release the GIL, so the daemon runs them on a pool of
-threads, a transfer split into chunks (see ``chunks``) to keep several
-requests in the device queue.
+threads, a transfer split into pieces (see :mod:`tierd.backends.recordio`) to
+keep several requests in the device queue.
+
+The file is kept across restarts (never truncated): committed tensors live in
+it, and the daemon rebuilds the allocator from the commit manifests. Each
+tensor is a checksummed record (see the Note on record format).
 
 Where the filesystem refuses O_DIRECT (some tmpfs, network filesystems) the
 file is opened buffered instead, with a warning: correct, but it goes through
@@ -17,22 +21,53 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 from pathlib import Path
 
+from tierd.backends import recordio
 from tierd.backends.extents import ExtentAllocator, align_up
-from tierd.errors import CapacityError, TierIOError
+from tierd.errors import CapacityError, IntegrityError, TierIOError
 
 log = logging.getLogger(__name__)
 
 DATA_FILE = "tierd-nvme.dat"
 LOCK_FILE = "tierd.lock"
-CHUNK = 8 << 20
 
 
-def chunks(offset: int, nbytes: int, chunk: int = CHUNK):
-    """(file offset, start in buffer, length) pieces of a transfer."""
-    for start in range(0, nbytes, chunk):
-        yield offset + start, start, min(chunk, nbytes - start)
+class Failpoints:
+    """Injected I/O errors, for tests of what a failing disk does to commits.
+
+    >>> fp = Failpoints(); fp.arm("sync", errno.EIO)   # the next fsync fails
+    >>> store = NvmeStore(Path("/tmp/x"), 1 << 20, failpoints=fp)   # doctest: +SKIP
+
+    Operations: ``write``, ``read``, ``sync`` (data file fsync), ``manifest``
+    (writing a commit manifest). ``after`` lets that many calls pass first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[str, list[int]] = {}
+
+    def arm(self, op: str, err: int, after: int = 0, times: int = 1) -> None:
+        with self._lock:
+            self._armed[op] = [err, after, times]
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def check(self, op: str) -> None:
+        with self._lock:
+            armed = self._armed.get(op)
+            if armed is None:
+                return
+            if armed[1] > 0:
+                armed[1] -= 1
+                return
+            armed[2] -= 1
+            if armed[2] <= 0:
+                del self._armed[op]
+        raise OSError(armed[0], os.strerror(armed[0]))
 
 
 class NvmeStore:
@@ -42,13 +77,14 @@ class NvmeStore:
     >>> off = store.extents.alloc(4096)                 # doctest: +SKIP
     """
 
-    def __init__(self, directory: Path, size: int) -> None:
+    def __init__(self, directory: Path, size: int, failpoints: Failpoints | None = None) -> None:
         self.directory = Path(directory)
         self.size = align_up(size)
+        self.failpoints = failpoints or Failpoints()
         self._lock_fd = self._lock()
         path = self.directory / DATA_FILE
         self.direct = True
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         try:
             self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
         except OSError as exc:
@@ -62,6 +98,7 @@ class NvmeStore:
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
             os.close(self.fd)
+            os.close(self._lock_fd)
             raise CapacityError(f"cannot preallocate {self.size} B of NVMe file {path}: "
                                 f"{exc.strerror}; lower --nvme-size or free disk space") from None
         self.extents = ExtentAllocator(self.size)
@@ -77,35 +114,107 @@ class NvmeStore:
                                 f"give each daemon its own --nvme directory") from None
         return fd
 
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from the file at ``offset`` (blocking; run in a thread)."""
-        done = 0
-        while done < len(buf):
-            try:
-                n = os.preadv(self.fd, [buf[done:]], offset + done)
-            except OSError as exc:
-                raise TierIOError(f"NVMe read of {len(buf)} B at {offset} in {self.path} "
-                                  f"failed: {exc.strerror}") from None
-            if n == 0:
-                raise TierIOError(f"NVMe read at {offset + done} in {self.path}: "
-                                  f"unexpected end of file")
-            done += n
-
-    def write_from(self, offset: int, buf: memoryview) -> None:
-        """Write ``buf`` to the file at ``offset`` (blocking; run in a thread)."""
-        done = 0
-        while done < len(buf):
-            try:
-                n = os.pwritev(self.fd, [buf[done:]], offset + done)
-            except OSError as exc:
-                raise TierIOError(f"NVMe write of {len(buf)} B at {offset} in {self.path} "
-                                  f"failed: {exc.strerror}") from None
-            done += n
-
-    def close(self) -> None:
-        os.close(self.fd)
+    # ------------------------------------------------------------ raw I/O
+    def read_into(self, offset: int, bufs: list) -> None:
+        """Fill ``bufs`` in order from the file at ``offset`` (blocking; run in
+        a thread). A short file is an IntegrityError: the record was cut off."""
+        total = sum(len(b) for b in bufs)
         try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+            self.failpoints.check("read")
+            n = os.preadv(self.fd, bufs, offset)
+            while n < total:   # rare: finish piecewise
+                if n == 0 or (done := self._read_rest(bufs, offset, n)) == n:
+                    raise IntegrityError(f"NVMe file {self.path} ends at {offset + n}, inside "
+                                         f"a record of {total} B at {offset} (truncated)")
+                n = done
+        except OSError as exc:
+            raise TierIOError(f"NVMe read of {total} B at {offset} in {self.path} "
+                              f"failed: {exc.strerror}") from None
+
+    def _read_rest(self, bufs: list, offset: int, done: int) -> int:
+        skip = done
+        for b in bufs:
+            if skip >= len(b):
+                skip -= len(b)
+                continue
+            got = os.preadv(self.fd, [memoryview(b)[skip:]], offset + done)
+            return done + got
+        return done
+
+    def write_from(self, offset: int, bufs: list) -> None:
+        """Write ``bufs`` in order to the file at ``offset`` (blocking; run in a thread)."""
+        total = sum(len(b) for b in bufs)
+        try:
+            self.failpoints.check("write")
+            done = os.pwritev(self.fd, bufs, offset)
+            while done < total:
+                skip = done
+                for b in bufs:
+                    if skip < len(b):
+                        done += os.pwritev(self.fd, [memoryview(b)[skip:]], offset + done)
+                        break
+                    skip -= len(b)
+        except OSError as exc:
+            raise TierIOError(f"NVMe write of {total} B at {offset} in {self.path} "
+                              f"failed: {exc.strerror}; the previous commit is untouched") from None
+
+    def sync(self) -> None:
+        """Make every completed write durable (fdatasync)."""
+        try:
+            self.failpoints.check("sync")
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            raise TierIOError(f"fsync of NVMe file {self.path} failed: {exc.strerror}; "
+                              f"the previous commit is untouched") from None
+
+    # ----------------------------------------------------------- records
+    def sum_and_write(self, offset: int, piece) -> int:
+        """Checksum one piece of a record's data, then write it; the checksum."""
+        value = recordio.checksum(piece)
+        self.write_from(offset, [piece])
+        return value
+
+    def read_and_sum(self, offset: int, bufs: list) -> int:
+        """Read into ``bufs``; the checksum of the last one (the data piece)."""
+        self.read_into(offset, bufs)
+        return recordio.checksum(bufs[-1])
+
+    def write_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
+        """Checksum and write a whole record (one thread; the daemon spreads
+        the pieces over its I/O threads instead)."""
+        pieces = recordio.pieces_of(len(data))
+        sums = [recordio.checksum(data[s:s + n]) for s, n in pieces]
+        header = recordio.encode_header(meta, sums)
+        try:
+            base = offset + len(header)
+            for i, (s, n) in enumerate(pieces):
+                self.write_from(offset if i == 0 else base + s,
+                                [header, data[s:s + n]] if i == 0 else [data[s:s + n]])
+        finally:
+            header.close()
+
+    def read_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
+        """Read a whole record into ``data`` and verify it (IntegrityError)."""
+        header = recordio.header_buffer(meta)
+        try:
+            pieces = recordio.pieces_of(len(data))
+            base = offset + len(header)
+            got = []
+            for i, (s, n) in enumerate(pieces):
+                self.read_into(offset if i == 0 else base + s,
+                               [header, data[s:s + n]] if i == 0 else [data[s:s + n]])
+                got.append(recordio.checksum(data[s:s + n]))
+            algo, sums = recordio.parse_header(header, meta)
+            recordio.verify_pieces(meta, algo, sums, got, data)
+        finally:
+            header.close()
+
+    def close(self, remove: bool = True) -> None:
+        """Close the file; ``remove`` deletes it (only when nothing is committed)."""
+        os.close(self.fd)
+        if remove:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
         os.close(self._lock_fd)

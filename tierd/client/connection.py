@@ -224,6 +224,22 @@ class Client(_Procedures):
         """Pool and NVMe sizes and use, tensor count, traffic counters, jobs."""
         return self._call(P.Stats()).stats
 
+    def commit(self, tag: str) -> dict:
+        """Make every tensor of this client's job durable as one version tagged
+        ``tag``; after a daemon crash and restart the job holds exactly this
+        version. Returns ``{"tag", "seq", "tensors", "bytes", "written_bytes"}``.
+        Only named jobs commit (``connect(job="name")``).
+
+        >>> c = tierd.connect(job="run1"); c.put("w", w)     # doctest: +SKIP
+        >>> c.commit("step-100")["written_bytes"]             # doctest: +SKIP
+        4096
+        """
+        return dict(self._call(P.Commit(tag)).info)
+
+    def commits(self) -> list[str]:
+        """Tags of this job's commits, oldest first; the last is what a restart restores."""
+        return list(self._call(P.Commits()).tags)
+
     # ----------------------------------------------------------- lease API
     def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
         """Pin keys in the pool (swapping in from NVMe) and return views of them."""
@@ -363,6 +379,13 @@ class AsyncClient(_Procedures):
 
     async def stats(self) -> dict:
         return (await self._call(P.Stats())).stats
+
+    async def commit(self, tag: str) -> dict:
+        """As :meth:`Client.commit`."""
+        return dict((await self._call(P.Commit(tag))).info)
+
+    async def commits(self) -> list[str]:
+        return list((await self._call(P.Commits())).tags)
 
     async def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
         return self._leased(await self._call(P.Lease(_keys(keys), write)))

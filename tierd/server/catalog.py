@@ -9,7 +9,9 @@ caller retries the same call once they are done.
 [Note: pins] A pool slot or NVMe extent is never freed or overwritten while
 something may read it: every lease and every in-flight transfer that reads a
 slot holds a pin on it. Deleting or replacing a key only marks its old slot
-``orphan``; the bytes are freed when the last pin goes.
+``orphan``; the bytes are freed when the last pin goes. An NVMe extent named
+by a commit also carries a hold (see the Note on commits in
+:mod:`tierd.server.commits`) and is freed only once no commit names it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from tierd.backends.extents import align_up
 from tierd.backends.hostpool import HostPool
+from tierd.backends.manifest import Manifest, ManifestStore
 from tierd.backends.nvme import NvmeStore
 from tierd.errors import CapacityError, StateError, UnknownKey
 from tierd.protocol import Placement, TensorSpec
-from tierd.server import eviction
+from tierd.server import commits, eviction
 from tierd.server.records import (Blocked, Direction, DiskExtent, Entry, Job, PoolSlot,
-                                  Residency, Session, TierCounters, Transfer, spec_nbytes)
+                                  Residency, Session, TierCounters, Transfer, spec_nbytes,
+                                  stored_size)
 
 __all__ = ["Blocked", "Catalog", "Direction", "Entry", "Job", "Residency", "Session",
            "Transfer"]
@@ -34,9 +37,11 @@ class Catalog:
     """Keys, their tiers, sessions and jobs. See the module docstring."""
 
     def __init__(self, pool: HostPool, nvme: NvmeStore, allow_root_join: bool = True,
-                 quotas: Callable[[str], tuple[int, int]] = lambda job: (0, 0)) -> None:
+                 quotas: Callable[[str], tuple[int, int]] = lambda job: (0, 0),
+                 manifests: ManifestStore | None = None) -> None:
         self.pool = pool
         self.nvme = nvme
+        self.manifests = manifests
         self.allow_root_join = allow_root_join
         self.quotas = quotas   # job name -> (pool quota, NVMe quota), 0 for none
         self.entries: dict[tuple[str, str], Entry] = {}
@@ -49,6 +54,8 @@ class Catalog:
         # whichever tiers hold copies; see ``_admit``.
         self.stored_bytes = 0
         self._largest = 0
+        # NVMe bytes of records no tensor uses any more but a commit still names.
+        self.held_only_bytes = 0
 
     def take_started(self) -> list[Transfer]:
         """Transfers begun since the last call; the daemon must run each one and
@@ -79,8 +86,8 @@ class Catalog:
         for records in s.leases.values():
             for entry, slot, write in records:
                 self._unpin(slot, write)
-        for _spec, slot in s.reserved.values():
-            self._give_up_reserved(slot)
+        for spec, slot in s.reserved.values():
+            self._give_up_reserved(spec, slot)
         job = self.jobs[s.job]
         job.sessions.discard(sid)
         if job.ephemeral and not job.sessions:
@@ -91,8 +98,15 @@ class Catalog:
         job = self.jobs.get(name)
         if job is None:
             raise UnknownKey(f"no job {name!r}")
+        if job.committing:
+            raise StateError(f"job {name!r} is being committed; drop it once the commit "
+                             f"has returned")
         for entry in [e for (j, _), e in self.entries.items() if j == name]:
             self._drop_entry(entry)
+        if job.manifest is not None and self.manifests is not None:
+            self.manifests.remove(name)
+        commits.release(self, job, [])
+        job.manifest = None
         if not job.sessions:
             del self.jobs[name]
             self.pool.release_empty(exclude=None, need=self.pool.budget)
@@ -148,11 +162,12 @@ class Catalog:
         for key in keys:
             item = s.reserved.pop(key, None)
             if item is not None:
-                self._give_up_reserved(item[1])
+                self._give_up_reserved(*item)
 
-    def _give_up_reserved(self, slot: PoolSlot) -> None:
-        self.stored_bytes -= slot.nbytes
-        self.jobs[slot.segment.job].stored_bytes -= slot.nbytes
+    def _give_up_reserved(self, spec: TensorSpec, slot: PoolSlot) -> None:
+        size = stored_size(spec.key, slot.segment.job, spec.nbytes)
+        self.stored_bytes -= size
+        self.jobs[slot.segment.job].stored_bytes -= size
         slot.orphan = True
         self._unpin(slot, write=True)
 
@@ -165,16 +180,17 @@ class Catalog:
         of the largest tensor's size. Admitting at most pool + NVMe minus the
         largest tensor keeps that true: everything stored stays readable.
         """
-        sizes = [align_up(max(spec.nbytes, 1)) for spec in specs]
+        sizes = [stored_size(spec.key, job.name, spec.nbytes) for spec in specs]
         need = sum(sizes)
         largest = max([self._largest, *sizes])
-        limit = self.pool.budget + self.nvme.size - largest
+        limit = self.pool.budget + self.nvme.size - largest - self.held_only_bytes
         if self.stored_bytes + need > limit:
             raise CapacityError(
                 f"pool + NVMe full: {self.stored_bytes} B stored, {need} B more asked, "
                 f"at most {limit} B fit (pool {self.pool.budget} B + NVMe {self.nvme.size} B, "
-                f"less {largest} B kept free for swapping); delete tensors or start the "
-                f"daemon with a larger --pool or --nvme-size")
+                f"less {largest} B kept free for swapping and {self.held_only_bytes} B of "
+                f"older versions kept for the last commits); delete tensors, commit, or "
+                f"start the daemon with a larger --pool or --nvme-size")
         job_largest = max([job.largest, *sizes])
         if job.pool_quota or job.nvme_quota:
             job_limit = ((job.pool_quota or self.pool.budget) + (job.nvme_quota or self.nvme.size)
@@ -309,6 +325,22 @@ class Catalog:
             "jobs": per_job,
         }
 
+    # ------------------------------------------------------------- commits
+    def prepare_commit(self, s: Session, tag: str) -> "commits.CommitPlan | Blocked":
+        """See :func:`tierd.server.commits.prepare`."""
+        return commits.prepare(self, s, tag)
+
+    def finish_commit(self, plan: "commits.CommitPlan", error: Exception | None) -> None:
+        commits.finish(self, plan, error)
+
+    def recover(self, manifests: list[Manifest]) -> list[str]:
+        """Rebuild committed jobs after a restart; one log line per job."""
+        return [commits.recover(self, m) for m in manifests]
+
+    def commit_tags(self, s: Session) -> list[str]:
+        m = self.jobs[s.job].manifest
+        return m.tags() if m is not None else []
+
     # ----------------------------------------------------------- transfers
     def finish(self, t: Transfer, error: Exception | None) -> None:
         """Account for a transfer the daemon has carried out (or failed)."""
@@ -371,20 +403,24 @@ class Catalog:
         blocked.wait.append(t)
 
     def _start_writeback(self, e: Entry, drop_slot: bool = True) -> Transfer:
+        """Write the entry's pool bytes to a new NVMe extent: never over the
+        extent of an older version, which a commit may still name."""
         job = self.jobs[e.job]
-        if job.nvme_quota and job.nvme_used + e.slot.nbytes > job.nvme_quota:
+        size = e.meta().record_len()
+        if job.nvme_quota and job.nvme_used + size > job.nvme_quota:
             raise CapacityError(
                 f"job {job.name!r} reached its NVMe quota ({job.nvme_used} of "
-                f"{job.nvme_quota} B used), cannot write {e.key} ({e.slot.nbytes} B); "
+                f"{job.nvme_quota} B used), cannot write {e.key} ({size} B); "
                 f"delete tensors or raise the job's quota in the config file")
-        off = self.nvme.extents.alloc(e.slot.nbytes)
+        off = self.nvme.extents.alloc(size)
         if off is None:
             raise CapacityError(
-                f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used, "
-                f"cannot write {e.key} ({e.slot.nbytes} B); delete tensors or start the "
+                f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used "
+                f"({self.held_only_bytes} B by older versions the last commits name), "
+                f"cannot write {e.key} ({size} B); delete tensors, commit, or start the "
                 f"daemon with a larger --nvme-size")
         e.slot.pins += 1
-        disk = DiskExtent(off, self.nvme.extents.extent_size(e.slot.nbytes), e.job)
+        disk = DiskExtent(off, self.nvme.extents.extent_size(size), e.job)
         job.nvme_used += disk.nbytes
         t = Transfer(Direction.TO_NVME, e, e.slot, disk, drop_slot)
         e.to_writing_back(t)
@@ -510,9 +546,10 @@ class Catalog:
 
     def _drop_entry(self, e: Entry) -> None:
         del self.entries[(e.job, e.key)]
-        self.stored_bytes -= align_up(max(e.spec.nbytes, 1))
+        size = stored_size(e.key, e.job, e.spec.nbytes)
+        self.stored_bytes -= size
         if e.job in self.jobs:
-            self.jobs[e.job].stored_bytes -= align_up(max(e.spec.nbytes, 1))
+            self.jobs[e.job].stored_bytes -= size
         if e.slot is not None:
             e.slot.orphan = True
             self._free_slot_if_idle(e.slot)
@@ -534,7 +571,14 @@ class Catalog:
 
     def _free_disk_if_idle(self, disk: DiskExtent, orphan: bool = False) -> None:
         disk.orphan |= orphan
-        if disk.orphan and not disk.pins and not disk.freed:
+        if not disk.orphan or disk.freed:
+            return
+        if disk.holds and not disk.held_only:
+            disk.held_only = True
+            self.held_only_bytes += disk.nbytes
+        if not disk.pins and not disk.holds:
+            if disk.held_only:
+                self.held_only_bytes -= disk.nbytes
             disk.freed = True
             self.nvme.extents.free(disk.offset)
             if disk.job in self.jobs:

@@ -22,8 +22,10 @@ import zmq
 import zmq.asyncio
 
 from tierd import protocol as P
+from tierd.backends import recordio
 from tierd.backends.hostpool import HostPool, available_memory
-from tierd.backends.nvme import NvmeStore, chunks
+from tierd.backends.manifest import Manifest, ManifestStore
+from tierd.backends.nvme import NvmeStore
 from tierd.config import ServeConfig, format_size
 from tierd.errors import Busy, CapacityError, DaemonUnavailable, ProtocolError, TierdError
 from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
@@ -74,6 +76,7 @@ class Daemon:
         self._tokens: dict[bytes, Session] = {}
         self._inflight: dict[int, int] = {}
         self._next_session = 1
+        self._commit_locks: dict[str, asyncio.Lock] = {}
         self.metrics = Metrics()
 
     # ---------------------------------------------------------- lifecycle
@@ -92,8 +95,17 @@ class Daemon:
         prepare_socket_dir(cfg.socket)
         check_socket_free(cfg.socket)
         self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size)
+        self.manifests = ManifestStore(cfg.nvme)
         self.pool = HostPool(cfg.pool, cfg.segment_size)
-        self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas)
+        self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas,
+                               self.manifests)
+        try:
+            for line in self.catalog.recover(self.manifests.load_all()):
+                log.info("%s", line)
+        except TierdError:
+            self.pool.close()
+            self.nvme.close(remove=False)
+            raise
         self.executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tierd-io")
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
@@ -139,7 +151,7 @@ class Daemon:
         for p in (self.config.socket, ctl_path(self.config.socket)):
             p.unlink(missing_ok=True)
         self.pool.close()
-        self.nvme.close()
+        self.nvme.close(remove=not self.manifests.any())
         log.info("tierd stopped")
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -237,6 +249,10 @@ class Daemon:
     def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
         """Answer at once when the catalog can; else finish in a tracked task."""
         start = time.perf_counter()
+        if isinstance(req, P.Commit):   # long: fsyncs; always in its own task
+            self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
+            self._spawn(self._serve_commit(ident, session, rid, req, start))
+            return
         try:
             result = self._attempt(session, req)
         except TierdError as exc:
@@ -271,9 +287,55 @@ class Daemon:
             self._reply_error(ident, rid, exc)
         finally:
             self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
-            self._inflight[session.id] -= 1
-            if not self._inflight[session.id]:
-                del self._inflight[session.id]
+            self._done_inflight(session)
+
+    def _done_inflight(self, session: Session) -> None:
+        self._inflight[session.id] -= 1
+        if not self._inflight[session.id]:
+            del self._inflight[session.id]
+
+    async def _serve_commit(self, ident, session: Session, rid: int, req: P.Commit,
+                            start: float) -> None:
+        try:
+            info = await self._commit(session, req.tag)
+            self._send(ident, P.encode_reply(rid, P.Committed(info)))
+        except TierdError as exc:
+            self._reply_error(ident, rid, exc)
+        finally:
+            self.metrics.observe("commit", time.perf_counter() - start)
+            self._done_inflight(session)
+
+    async def _commit(self, session: Session, tag: str) -> dict:
+        """Write back what changed, then fsync and the manifest (see the Note
+        on commits in :mod:`tierd.server.commits`). One commit per job at a time."""
+        loop = asyncio.get_running_loop()
+        async with self._commit_locks.setdefault(session.job, asyncio.Lock()):
+            for _ in range(MAX_RETRIES):
+                try:
+                    plan = self.catalog.prepare_commit(session, tag)
+                finally:
+                    self._run_started()
+                if not isinstance(plan, Blocked):
+                    break
+                await self._wait(plan)
+            else:
+                raise TierdError(f"commit of job {session.job!r} never settled: its tensors "
+                                 f"keep changing; commit when writers pause")
+            try:
+                await loop.run_in_executor(self.executor, self._write_commit, plan.manifest)
+            except TierdError as exc:
+                self.catalog.finish_commit(plan, exc)
+                log.error("commit %r of job %r failed: %s", tag, session.job, exc)
+                raise
+            self.catalog.finish_commit(plan, None)
+        info = plan.summary()
+        log.info("committed job %r: %r (#%d), %d tensors, %d B, %d B written", session.job,
+                 tag, info["seq"], info["tensors"], info["bytes"], info["written_bytes"])
+        return info
+
+    def _write_commit(self, manifest: Manifest) -> None:
+        self.nvme.sync()          # the records first ...
+        self.manifests.write(manifest)   # ... then the manifest naming them
 
     def _attempt(self, s: Session, req: P.Request) -> P.Reply | Blocked:
         c = self.catalog
@@ -301,6 +363,9 @@ class Daemon:
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
                     return P.StatsReply(c.stats())
+                case P.Commits():
+                    return P.TagList(tuple(c.commit_tags(s)))
+
         finally:
             self._run_started()
         if isinstance(r, Blocked):
@@ -335,13 +400,11 @@ class Daemon:
             self._spawn(self._transfer(t))
 
     async def _transfer(self, t: Transfer) -> None:
-        loop = asyncio.get_running_loop()
         view = t.slot.segment.view(t.slot.offset, t.nbytes)
-        io = self.nvme.write_from if t.direction is Direction.TO_NVME else self.nvme.read_into
+        io = self._write_record if t.direction is Direction.TO_NVME else self._read_record
         error = None
         try:
-            await asyncio.gather(*(loop.run_in_executor(self.executor, io, off, view[start:start + n])
-                                   for off, start, n in chunks(t.disk.offset, t.nbytes)))
+            await io(t.disk.offset, t.entry.meta(), view)
         except TierdError as exc:
             error = exc
             log.error("%s", exc)
@@ -350,6 +413,50 @@ class Daemon:
             self.catalog.finish(t, error)
             self._io.pop(t).set_result(None)
             self._run_started()
+
+
+    async def _pieces(self, calls) -> list:
+        """Run blocking calls on the I/O threads; all finish before any error
+        is raised, so no thread still uses a buffer the caller releases."""
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(
+            *(loop.run_in_executor(self.executor, fn, *args) for fn, *args in calls),
+            return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _write_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
+        """Checksum every piece and write all but the first in the I/O threads;
+        then the first piece and the header (which holds the sums) in one pwritev."""
+        pieces = recordio.pieces_of(len(data))
+        base = offset + meta.header_len()
+        sums = await self._pieces(
+            (recordio.checksum, data[s:s + n]) if i == 0 else
+            (self.nvme.sum_and_write, base + s, data[s:s + n])
+            for i, (s, n) in enumerate(pieces))
+        header = recordio.encode_header(meta, sums)
+        try:
+            n = pieces[0][1]
+            await self._pieces([(self.nvme.write_from, offset, [header, data[:n]])])
+        finally:
+            header.close()
+
+    async def _read_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
+        """Read the header and every piece in the I/O threads, checksumming
+        each as it lands, then check them against the header."""
+        header = recordio.header_buffer(meta)
+        try:
+            base = offset + len(header)
+            got = await self._pieces(
+                (self.nvme.read_and_sum, offset, [header, data[s:s + n]]) if i == 0 else
+                (self.nvme.read_and_sum, base + s, [data[s:s + n]])
+                for i, (s, n) in enumerate(recordio.pieces_of(len(data))))
+            algo, sums = recordio.parse_header(header, meta)
+            recordio.verify_pieces(meta, algo, sums, got, data)
+        finally:
+            header.close()
 
 
 def _watch_process(pid: int, conn: socket.socket) -> int | None:

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 
 from tierd.backends.hostpool import Segment
+from tierd.backends.manifest import Manifest
+from tierd.backends.recordio import RecordMeta
 from tierd.protocol import Placement, TensorSpec
 
 
@@ -39,7 +41,9 @@ class DiskExtent:
     nbytes: int
     job: str
     pins: int = 0          # in-flight swap-ins reading it
-    orphan: bool = False
+    holds: int = 0         # commits naming it (the last one and one being made)
+    orphan: bool = False   # no entry refers to it; free once unpinned and unheld
+    held_only: bool = False  # orphan kept only for a commit (counted in admission)
     freed: bool = False
 
 
@@ -55,6 +59,11 @@ class Entry:
     dirty: bool = True     # pool bytes newer than ``disk``
     last_use: int = 0
     transfer: "Transfer | None" = None
+
+    def meta(self) -> RecordMeta:
+        """What this version's NVMe record must say (see the Note on record format)."""
+        s = self.spec
+        return RecordMeta(self.key, self.job, s.dtype, s.shape, s.nbytes, self.version)
 
     def placement(self) -> Placement:
         s = self.spec
@@ -105,7 +114,7 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
-        return self.disk.nbytes   # whole aligned extent: what O_DIRECT moves
+        return self.slot.nbytes   # whole aligned data: what O_DIRECT moves after the header
 
 
 @dataclass
@@ -149,11 +158,21 @@ class Job:
     nvme_used: int = 0
     stored_bytes: int = 0    # as Catalog.stored_bytes, for this job
     largest: int = 0         # largest tensor it ever stored (its swap headroom)
+    committed: list[DiskExtent] = field(default_factory=list)  # records of the last commit
+    manifest: "Manifest | None" = None   # the last commit's manifest
+    commit_written: int = 0  # bytes written back by the commit being made
+    committing: bool = False  # a manifest of it is being written
 
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
             "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def stored_size(key: str, job: str, nbytes: int) -> int:
+    """Bytes one tensor counts against pool + NVMe: its NVMe record (header
+    block and aligned data), whichever tier holds it."""
+    return RecordMeta(key, job, "uint8", (), nbytes, 0).record_len()
 
 
 def spec_nbytes(spec: TensorSpec) -> int:

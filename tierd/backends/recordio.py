@@ -1,0 +1,160 @@
+"""The on-NVMe record of one tensor: a header block, then the data, checksummed.
+
+[Note: record format] Every tensor written to the NVMe file is one record at
+a 4 KiB aligned offset::
+
+    header  (header_len bytes, a multiple of 4 KiB, zero padded)
+        prefix  "<8sHBBIII": magic b"TIERDREC", format version, checksum
+                algorithm id, flags (0), header_len, meta_len, meta checksum
+        meta    msgpack [key, job, dtype, shape, nbytes, version, chunk, sums]
+    data    (the pool slot's bytes, 4 KiB aligned length)
+
+``sums`` holds one checksum per ``chunk`` bytes of data, so the I/O threads
+checksum the pieces of a large tensor in parallel, each right before writing
+(or right after reading) its piece. The first piece goes out in the same
+``pwritev`` as the header. The algorithm is recorded in the header: CRC-32C
+(the ``crc32c`` package, hardware accelerated) when installed, else zlib's
+CRC-32; a record is verified with the algorithm it names, on any machine that
+has it. Reading checks the magic, the version, every meta field against what
+the catalog expects (so a stale or misplaced record is caught, not only a
+flipped bit) and every piece's checksum; any mismatch is an IntegrityError
+naming the key.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import zlib
+from dataclasses import dataclass
+
+import msgpack
+
+from tierd.backends.extents import PAGE, align_up
+from tierd.errors import IntegrityError
+
+try:
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - depends on the machine
+    _crc32c = None
+
+MAGIC = b"TIERDREC"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<8sHBBIII")
+CHUNK = 8 << 20
+MAX_DIMS = 16   # as tierd.protocol.MAX_DIMS
+
+ALGO_CRC32C, ALGO_CRC32 = 1, 2
+ALGO_NAMES = {ALGO_CRC32C: "crc32c", ALGO_CRC32: "crc32"}
+DEFAULT_ALGO = ALGO_CRC32C if _crc32c is not None else ALGO_CRC32
+
+
+def checksum(data, algo: int = DEFAULT_ALGO) -> int:
+    """Checksum of a bytes-like object with the named algorithm (GIL released
+    for large buffers by both implementations)."""
+    if algo == ALGO_CRC32C:
+        if _crc32c is None:
+            raise IntegrityError("this record was checksummed with crc32c, which is not "
+                                 "installed here; pip install crc32c to read it")
+        return _crc32c.crc32c(data)
+    if algo == ALGO_CRC32:
+        return zlib.crc32(data)
+    raise IntegrityError(f"unknown checksum algorithm id {algo}")
+
+
+@dataclass(frozen=True)
+class RecordMeta:
+    """What a record says it holds; the catalog knows the same for each extent."""
+
+    key: str
+    job: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+
+    def header_len(self) -> int:
+        """Bytes of header block before the data (a whole number of pages)."""
+        pieces = len(pieces_of(align_up(max(self.nbytes, 1))))
+        # Fixed fields, a 16-dim shape at most, the names and a uint32 per piece:
+        # the length never depends on the shape, so the catalog can size a
+        # record from its key, job and byte count alone.
+        estimate = (PREFIX.size + 64 + 10 * MAX_DIMS + len(self.key.encode())
+                    + len(self.job.encode()) + 5 * pieces)
+        return align_up(estimate, PAGE)
+
+    def record_len(self) -> int:
+        """Bytes of the whole record on NVMe: header block plus aligned data."""
+        return self.header_len() + align_up(max(self.nbytes, 1))
+
+
+def pieces_of(length: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """(start, length) pieces of a record's data, each checksummed on its own."""
+    return [(s, min(chunk, length - s)) for s in range(0, length, chunk)]
+
+
+def encode_header(meta: RecordMeta, sums: list[int], algo: int = DEFAULT_ALGO) -> mmap.mmap:
+    """The header block, in page-aligned memory as O_DIRECT needs."""
+    body = msgpack.packb([meta.key, meta.job, meta.dtype, list(meta.shape), meta.nbytes,
+                          meta.version, CHUNK, sums])
+    length = meta.header_len()
+    if PREFIX.size + len(body) > length:
+        raise ValueError(f"record header of {meta.key!r} does not fit in {length} B")
+    buf = mmap.mmap(-1, length)
+    buf[:PREFIX.size] = PREFIX.pack(MAGIC, FORMAT_VERSION, algo, 0, length, len(body),
+                                    checksum(body, algo))
+    buf[PREFIX.size:PREFIX.size + len(body)] = body
+    return buf
+
+
+def header_buffer(meta: RecordMeta) -> mmap.mmap:
+    return mmap.mmap(-1, meta.header_len())
+
+
+def parse_header(buf, expect: RecordMeta) -> tuple[int, list[int]]:
+    """(algorithm, piece checksums) of a header that matches ``expect``;
+    IntegrityError naming the key otherwise."""
+    key = expect.key
+
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(f"NVMe record of key {key!r} (job {expect.job!r}, version "
+                              f"{expect.version}) is damaged: {why}; the tensor cannot be "
+                              f"read back: restore it from a commit or an export, or delete it")
+
+    magic, version, algo, _flags, length, meta_len, meta_sum = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise bad(f"bad magic {bytes(magic)!r} (torn, zeroed or overwritten)")
+    if version != FORMAT_VERSION:
+        raise bad(f"record format {version}, this daemon reads {FORMAT_VERSION}")
+    if length != expect.header_len() or PREFIX.size + meta_len > length:
+        raise bad(f"header length {length} / meta length {meta_len} out of range")
+    body = bytes(buf[PREFIX.size:PREFIX.size + meta_len])
+    if checksum(body, algo) != meta_sum:
+        raise bad("header checksum mismatch")
+    try:
+        k, job, dtype, shape, nbytes, ver, chunk, sums = msgpack.unpackb(body)
+    except Exception:  # garbage that passed the checksum: treat as damage
+        raise bad("header does not decode") from None
+    got = RecordMeta(k, job, dtype, tuple(shape), nbytes, ver)
+    if got != expect:
+        raise bad(f"header says {got}, expected {expect}")
+    if chunk != CHUNK or len(sums) != len(pieces_of(align_up(max(nbytes, 1)))):
+        raise bad(f"piece size {chunk} / {len(sums)} checksums do not fit {nbytes} B")
+    return algo, sums
+
+
+def verify_pieces(expect: RecordMeta, algo: int, sums: list[int], got: list[int],
+                  data) -> None:
+    """Compare the piece checksums computed while reading (with the default
+    algorithm) to the header's; recompute with the header's algorithm if it differs."""
+    pieces = pieces_of(len(data))
+    if algo != DEFAULT_ALGO:
+        got = [checksum(data[s:s + n], algo) for s, n in pieces]
+    for i, (want, have) in enumerate(zip(sums, got)):
+        if want != have:
+            s, n = pieces[i]
+            raise IntegrityError(
+                f"NVMe record of key {expect.key!r} (job {expect.job!r}, version "
+                f"{expect.version}) is damaged: checksum mismatch in bytes {s}-{s + n} "
+                f"({ALGO_NAMES.get(algo, algo)} {have:#010x}, header says {want:#010x}); "
+                f"restore it from a commit or an export, or delete it")
