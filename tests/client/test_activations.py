@@ -1,0 +1,294 @@
+"""Activation tiering against plain torch, on a real daemon: same losses, same
+grads (bitwise, fp32), and the pool given back after every step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tierd
+import tierd.optim
+from tierd.client.activations import find_blocks, tier_activations
+from tierd.client.attach import attach
+from tierd.errors import StateError
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+from tests.conftest import start_daemon
+
+VOCAB = 128
+SMALL = dict(min_bytes=0, chunk_bytes=64 << 10, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon for the tests that need no special pool (starting one takes seconds)."""
+    d = start_daemon(tmp_path_factory.mktemp("act"))
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(shared_daemon):
+    c = shared_daemon.connect()
+    yield c
+    c.close()
+
+
+def _gpt2(**kw):
+    return gpt2(vocab=VOCAB, **kw)
+
+
+def _llama():
+    return llama()
+
+
+def _data(model, n: int, **kw):
+    return batches(n, vocab=model.config.vocab_size, **kw)
+
+
+def _steps(model, data, *, after_step=None) -> list[tuple[float, dict]]:
+    """Loss and parameter grads of each batch (grads zeroed between)."""
+    out = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                  if p.grad is not None}))
+        model.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
+    return out
+
+
+def _assert_same(got, want) -> None:
+    assert len(got) == len(want)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
+        assert loss == ref_loss
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def _pool_used(client) -> int:
+    return client.stats()["pool_used_bytes"]
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+def test_policies_match_torch_bitwise_and_give_the_pool_back(client, make, policy):
+    ref = make()
+    data = _data(ref, 2)
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy=policy, **SMALL)
+    used = []
+    got = _steps(model, data, after_step=lambda: used.append(_pool_used(client)))
+    _assert_same(got, want)
+    assert used == [baseline] * len(data)
+    stats = handle.stats()
+    assert stats["live_chunks"] == 0
+    if policy in ("offload", "auto"):   # auto offloads in its measuring step
+        assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] >= stats["d2h_bytes"] // 2
+    else:
+        assert stats["d2h_bytes"] == 0
+    handle.close()
+    assert _pool_used(client) == baseline
+
+
+def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsys):
+    ref = _gpt2(n_layer=4)
+    data = batches(3, vocab=VOCAB)
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy="auto", budget_bytes=400 << 10,
+                              min_bytes=0, chunk_bytes=64 << 10)
+    _assert_same(_steps(model, data), want)
+    err = capsys.readouterr().err
+    assert err.count("tierd activations plan") == 1
+    modes = {m.value for m in handle.plan.modes}
+    assert modes - {"keep"}, handle.plan       # the budget forced something off
+    assert handle.plan.fits and handle.plan.memory <= 400 << 10
+    handle.close()
+
+
+def test_with_attach_params_and_activations_offloaded_together(client):
+    ref = _gpt2()
+    model = attach(copy.deepcopy(ref), client=client)
+    handle = tier_activations(model, client, policy="offload", device="cpu", **SMALL)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3, vocab=VOCAB)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    assert handle.stats()["d2h_bytes"] > 0 and handle.stats()["live_chunks"] == 0
+    handle.close()
+
+
+@pytest.mark.parametrize("reentrant,policy", [(True, "offload"), (False, "offload"),
+                                              (True, "recompute"), (False, "recompute"),
+                                              (False, "auto")])
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
+def test_gradient_checkpointing_already_in_the_model(client, reentrant, policy):
+    ref = _gpt2()
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    data = batches(2, vocab=VOCAB)
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy=policy, **SMALL)
+    _assert_same(_steps(model, data), want)
+    assert _pool_used(client) == baseline
+    handle.close()
+
+
+class _Views(nn.Module):
+    """Saves one tensor twice and views of one storage; its weight is big."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 128)
+        self.big = nn.Parameter(torch.randn(256, 256) * 0.01)
+
+    def forward(self, x):
+        h = self.lin(x)                        # (B, 128): one storage
+        sq = h * h                             # saves h twice (one record)
+        q, k = h.split(64, dim=-1)             # views of h's storage
+        s = q @ k.transpose(0, 1)              # saves the views
+        return sq.sum() + s.sum() + (x @ self.big[:64, :64]).sum()
+
+
+def test_saved_twice_and_views_share_one_copy_and_parameters_are_not_copied(client):
+    torch.manual_seed(0)
+    ref = _Views()
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    handle = tier_activations(model, client, policy="offload", blocks=[], **SMALL)
+    model(x).backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    stats = handle.stats()
+    # h (32x128 fp32) is copied once, whatever number of times or views it
+    # was saved as; x is a leaf without grad (copied), big.[...] never is.
+    assert stats["d2h_bytes"] == 32 * 128 * 4 + 32 * 64 * 4
+    assert stats["deduped"] >= 3
+    handle.close()
+
+
+def test_inference_saves_nothing(client):
+    model = _gpt2()
+    handle = tier_activations(model, client, policy="offload", **SMALL)
+    ids = batches(1, vocab=VOCAB)[0]
+    with torch.no_grad():
+        model(input_ids=ids)
+    with torch.inference_mode():
+        model(input_ids=ids)
+    assert handle.stats()["records"] == 0 and handle.stats()["chunks"] == 0
+    handle.close()
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_exception_mid_forward_leaves_no_pool_use_behind(client):
+    model = _gpt2(n_layer=3)
+    ref = copy.deepcopy(model)
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy="offload", **SMALL)
+    blocks = find_blocks(model)
+    hook = blocks[2].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(_Boom()))
+    ids = batches(1, vocab=VOCAB)[0]
+    with pytest.raises(_Boom):
+        model(input_ids=ids, labels=ids)
+    assert handle.stats()["d2h_bytes"] > 0      # blocks 0 and 1 were offloaded
+    assert _pool_used(client) == baseline
+    hook.remove()
+    handle_ok = _steps(model, [ids])              # the next step works as usual
+    _assert_same(handle_ok, _steps(ref, [ids]))
+    assert _pool_used(client) == baseline
+    handle.close()
+
+
+def test_close_with_a_graph_pending_gives_the_pool_back(client):
+    model = _gpt2()
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy="offload", **SMALL)
+    ids = batches(1, vocab=VOCAB)[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    assert _pool_used(client) > baseline
+    handle.close()
+    assert _pool_used(client) == baseline
+    with pytest.raises(StateError, match="dropped"):
+        loss.backward()
+
+
+def test_retain_graph_backward_twice(client):
+    ref = _gpt2()
+    ids = batches(1, vocab=VOCAB)[0]
+    loss = ref(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy="offload", **SMALL)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    del loss
+    handle.store.sweep()
+    assert _pool_used(client) == baseline
+    handle.close()
+
+
+def test_pool_smaller_than_the_activations_spills_to_nvme(daemon_factory):
+    d = daemon_factory(pool="4MiB", nvme_size="256MiB", extra=("--segment-size", "1MiB"))
+    client = tierd.connect(d)
+    ref = _gpt2(n_layer=2, n_embd=128)
+    data = batches(1, batch=8, seq=32, vocab=VOCAB)
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy="offload", min_bytes=0, verbose=False)
+    got = _steps(model, data)
+    _assert_same(got, want)
+    stats = client.stats()
+    assert handle.stats()["d2h_bytes"] > stats["pool_bytes"]
+    assert stats["bytes_to_nvme"] > 0 and stats["bytes_to_pool"] > 0
+    assert stats["pool_used_bytes"] == 0
+    handle.close()
+
+
+def test_policy_none_installs_nothing_and_bad_options_name_the_field(client):
+    model = _gpt2()
+    handle = tier_activations(model, client, policy=None)
+    assert not model._forward_pre_hooks
+    handle.close()
+    with pytest.raises(ValueError, match="policy="):
+        tier_activations(model, client, policy="swap")
+    with pytest.raises(ValueError, match="min_bytes"):
+        tier_activations(model, client, min_bytes=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["offload", "auto"])
+def test_cuda_offload_matches_and_lowers_peak_memory(client, policy):
+    ref = _gpt2(n_layer=4, n_embd=256).cuda()
+    data = [ids.cuda() for ids in batches(2, batch=8, seq=32, vocab=VOCAB)]
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy=policy, min_bytes=1 << 10,
+                              budget_bytes=1 << 20, verbose=False)
+    got = _steps(model, data)
+    _assert_same(got, want)
+    assert handle.stats()["live_chunks"] == 0
+    handle.close()
