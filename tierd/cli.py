@@ -181,6 +181,36 @@ def cmd_drop_job(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tierd.archive import export_job
+    n, nbytes = export_job(Path(args.nvme), args.job, Path(args.out), args.tag, args.prefix)
+    print(f"exported {n} tensors ({format_size(nbytes)}) of job {args.job!r} to {args.out}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from tierd.archive import import_file
+    info = import_file(args.socket, args.job, Path(args.file), args.tag, args.prefix)
+    print(f"imported {info['tensors']} tensors into job {args.job!r}, committed as {args.tag!r}")
+    return 0
+
+
+def _archive_parsers(sub) -> None:
+    ex = sub.add_parser("export", help="write a job's last commit as a .safetensors file")
+    ex.add_argument("--job", required=True)
+    ex.add_argument("--out", required=True, help="the .safetensors file to write")
+    ex.add_argument("--tag", help="fail unless the last commit has this tag")
+    ex.add_argument("--prefix", default="", help="only keys under it, with it stripped")
+    ex.add_argument("--nvme", default=os.environ.get("TIERD_NVME"),
+                    required=not os.environ.get("TIERD_NVME"), help="the daemon's --nvme dir")
+    im = sub.add_parser("import", help="put a .safetensors file's tensors in a job and commit")
+    im.add_argument("file")
+    im.add_argument("--job", required=True)
+    im.add_argument("--tag", default="import", help="tag of the commit (default import)")
+    im.add_argument("--prefix", default="", help="prepended to every tensor name")
+    im.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     dj = sub.add_parser("drop-job", help="delete every tensor of a named job")
     dj.add_argument("name")
     dj.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    _archive_parsers(sub)
     from tierd.demo import run as demo
     demo.add_parser(sub)
     return parser
@@ -209,7 +240,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "top": cmd_top,
-            "health": cmd_health, "drop-job": cmd_drop_job}
+            "health": cmd_health, "drop-job": cmd_drop_job, "export": cmd_export,
+            "import": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:
