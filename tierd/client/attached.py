@@ -307,7 +307,10 @@ class Session:
         self._leases.discard(tp)
         copy = tp.start_swap_in(self.leases.view(tp.key), (tp.key,), self.copy)
         self._device_bytes += tp.nbytes
-        self.releases.add(copy, written=False)
+        if self.leases.is_held(tp.key):
+            self.leases.release([tp.key])   # the hold outlives the copy
+        else:
+            self.releases.add(copy, written=False)
 
     def _free(self, tp: TieredParam) -> None:
         tp.free()

@@ -38,16 +38,16 @@ class PendingReleases:
 
     def drain(self, *, block: bool = False) -> None:
         """Release the leases of every finished copy (of all of them if ``block``)."""
-        keep: list[tuple[InflightCopy, bool]] = []
         done: dict[bool, list[str]] = {False: [], True: []}
+        n = 0
         for copy, written in self._copies:
             if block:
                 copy.synchronize()
             elif not copy.done():
-                keep.append((copy, written))
-                continue
+                break   # copies finish about in order: stop at the first pending one
             done[written].extend(copy.keys)
-        self._copies = keep
+            n += 1
+        del self._copies[:n]
         for written, keys in done.items():
             if keys:
                 self._client.release_async(keys, written=written)

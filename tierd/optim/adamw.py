@@ -60,3 +60,32 @@ class AdamW(StreamedOptimizer):
         bias_correction2_sqrt = bias_correction2 ** 0.5
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def update_params(self, group: dict, tps, params: list[torch.Tensor],
+                      grads: list[torch.Tensor], moments: dict[str, list[torch.Tensor]]) -> None:
+        """:meth:`_update` for parameters with one step count, as foreach kernels:
+        the same ops in the same order (on the CPU torch runs them per tensor,
+        so results stay bitwise those of the single-tensor path)."""
+        step = None
+        for tp in tps:
+            state = self.state[tp.param]
+            state["step"] = state.get("step", 0.0) + 1.0
+            step = state["step"]
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        exp_avgs, exp_avg_sqs = moments["exp_avg"], moments["exp_avg_sq"]
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)

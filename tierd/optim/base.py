@@ -150,6 +150,14 @@ class StreamedOptimizer(torch.optim.Optimizer):
         """The fp32 master key, then one key per state name."""
         return [tp.master_key] + [self.state_key(tp, n) for n in self.state_names]
 
+    def update_params(self, group: dict, tps: list[TieredParam], params: list[torch.Tensor],
+                      grads: list[torch.Tensor], moments: dict[str, list[torch.Tensor]]) -> None:
+        """One step of several parameters that share a step count; subclasses
+        may use foreach kernels with the same per-element math."""
+        for i, tp in enumerate(tps):
+            self.update_param(group, tp, params[i], grads[i],
+                              {n: m[i] for n, m in moments.items()})
+
     def update_param(self, group: dict, tp: TieredParam, param: torch.Tensor,
                      grad: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
         """One step of ``tp``: ``param`` (fp32 master) and ``moments`` in place."""

@@ -95,7 +95,8 @@ class FusedUpdates:
         self._updated: set[TieredParam] = set()   # updated in this backward
         self._seen: list[int] = []   # bucket first-delivery order this backward
         self._cursor = 0
-        self._fetched_bytes = 0
+        self._fetched_bytes = 0      # fetched, or updated with the copy out not landed
+        self._outstanding: list[tuple[object, int]] = []   # (copy out, bytes)
 
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
@@ -188,10 +189,24 @@ class FusedUpdates:
             self._release_unused()
 
     # ------------------------------------------------------------ movement
+    def _reclaim(self, need: int = 0) -> None:
+        """Count the bytes of buckets whose copy out has landed as free again;
+        with ``need``, wait for the oldest ones until ``need`` more fit (this is
+        what keeps the host from queueing more state than the budget)."""
+        while self._outstanding:
+            copy, nbytes = self._outstanding[0]
+            if not copy.done():
+                if not need or self._fetched_bytes + need <= self.prefetch_bytes:
+                    return
+                copy.synchronize()
+            self._outstanding.pop(0)
+            self._fetched_bytes -= nbytes
+
     def prefetch(self) -> None:
         """Fetch upcoming buckets (learned order) while ``prefetch_bytes`` allow."""
         if not self.active:
             return
+        self._reclaim()
         while self._cursor < len(self.order):
             b = self.buckets[self.order[self._cursor]]
             if b.state is BucketState.HOST:
@@ -201,6 +216,7 @@ class FusedUpdates:
             self._cursor += 1
 
     def _fetch(self, b: Bucket) -> None:
+        self._reclaim(need=b.nbytes)
         opt, session = self.opt, self.session
         read = [k for tp in b.tps for k in opt.state_keys(tp)]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
@@ -227,6 +243,7 @@ class FusedUpdates:
             copy.wait(b.copy)
         views = session.leases.views(b.keys)
         written: list[tuple[str, torch.Tensor]] = []
+        by_step: dict[float, list] = {}
         for tp in b.tps:
             if tp in self._updated:
                 continue
@@ -236,29 +253,39 @@ class FusedUpdates:
                 grad = pooled if grad is None else pooled.add_(grad)
             if grad is None:
                 continue   # no gradient this window: torch skips the parameter
-            keys = opt.state_keys(tp)
-            param = b.work[keys[0]]
-            opt.update_param(b.group, tp, param, grad,
-                             {n: b.work[k] for n, k in zip(opt.state_names, keys[1:])})
-            tp.grad_in_pool = False
-            tp.grad_norm = None
-            self._updated.add(tp)
-            written += [(k, b.work[k]) for k in keys]
-            if tp.has_master:
-                written.append((tp.key, param.to(tp.param.dtype)))
-            if tp.resident:
-                session.refresh_resident(tp, param)
+            step = opt.state[tp.param].get("step", 0.0)
+            by_step.setdefault(step, []).append((tp, grad))
+        for items in by_step.values():
+            tps = [tp for tp, _ in items]
+            keys = [opt.state_keys(tp) for tp in tps]
+            params = [b.work[k[0]] for k in keys]
+            opt.update_params(b.group, tps, params, [g for _, g in items],
+                              {n: [b.work[k[i + 1]] for k in keys]
+                               for i, n in enumerate(opt.state_names)})
+            for tp, k, param in zip(tps, keys, params):
+                tp.grad_in_pool = False
+                tp.grad_norm = None
+                self._updated.add(tp)
+                written += [(key, b.work[key]) for key in k]
+                if tp.has_master:
+                    written.append((tp.key, param.to(tp.param.dtype)))
+                if tp.resident:
+                    session.refresh_resident(tp, param)
         if copy.on_device:
             # every key of the bucket goes once the copy out has landed (which
             # is after the copy in, that the compute stream waited for)
             done = copy.copy_out_many([(views[k], t) for k, t in written], tuple(b.keys))
-            session.releases.add(done, written=True)
+            if all(session.leases.is_held(k) for k in b.keys):
+                session.leases.release(b.keys, written=True)   # the hold outlives the copy
+            else:
+                session.releases.add(done, written=True)
+            self._outstanding.append((done, b.nbytes))
         else:
             for k, t in written:
                 if views[k].data_ptr() != t.data_ptr():
                     views[k].copy_(t)
             session.leases.release(b.keys, written=True)
-        self._fetched_bytes -= b.nbytes
+            self._fetched_bytes -= b.nbytes
         done_all = all(tp in self._updated for tp in b.tps)
         # a parameter without its gradient yet may still get one: fetch again then
         b.work, b.copy = {}, None
@@ -274,3 +301,7 @@ class FusedUpdates:
                 self.session.leases.release(b.keys)
                 self._fetched_bytes -= b.nbytes
                 b.work, b.copy, b.state = {}, None, BucketState.HOST
+        for done, nbytes in self._outstanding:
+            done.synchronize()
+            self._fetched_bytes -= nbytes
+        self._outstanding.clear()
