@@ -231,6 +231,7 @@ class ActivationStore:
         t0 = time.perf_counter()
         chunk.copies.append(self.copy.copy_out(chunk.view[offset:offset + nbytes], src,
                                                (chunk.key,)))
+        chunk.copies_done()   # drop finished copies: they hold their source storage
         self.stats.copy_seconds += time.perf_counter() - t0
         rec = Record(len(self._order), self._forward, chunk, offset, nbytes, device)
         chunk.records.add(rec)
@@ -353,6 +354,7 @@ class ActivationStore:
         self.stats.copy_seconds += time.perf_counter() - t0
         self.stats.h2d_bytes += rec.nbytes
         chunk.copies.append(rec.copy_in)
+        chunk.copies_done()   # finished copies would keep their device buffers alive
         chunk.waiting.discard(rec)
         return buf
 
