@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-blocks", type=int, default=4)
-    ap.add_argument("--state-blocks", type=int, default=2,
+    ap.add_argument("--state-blocks", type=int, default=4,
                     help="optimizer state in flight, in blocks of fp32 master+m+v")
     ap.add_argument("--pool-gib", type=int, default=40)
     ap.add_argument("--nvme-gib", type=int, default=16)

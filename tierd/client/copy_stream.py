@@ -122,6 +122,17 @@ class CopyStream:
                 d.record_stream(self._in)
         return InflightCopy(dsts, srcs, keys, event)
 
+    def allocate_for_copy_in(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Give ``tensor``'s (empty) storage ``nbytes`` from the copy-in stream's
+        memory, so the copy that fills it waits for no compute kernel; the
+        compute stream is recorded as a user for when the storage is freed."""
+        if self._in is None:
+            tensor.untyped_storage().resize_(nbytes)
+            return
+        with torch.cuda.stream(self._in):
+            tensor.untyped_storage().resize_(nbytes)
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
     def empty_for_copy_in(self, like: torch.Tensor) -> torch.Tensor:
         """A device buffer shaped like ``like`` (fp32), allocated on the copy-in
         stream so filling it waits for nothing on the compute stream; the

@@ -125,9 +125,8 @@ class TieredParam:
         lease's keys) alive until :meth:`finish_swap_in`.
         """
         self._expect(ParamState.HOST, action="swap in")
-        storage = self.param.untyped_storage()
-        storage.resize_(self.nbytes)
-        self._inflight = stream.copy_in(self.param.data, source, keys)
+        stream.allocate_for_copy_in(self.param.data, self.nbytes)
+        self._inflight = stream.copy_in_many([(self.param.data, source)], keys)
         self.state = ParamState.H2D_INFLIGHT
         return self._inflight
 

@@ -196,7 +196,9 @@ class FusedUpdates:
         while self._outstanding:
             copy, nbytes = self._outstanding[0]
             if not copy.done():
-                if not need or self._fetched_bytes + need <= self.prefetch_bytes:
+                # block only far over the budget: a host that waits cannot queue
+                # the backward kernels that keep the GPU busy meanwhile
+                if not need or self._fetched_bytes + need <= 2 * self.prefetch_bytes:
                     return
                 copy.synchronize()
             self._outstanding.pop(0)
