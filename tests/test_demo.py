@@ -28,6 +28,7 @@ def test_demo_loss_goes_down_on_the_demo_text(daemon):
     assert len(result.losses) == 5
     assert result.losses[-1] < result.losses[0] - 0.5, result.losses
     assert result.params > 0 and lines[-1].startswith("pool ")
+    assert result.h2d_bytes >= 5 * result.params * 4   # every fp32 weight streamed in, each step
 
 
 def test_demo_reuses_a_running_daemon_and_leaves_no_keys_behind(daemon):

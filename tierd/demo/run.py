@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import tierd
+from tierd.client.attach import session_of
 from tierd.config import format_size, parse_size
 from tierd.demo.model import GPT, PRESETS
 from tierd.demo.text import Batches, generate
@@ -22,7 +23,7 @@ from tierd.demo.text import Batches, generate
 #: Per model: batch size, sequence length, learning rate, private pool
 #: (None: the embedded daemon's own default, half of available memory).
 DEFAULTS = {
-    "gpt2-small": dict(batch_size=4, seq_len=128, lr=3e-3, pool="32MiB"),
+    "gpt2-small": dict(batch_size=4, seq_len=128, lr=3e-3, pool="40MiB"),
     "gpt2-1.3b": dict(batch_size=8, seq_len=1024, lr=1e-4, pool=None),
 }
 STATE_BYTES_PER_PARAM = 16   # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
@@ -34,6 +35,7 @@ class DemoResult:
     tokens_per_s: list[float] = field(default_factory=list)
     stats: dict = field(default_factory=dict)   # the daemon's, after the last step
     params: int = 0
+    h2d_bytes: int = 0                          # copied pool -> compute device, all steps
     gpu_peak_bytes: int | None = None
 
 
@@ -48,8 +50,9 @@ def add_parser(sub) -> None:
                    help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", help="compute device (default cuda if present, else cpu)")
     p.add_argument("--socket", help="use the daemon at this socket instead of a private one")
-    p.add_argument("--pool", help="pool of the private daemon (small: 32MiB, so it spills "
-                                  "to NVMe; 1.3b: the embedded default)")
+    p.add_argument("--pool", help="pool of the private daemon (small: 40MiB, below its "
+                                  "model state, so it spills to NVMe; 1.3b: the embedded "
+                                  "default)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -120,7 +123,8 @@ def _open_client(args, state_bytes: int, default_pool: str | None):
 
 def _train(model, opt, client, data: Batches, steps: int, device, out) -> DemoResult:
     result = DemoResult()
-    before = client.stats()
+    session = session_of(model)
+    before, copies = client.stats(), session.stats()
     for step in range(1, steps + 1):
         ids, targets = (t.to(device) for t in data.next())
         start = time.perf_counter()
@@ -132,13 +136,16 @@ def _train(model, opt, client, data: Batches, steps: int, device, out) -> DemoRe
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        stats = client.stats()
+        stats, now = client.stats(), session.stats()
         result.losses.append(value)
         result.tokens_per_s.append(ids.numel() / seconds)
-        out(f"step {step:>4}/{steps}  loss {value:7.4f}  {ids.numel() / seconds:9.0f} tok/s  "
-            f"to NVMe {format_size(stats['bytes_to_nvme'] - before['bytes_to_nvme']):>10}  "
-            f"to pool {format_size(stats['bytes_to_pool'] - before['bytes_to_pool']):>10}")
-        before = stats
+        result.h2d_bytes += now["h2d_bytes"] - copies["h2d_bytes"]
+        out(f"step {step:>4}/{steps}  loss {value:7.4f}  {ids.numel() / seconds:8.0f} tok/s  "
+            f"pool->{device.type} {format_size(now['h2d_bytes'] - copies['h2d_bytes']):>9}  "
+            f"{device.type}->pool {format_size(now['d2h_bytes'] - copies['d2h_bytes']):>9}  "
+            f"pool->NVMe {format_size(stats['bytes_to_nvme'] - before['bytes_to_nvme']):>9}  "
+            f"NVMe->pool {format_size(stats['bytes_to_pool'] - before['bytes_to_pool']):>9}")
+        before, copies = stats, now
     result.stats = client.stats()
     return result
 
