@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from tierd import protocol as P
-from tierd.backends import recordio
 from tierd.backends.hostpool import HostPool, available_memory
 from tierd.backends.manifest import Manifest, ManifestStore
 from tierd.backends.nvme import NvmeStore
@@ -30,6 +29,7 @@ from tierd.config import ServeConfig, format_size
 from tierd.errors import Busy, CapacityError, DaemonUnavailable, ProtocolError, TierdError
 from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
 from tierd.server.metrics import Metrics, serve_metrics
+from tierd.server.transfers import RecordTransfers
 
 log = logging.getLogger("tierd.daemon")
 
@@ -107,6 +107,7 @@ class Daemon:
             self.nvme.close(remove=False)
             raise
         self.executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tierd-io")
+        self.records = RecordTransfers(self.nvme, self.executor)
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -301,6 +302,9 @@ class Daemon:
             self._send(ident, P.encode_reply(rid, P.Committed(info)))
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
+        except Exception as exc:  # a bug: answer, log, keep serving the others
+            log.exception("internal error committing job %r", session.job)
+            self._reply_error(ident, rid, TierdError(f"internal error in the daemon: {exc!r}"))
         finally:
             self.metrics.observe("commit", time.perf_counter() - start)
             self._done_inflight(session)
@@ -401,7 +405,7 @@ class Daemon:
 
     async def _transfer(self, t: Transfer) -> None:
         view = t.slot.segment.view(t.slot.offset, t.nbytes)
-        io = self._write_record if t.direction is Direction.TO_NVME else self._read_record
+        io = self.records.write if t.direction is Direction.TO_NVME else self.records.read
         error = None
         try:
             await io(t.disk.offset, t.entry.meta(), view)
@@ -413,50 +417,6 @@ class Daemon:
             self.catalog.finish(t, error)
             self._io.pop(t).set_result(None)
             self._run_started()
-
-
-    async def _pieces(self, calls) -> list:
-        """Run blocking calls on the I/O threads; all finish before any error
-        is raised, so no thread still uses a buffer the caller releases."""
-        loop = asyncio.get_running_loop()
-        results = await asyncio.gather(
-            *(loop.run_in_executor(self.executor, fn, *args) for fn, *args in calls),
-            return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
-
-    async def _write_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Checksum every piece and write all but the first in the I/O threads;
-        then the first piece and the header (which holds the sums) in one pwritev."""
-        pieces = recordio.pieces_of(len(data))
-        base = offset + meta.header_len()
-        sums = await self._pieces(
-            (recordio.checksum, data[s:s + n]) if i == 0 else
-            (self.nvme.sum_and_write, base + s, data[s:s + n])
-            for i, (s, n) in enumerate(pieces))
-        header = recordio.encode_header(meta, sums)
-        try:
-            n = pieces[0][1]
-            await self._pieces([(self.nvme.write_from, offset, [header, data[:n]])])
-        finally:
-            header.close()
-
-    async def _read_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Read the header and every piece in the I/O threads, checksumming
-        each as it lands, then check them against the header."""
-        header = recordio.header_buffer(meta)
-        try:
-            base = offset + len(header)
-            got = await self._pieces(
-                (self.nvme.read_and_sum, offset, [header, data[s:s + n]]) if i == 0 else
-                (self.nvme.read_and_sum, base + s, [data[s:s + n]])
-                for i, (s, n) in enumerate(recordio.pieces_of(len(data))))
-            algo, sums = recordio.parse_header(header, meta)
-            recordio.verify_pieces(meta, algo, sums, got, data)
-        finally:
-            header.close()
 
 
 def _watch_process(pid: int, conn: socket.socket) -> int | None:
