@@ -40,7 +40,7 @@ def frames(draw) -> bytes:
     good = P.encode_request(1, P.Commit("tag"))
     if kind == "truncated":
         return good[:draw(st.integers(0, len(good) - 1))]
-    return msgpack.packb({"v": draw(st.one_of(values, st.integers())), "id": 1,
+    return msgpack.packb({"v": draw(st.one_of(values, st.integers(-(1 << 63), (1 << 64) - 1))), "id": 1,
                           "op": "commits", "body": {}})
 
 
