@@ -141,9 +141,11 @@ def cmd_top(args: argparse.Namespace) -> int:
             print(f"{clear}tierd top  {time.strftime('%H:%M:%S')}  every {args.interval:g} s")
             if before is not None:
                 dt = max(now - then, 1e-9)
-                print(f"rate  {format_size(int((stats['bytes_to_nvme'] - before['bytes_to_nvme']) / dt))}/s"
-                      f" to NVMe, {format_size(int((stats['bytes_to_pool'] - before['bytes_to_pool']) / dt))}/s"
-                      f" to pool, {(stats['evictions'] - before['evictions']) / dt:.1f} evictions/s")
+                rate = {k: (stats[k] - before[k]) / dt
+                        for k in ("bytes_to_nvme", "bytes_to_pool", "evictions")}
+                print(f"rate  {format_size(int(rate['bytes_to_nvme']))}/s to NVMe, "
+                      f"{format_size(int(rate['bytes_to_pool']))}/s to pool, "
+                      f"{rate['evictions']:.1f} evictions/s")
             print_status(stats)
             sys.stdout.flush()
             if args.count and i >= args.count:
@@ -223,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     health = sub.add_parser("health", help="exit 0 if the daemon answers, 1 if not (probes)")
-    health.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
+    health.add_argument("--socket",
+                        help="daemon socket (default $TIERD_SOCKET or the standard path)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     dj = sub.add_parser("drop-job", help="delete every tensor of a named job")
     dj.add_argument("name")
