@@ -8,6 +8,7 @@ it starts is tracked so shutdown can drain it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import secrets
@@ -222,7 +223,12 @@ class Daemon:
 
     # ---------------------------------------------------------- requests
     async def _router_loop(self) -> None:
-        while True:
+        for n in itertools.count():
+            if n % 32 == 31:
+                # With frames always waiting, awaiting recv never yields to the
+                # loop: give the control sockets and transfers their turn, or one
+                # flooding client would starve everyone's handshakes and I/O.
+                await asyncio.sleep(0)
             frames = await self.router.recv_multipart()
             if len(frames) != 2:
                 continue  # not from a DEALER speaking our protocol
