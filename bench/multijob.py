@@ -91,9 +91,46 @@ def run(ctx: Context) -> list[dict]:
            f"shared daemon, {spec['steps']} timed steps started together")
     alone = run_group(spec, 1, ctx.case_timeout())[0]["train"][str(b)]["step_s"]
     rows = [row("multi-job: one job alone", cfg, step_s=alone)]
-    both = run_group(spec, 2, ctx.case_timeout())
-    for i, res in enumerate(both):
-        step = res["train"][str(b)]["step_s"]
-        rows.append(row(f"multi-job: job {'AB'[i]} of two at once", cfg, step_s=step,
-                        ratio=step / alone, limit="the same job alone"))
+    for n in (2,) if ctx.sizes.quick else (2, 4):
+        for i, res in enumerate(run_group(spec, n, ctx.case_timeout())):
+            step = res["train"][str(b)]["step_s"]
+            rows.append(row(f"multi-job: job {'ABCD'[i]} of {n} at once", cfg, step_s=step,
+                            ratio=step / alone, limit="the same job alone"))
+    rows.append(many_clients(spec["socket"], clients=8, seconds=1.0 if ctx.sizes.quick else 5.0))
     return rows
+
+
+_CLIENT = """
+import sys, time, torch, tierd
+c = tierd.connect(sys.argv[1])
+c.put("k", torch.zeros(1024))
+print("ready", flush=True); sys.stdin.readline()
+n, end = 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    c.lease(["k"]); c.release(["k"]); n += 2
+print(n, flush=True)
+"""
+
+
+def many_clients(socket: str, clients: int, seconds: float) -> dict:
+    """Requests/s served to ``clients`` processes each doing lease/release
+    round trips as fast as they can, all at once, on one daemon."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, socket, str(seconds)], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env()) for _ in range(clients)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a client did not start")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        total = sum(int(p.stdout.readline()) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return row(f"requests/s, {clients} clients at once",
+               f"{clients} processes, each lease+release of one 4 KiB key in a loop for "
+               f"{seconds:g} s, one daemon", req_per_s=total / seconds)

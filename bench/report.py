@@ -15,6 +15,8 @@ def figure(r: dict) -> str:
         return f"skipped: {r['skipped']}"
     if "GBps" in r:
         return f"{r['GBps']:.2f} GB/s"
+    if "req_per_s" in r:
+        return f"{r['req_per_s']:.0f} req/s"
     if "p50_us" in r:
         return (f"p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
                 f"{r['ops_per_s']:.0f} ops/s, {r['requests_per_s']:.0f} req/s")
