@@ -11,12 +11,13 @@ so its parameters stream onto the GPU just before use (:func:`attach`).
 
 from tierd import optim
 from tierd.client.attach import AttachConfig, attach, attached, detach
+from tierd.client.checkpoint import commit, resumed_step
 from tierd.client.connection import AsyncClient, Client, Leased, aconnect, connect
 from tierd.errors import (Busy, CapacityError, DaemonUnavailable, IntegrityError,
                           ProtocolError, StateError, TierdError, TierIOError, UnknownKey)
 
 __version__ = "0.1.0"
 
-__all__ = ["AttachConfig", "attach", "attached", "detach", "optim", "AsyncClient", "Busy", "CapacityError", "Client", "DaemonUnavailable",
+__all__ = ["AttachConfig", "attach", "attached", "commit", "detach", "optim", "resumed_step", "AsyncClient", "Busy", "CapacityError", "Client", "DaemonUnavailable",
            "IntegrityError", "Leased", "ProtocolError", "StateError", "TierIOError",
            "TierdError", "UnknownKey", "aconnect", "connect"]

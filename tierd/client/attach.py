@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
 
 from tierd.client.attached import Session
+from tierd.client.checkpoint import TRAINING_STEP, resumable_keys
 from tierd.client.hooks import ModuleHooks
 from tierd.client.registry import restore_parameters, take_parameters
 from tierd.errors import StateError
@@ -95,14 +96,25 @@ class AttachConfig:
         return torch.device("cpu")
 
 
-def _connect():
+def _connect(job: str | None):
     import tierd
     from tierd.client.embedded import ensure_daemon
-    return tierd.connect(ensure_daemon())
+    return tierd.connect(ensure_daemon(), job=job)
+
+
+def _expected_keys(model: nn.Module, prefix: str, config: AttachConfig) -> list[str]:
+    """The keys attach stores for ``model``'s values (``p/`` and ``master/``)."""
+    keys = []
+    for name, p in model.named_parameters():
+        keys.append(f"{prefix}/p/{name}")
+        dtype = config.compute_dtype if p.is_floating_point() else p.dtype
+        if dtype != torch.float32 and p.requires_grad:
+            keys.append(f"{prefix}/master/{name}")
+    return keys
 
 
 def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
-           **options) -> nn.Module:
+           job: str | None = None, resume: bool = False, **options) -> nn.Module:
     """Move ``model``'s parameters into tierd and stream them in on use.
 
     Returns ``model`` itself; its parameters become :class:`TieredParameter`
@@ -110,10 +122,19 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     after attaching; the old Parameter objects are emptied). Gradients are
     summed into the daemon, not into ``param.grad``: use ``tierd.optim``.
     ``options`` are :class:`AttachConfig` fields (not allowed with ``config``).
-    Without ``client``, connects to (or starts) the node's embedded daemon.
+    Without ``client``, connects to (or starts) the node's embedded daemon,
+    in job ``job`` (a named job, which ``tierd.commit`` can commit; it is also
+    the default ``name``) or this process's default job.
+
+    ``resume=True`` continues from the job's last commit (``tierd.commit``):
+    the model's own values are ignored, the committed ones are used, and
+    ``tierd.optim`` optimizers created after continue with the committed
+    state. Needs a named job with a commit and the ``name`` that run used;
+    see [Note: resume] in ``tierd.client.checkpoint``.
 
     Example:
         >>> model = tierd.attach(model, compute_dtype="bf16", gpu_budget_bytes=1 << 30)  # doctest: +SKIP
+        >>> model = tierd.attach(build_model(), job="run1", resume=True)                 # doctest: +SKIP
     """
     if config is not None and options:
         raise TypeError(f"pass either config= or options {sorted(options)}, not both")
@@ -125,10 +146,28 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         config = AttachConfig(**options)
     if getattr(model, _SESSION_ATTR, None) is not None:
         raise StateError(f"{type(model).__name__} is already attached; detach it first")
+    if job is not None and client is not None and client.job != job:
+        raise ValueError(f"job={job!r} but the client is connected to job {client.job!r}; "
+                         "pass one of them")
+    if config.name is None and job is not None:
+        config = replace(config, name=job)
+    if resume and config.name is None:
+        raise ValueError("resume=True needs a stable key prefix: pass name= (the one the "
+                         "committed run used) or job=")
     owns_client = client is None
     if client is None:
-        client = _connect()
+        client = _connect(job)
     session = Session(model, client, config, owns_client=owns_client)
+    if resume:
+        try:
+            session.resumed_keys = resumable_keys(
+                client, session.prefix, _expected_keys(model, session.prefix, config))
+        except BaseException:
+            if owns_client:
+                client.close()
+            raise
+        session.resumed_step = int(client.get(f"{session.prefix}/{TRAINING_STEP}")) \
+            if f"{session.prefix}/{TRAINING_STEP}" in session.resumed_keys else None
     take_parameters(session)
     session.start()
     session.hooks = ModuleHooks(session)

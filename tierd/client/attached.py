@@ -96,6 +96,10 @@ class Session:
         self.planner: PrefetchPlanner | None = None
         self.hooks = None   # tierd.client.hooks.ModuleHooks, set by attach()
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
+        # Set by a resuming attach: the job's keys under the prefix, and the
+        # step of the commit (see [Note: resume] in tierd.client.checkpoint).
+        self.resumed_keys: frozenset[str] = frozenset()
+        self.resumed_step: int | None = None
         register_pool(client, self.device)
 
     # ------------------------------------------------------------- building

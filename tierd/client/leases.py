@@ -135,6 +135,12 @@ class LeaseTable:
 
     def unhold_all(self) -> None:
         """End every hold (e.g. before detach deletes the keys)."""
+        self.end_holds()
+
+    def end_holds(self) -> list[str]:
+        """End every hold, reporting written bytes (a commit refuses write
+        leases); returns the keys, to :meth:`hold` again after."""
         held, self._held = list(self._held), set()
         if held:
             self.release(held)
+        return held

@@ -28,6 +28,7 @@ def take_parameters(session: Session) -> None:
     cfg, model = session.config, session.model
     owners = _owners(model)
     by_id: dict[int, TieredParam] = {}
+    resumed: list[TieredParam] = []   # resident ones whose value is in the store
     for module in dict.fromkeys(m for m in model.modules()):
         uploads: dict[str, torch.Tensor] = {}
         for attr, param in list(module._parameters.items()):
@@ -35,6 +36,8 @@ def take_parameters(session: Session) -> None:
                 continue   # replaced already through a tied holder
             holders = owners[id(param)]
             tp = _make(session, param, holders[0][2], uploads)
+            if tp.resident and tp.key in session.resumed_keys:
+                resumed.append(tp)
             by_id[id(param)] = tp
             for holder, hattr, qual in holders:
                 holder._parameters[hattr] = tp.param
@@ -44,6 +47,11 @@ def take_parameters(session: Session) -> None:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if uploads:
             session.client.put_many(uploads)
+    if resumed:
+        stored = session.client.get_many([tp.key for tp in resumed])
+        with torch.no_grad():
+            for tp in resumed:
+                tp.param.data.copy_(stored[tp.key])
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -63,8 +71,10 @@ def _make(session: Session, param: nn.Parameter, name: str,
     tp = TieredParam(name=name, prefix=session.prefix, param=new, orig_dtype=value.dtype,
                      orig_device=value.device, resident=resident, session=session)
     cpu = value.to("cpu")
-    uploads[tp.key] = cpu.to(dtype)
-    if tp.has_master:
+    stored = session.resumed_keys   # resuming: the committed value wins
+    if tp.key not in stored:
+        uploads[tp.key] = cpu.to(dtype)
+    if tp.has_master and tp.master_key not in stored:
         uploads[tp.master_key] = cpu.to(torch.float32)
     if new.requires_grad:
         new.register_post_accumulate_grad_hook(session.on_grad_of)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.client.checkpoint import step_count_key
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.optim.fused import FusedUpdates
 
@@ -93,17 +94,43 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 self._register(session, tps, prefetch_bytes)
 
     def _create_states(self) -> None:
-        """Zero moments for every parameter, in blocks, held if they fit."""
+        """Zero moments for every parameter (but those a resumed attach found in
+        the job, whose step counts are read back), in blocks, held if they fit."""
         for block in self._blocks(list(dict.fromkeys(self._all()))):
             session = block[0].session
             fresh = {self.state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
-                     for tp in block for n in self.state_names}
+                     for tp in block for n in self.state_names
+                     if self.state_key(tp, n) not in session.resumed_keys}
             if fresh:
                 session.client.put_many(fresh)
+        for session, tps in self._by_session(list(dict.fromkeys(self._all()))).items():
+            self._load_step_counts(session, tps)
         for session, tps in self._by_session(list(dict.fromkeys(self._all()))).items():
             keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
                     if not session.leases.is_held(k)}
             session.try_hold(list(keys), sum(keys.values()))
+
+    def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
+        """Step counts a commit stored ([Note: what a training commit holds] in
+        tierd.client.checkpoint); a parameter without one has never stepped."""
+        keys = {tp: step_count_key(session.prefix, tp.name) for tp in tps}
+        stored = [k for k in keys.values() if k in session.resumed_keys]
+        if not stored:
+            return
+        counts = session.client.get_many(stored)
+        for tp, k in keys.items():
+            if k in counts and float(counts[k]) > 0:
+                self.state[tp.param]["step"] = float(counts[k])
+
+    def step_counts(self, session) -> dict[str, torch.Tensor]:
+        """Every parameter's step count of ``session`` as tensors to store at a commit."""
+        return {step_count_key(session.prefix, tp.name):
+                torch.tensor(self.state[tp.param].get("step", 0.0), dtype=torch.float64)
+                for tp in dict.fromkeys(self._all()) if tp.session is session}
+
+    def has_unfinished_step(self) -> bool:
+        """A fused update ran in backward and ``step()`` has not closed the window."""
+        return any(f.updated or f.active for f in self._fused)
 
     def _register(self, session, tps: list[TieredParam], prefetch_bytes: int | None) -> None:
         mine = set(tps)

@@ -1,0 +1,112 @@
+"""Training commits and resume: ``tierd.commit(model, opt, step)`` and
+``tierd.attach(model, job=..., resume=True)``.
+
+[Note: what a training commit holds]
+Everything an attached model trains already lives under its key prefix
+(``tierd-attach/<name>``): parameters (``p/``), fp32 masters (``master/``)
+and the optimizer's moments (``optim/<state>/``). A commit adds the two
+things that live in the client: each parameter's optimizer step count
+(``optim/step/<name>``, a float64 scalar, since the bias corrections and
+SGD's first-step buffer depend on it; parameters without a gradient keep
+their own count, as in torch) and the training step the caller passed
+(``optim/_step``, an int64 scalar). Then the job is committed as one version
+(``client.commit``). The daemon refuses a commit while a key is write-leased,
+so the session's held leases are ended for the commit and taken again after.
+
+[Note: resume]
+After a daemon restart a named job holds exactly its last commit, so resuming
+is: the parameters' keys exist, so they are not uploaded (the fresh model's
+values are ignored); the optimizer creates zeros only for missing state keys
+and reads the step counts back. Resuming needs a named job with a commit and
+a stable ``name``; anything else raises, because silently starting fresh
+would train a different run under the old one's name. On a daemon that did
+not restart, the job's keys are its *latest* values, which may be newer than
+the last commit (nothing rolls them back).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierd.errors import StateError
+
+#: Under a session's prefix: the training step of the last commit.
+TRAINING_STEP = "optim/_step"
+
+
+def step_count_key(prefix: str, param_name: str) -> str:
+    """Key of one parameter's optimizer step count (see [Note: what a training commit holds])."""
+    return f"{prefix}/optim/step/{param_name}"
+
+
+def resumable_keys(client, prefix: str, expected: list[str]) -> frozenset[str]:
+    """The job's keys under ``prefix`` if it can resume there, else StateError.
+
+    ``expected`` are the parameter keys (``<prefix>/p/<name>``) of the model."""
+    jobs = client.stats().get("jobs", {})
+    if jobs.get(client.job, {}).get("ephemeral", False):
+        raise StateError(
+            f"cannot resume in job {client.job!r}: it is this process's default job, "
+            "which is never committed; connect with a named job "
+            "(tierd.attach(model, job='run1', ...) or tierd.connect(job='run1'))")
+    tags = client.commits()
+    if not tags:
+        raise StateError(
+            f"job {client.job!r} has no commit to resume from; attach with resume=False "
+            "(and the same name=) for the first run and call tierd.commit(model, opt, step)")
+    existing = frozenset(client.keys(prefix + "/"))
+    missing = [k for k in expected if k not in existing]
+    if missing:
+        found = "none" if len(missing) == len(expected) else f"{len(missing)} of {len(expected)} missing"
+        raise StateError(
+            f"job {client.job!r} (last commit {tags[-1]!r}) has no parameter keys for "
+            f"this model under {prefix + '/'!r} ({found}, e.g. {missing[0]!r}); pass the "
+            "name= (AttachConfig.name) the committed run used, and the same model")
+    return existing
+
+
+def commit(model: nn.Module, optimizer, step: int) -> dict:
+    """Make the attached ``model`` and ``optimizer``'s state (``None``: no
+    optimizer) durable as commit ``f"step-{step}"`` of its job; a restart and ``attach(..., resume=True)``
+    continue from here. Call it after ``opt.step()`` (and ``zero_grad()``).
+
+    Returns the daemon's commit info (``tag``, ``tensors``, ``written_bytes``...).
+
+    Example:
+        >>> model = tierd.attach(model, job="run1")                  # doctest: +SKIP
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4)     # doctest: +SKIP
+        >>> for step in range(1, 1001):                              # doctest: +SKIP
+        ...     train_step(model, opt)
+        ...     if step % 100 == 0:
+        ...         tierd.commit(model, opt, step)
+    """
+    from tierd.client.attach import session_of   # attach imports this module
+    session = session_of(model)
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    if optimizer is not None and optimizer.has_unfinished_step():
+        raise StateError("a fused update ran but opt.step() was not called yet; "
+                         "commit after opt.step()")
+    session.settle()
+    values = {f"{session.prefix}/{TRAINING_STEP}": torch.tensor(step, dtype=torch.int64)}
+    if optimizer is not None:
+        values.update(optimizer.step_counts(session))
+    session.client.put_many(values)
+    held = session.leases.end_holds()
+    try:
+        return session.client.commit(f"step-{step}")
+    finally:
+        if held and not session.leases.hold(held):
+            session.held_bytes = 0   # no room to hold again: leased per use from now on
+
+
+def resumed_step(model: nn.Module) -> int | None:
+    """The ``step`` of the commit an attached model resumed from (None if it did not resume).
+
+    Example:
+        >>> model = tierd.attach(model, job="run1", resume=True)   # doctest: +SKIP
+        >>> start = tierd.resumed_step(model) + 1                  # doctest: +SKIP
+    """
+    from tierd.client.attach import session_of
+    return session_of(model).resumed_step
