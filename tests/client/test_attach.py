@@ -259,3 +259,21 @@ def test_parameters_leave_between_forward_and_backward(daemon):
     assert len(seen) == 4 and max(seen) < total / 2  # never the whole model at once
     assert _param_storage_bytes(model) == 0
     assert set(session_of(model).gradients()) == {n for n, _ in ref.named_parameters()}
+
+
+def test_activation_offload_keeps_losses_bitwise(daemon):
+    plain, _ = _pair(gpt2, daemon)
+    tiered, _ = _pair(gpt2, daemon, activations="offload")
+    assert session_of(tiered).activations is not None
+    opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
+    tiered_opt = tierd.optim.AdamW(tiered.parameters(), lr=1e-3)
+    data = batches(3)
+    assert train(tiered, tiered_opt, data) == train(plain, opt, data)
+    assert_same_weights(tiered, plain)
+    handle = session_of(tiered).activations
+    detach(tiered)
+    assert handle._closed
+    with pytest.raises(ValueError, match="activations"):
+        AttachConfig(activations="disk")
+    with pytest.raises(ValueError, match="activation_budget_bytes"):
+        AttachConfig(activation_budget_bytes=-1)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
+from tierd.client.activations import POLICIES, tier_activations
 from tierd.client.attached import Session
 from tierd.client.checkpoint import TRAINING_STEP, resumable_keys
 from tierd.client.hooks import ModuleHooks
@@ -64,6 +65,12 @@ class AttachConfig:
     grad_bucket_bytes: int = 32 << 20
     #: Key prefix in the daemon (a random one when None); must be unique.
     name: str | None = None
+    #: Tier what autograd saves in forward ("offload", "recompute", "auto";
+    #: None: leave activations alone), see ``tierd.client.activations``.
+    activations: str | None = None
+    #: Bytes of saved activations allowed on the compute device (None: the
+    #: policy decides; "auto" plans against it).
+    activation_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         dtype = self.compute_dtype
@@ -87,6 +94,11 @@ class AttachConfig:
                              f"use one of {_PLACEMENTS}")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))
+        if self.activations not in POLICIES:
+            raise ValueError(f"activations={self.activations!r}; use one of {POLICIES}")
+        if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
+            raise ValueError(f"activation_budget_bytes={self.activation_budget_bytes} must "
+                             "be >= 0 or None")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
@@ -171,6 +183,10 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     take_parameters(session)
     session.start()
     session.hooks = ModuleHooks(session)
+    if config.activations is not None:
+        session.activations = tier_activations(
+            model, client, policy=config.activations,
+            budget_bytes=config.activation_budget_bytes, device=session.device)
     object.__setattr__(model, _SESSION_ATTR, session)
     return model
 
@@ -191,6 +207,8 @@ def detach(model: nn.Module) -> nn.Module:
         >>> model = tierd.detach(model); torch.save(model.state_dict(), "m.pt")  # doctest: +SKIP
     """
     session = session_of(model)
+    if session.activations is not None:
+        session.activations.close()
     session.hooks.remove()
     restore_parameters(session)
     session.leases.unhold_all()

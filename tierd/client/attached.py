@@ -95,6 +95,7 @@ class Session:
         self._tasks_with_callback: set[int] = set()
         self.planner: PrefetchPlanner | None = None
         self.hooks = None   # tierd.client.hooks.ModuleHooks, set by attach()
+        self.activations = None   # ActivationTiering, set by attach() when configured
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
         # Set by a resuming attach: the job's keys under the prefix, and the
         # step of the commit (see [Note: resume] in tierd.client.checkpoint).
