@@ -28,6 +28,7 @@ the fastest plan that fits wins, ties going to fewer recomputes.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 
@@ -109,9 +110,12 @@ def _offload_to_fit(blocks: list[BlockProfile], modes: list[BlockMode],
 
 
 def choose_plan(blocks: list[BlockProfile], *, budget: int | None, bandwidth: float,
-                overlap: bool, backward_factor: float = 2.0) -> Plan:
+                overlap: bool, backward_factor: float = 2.0,
+                exhaustive_max_blocks: int = 8) -> Plan:
     """The fastest keep/offload/recompute choice per block within ``budget``
-    bytes of saved activations (see [Note: activation cost model]).
+    bytes of saved activations (see [Note: activation cost model]). Up to
+    ``exhaustive_max_blocks`` blocks every choice is tried (the best plan);
+    beyond, a greedy search (fits whenever any plan fits, not always the best).
 
     Example:
         >>> b = [BlockProfile("h.0", saved=100, inputs=10, forward_s=0.01),
@@ -119,7 +123,7 @@ def choose_plan(blocks: list[BlockProfile], *, budget: int | None, bandwidth: fl
         >>> [m.value for m in choose_plan(b, budget=None, bandwidth=1e3, overlap=False).modes]
         ['keep', 'keep']
         >>> [m.value for m in choose_plan(b, budget=150, bandwidth=1e9, overlap=False).modes]
-        ['offload', 'keep']
+        ['offload', 'offload']
     """
     def seconds(modes: list[BlockMode]) -> float:
         return plan_seconds(blocks, modes, bandwidth, overlap=overlap,
@@ -128,6 +132,8 @@ def choose_plan(blocks: list[BlockProfile], *, budget: int | None, bandwidth: fl
     keep_all = [BlockMode.KEEP] * len(blocks)
     if budget is None or plan_memory(blocks, keep_all) <= budget:
         return Plan(tuple(keep_all), plan_memory(blocks, keep_all), 0.0, True)
+    if len(blocks) <= exhaustive_max_blocks:
+        return _best_of_all(blocks, budget, seconds)
     order = sorted((i for i, b in enumerate(blocks) if b.recomputable),
                    key=lambda i: (-(blocks[i].saved - blocks[i].inputs)
                                   / max(blocks[i].forward_s, 1e-9), i))
@@ -145,5 +151,31 @@ def choose_plan(blocks: list[BlockProfile], *, budget: int | None, bandwidth: fl
             smallest = (mem, secs, modes)
     if best is not None:
         return Plan(tuple(best[2]), plan_memory(blocks, best[2]), best[0], True)
+    mem, secs, modes = smallest
+    return Plan(tuple(modes), mem, secs, False)
+
+
+def _best_of_all(blocks: list[BlockProfile], budget: int, seconds) -> Plan:
+    """Every keep/offload/recompute combination; the fastest that fits, else
+    the smallest."""
+    choices = [(BlockMode.KEEP, BlockMode.OFFLOAD)
+               + ((BlockMode.RECOMPUTE,) if b.recomputable else ()) for b in blocks]
+    def rank(secs: float, modes: list[BlockMode]) -> tuple:
+        # ties: fewest blocks moved, and the earliest ones (their activations
+        # are needed last in backward, so they have the longest to come back)
+        moved = [i for i, m in enumerate(modes) if m is not BlockMode.KEEP]
+        return round(secs, 12), len(moved), moved
+
+    best: tuple[tuple, int, float, list[BlockMode]] | None = None
+    smallest: tuple[int, float, list[BlockMode]] | None = None
+    for combo in itertools.product(*choices):
+        modes = list(combo)
+        mem, secs = plan_memory(blocks, modes), seconds(modes)
+        if mem <= budget and (best is None or rank(secs, modes) < best[0]):
+            best = (rank(secs, modes), mem, secs, modes)
+        if smallest is None or (mem, secs) < smallest[:2]:
+            smallest = (mem, secs, modes)
+    if best is not None:
+        return Plan(tuple(best[3]), best[1], best[2], True)
     mem, secs, modes = smallest
     return Plan(tuple(modes), mem, secs, False)
