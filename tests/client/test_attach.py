@@ -277,3 +277,18 @@ def test_activation_offload_keeps_losses_bitwise(daemon):
         AttachConfig(activations="disk")
     with pytest.raises(ValueError, match="activation_budget_bytes"):
         AttachConfig(activation_budget_bytes=-1)
+
+
+def test_a_dead_daemon_is_seen_at_the_next_step(daemon):
+    import signal
+    import time
+
+    model, _ = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(2)
+    train(model, opt, data[:1])           # leases are held from here on: no requests
+    daemon.stop(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(tierd.DaemonUnavailable):
+        train(model, opt, data[1:])
+    assert time.monotonic() - start < 2

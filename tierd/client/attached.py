@@ -142,6 +142,9 @@ class Session:
         """Root forward starts a step (unless it is a re-run inside backward)."""
         if _current_graph_task() != -1:
             return
+        # Held leases mean a step may send no request at all: ask the kernel
+        # (one poll of the control socket) so a dead daemon is seen every step.
+        self.client.check_alive()
         self.counters.steps += 1
         self.settle(synchronize=False)
         self._prefetch(self.planner.begin_step())
@@ -209,6 +212,7 @@ class Session:
 
     def end_backward(self, task: int) -> None:
         """Engine callback at the end of a backward graph task."""
+        self.client.check_alive()
         t0 = time.perf_counter()
         self._end_backward(task)
         self.counters.hook_seconds += time.perf_counter() - t0

@@ -216,6 +216,12 @@ class Client(_Procedures):
     def keys(self, prefix: str = "") -> list[str]:
         return list(self._call(P.Keys(prefix)).keys)
 
+    def check_alive(self) -> None:
+        """Raise DaemonUnavailable if the daemon has gone; sends no request (one
+        non-blocking poll of the control socket), so hot paths may call it."""
+        if not self.control.alive():
+            raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
+
     def drop_job(self) -> None:
         """Delete every tensor of this client's job (other clients of it stay)."""
         self._call(P.DropJob())
