@@ -292,3 +292,24 @@ def test_cuda_offload_matches_and_lowers_peak_memory(client, policy):
     _assert_same(got, want)
     assert handle.stats()["live_chunks"] == 0
     handle.close()
+
+
+def test_backward_frees_restored_tensors_as_it_goes(client):
+    """Restored saved tensors live from shortly before their node to just after
+    it: the store's count of restored bytes still referenced stays within the
+    prefetch window plus what one node uses, far below the bytes saved (it was
+    all of them when prefetch skipped, without counting, what it had brought
+    back already, so the window grew at every unpack)."""
+    ref = _gpt2(n_layer=6)
+    ids = batches(1, vocab=VOCAB, batch=4, seq=32)[0]
+    want = _steps(ref, [ids])
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy="offload", prefetch_bytes=256 << 10,
+                              **SMALL)
+    _assert_same(_steps(model, [ids]), want)
+    stats = handle.store.stats
+    assert stats.records > 50 and stats.h2d_bytes >= stats.d2h_bytes
+    assert 0 < stats.restored_peak_bytes <= stats.d2h_bytes // 4, (
+        stats.restored_peak_bytes, stats.d2h_bytes)
+    assert handle.store.restored_bytes() == 0   # nothing restored outlives backward
+    handle.close()

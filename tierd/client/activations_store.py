@@ -41,6 +41,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tierd import protocol as P
 from tierd.client.copy_stream import CopyStream, InflightCopy
@@ -170,6 +171,9 @@ class StoreStats:
     chunks: int = 0           # chunks reserved
     requests: int = 0         # daemon requests
     copy_seconds: float = 0.0  # host time in copy calls (all of it on CPU)
+    #: Peak, over the unpacks of backward, of the bytes of restored buffers
+    #: still referenced (by autograd, a view, or held ahead of use).
+    restored_peak_bytes: int = 0
 
 
 class ActivationStore:
@@ -197,6 +201,7 @@ class ActivationStore:
         self._by_storage: dict[int, list[tuple[weakref.ref, Record, int, int]]] = {}
         self._forward = 0
         self._backward = 0
+        self._restored: list[tuple[StorageWeakRef, int]] = []   # buffers copied back
 
     # ------------------------------------------------------------- forward
     def begin_forward(self) -> int:
@@ -323,7 +328,16 @@ class ActivationStore:
                 rec.ahead = buf
             self._restore_ahead(rec)
             self._release_ready()
+            self.stats.restored_peak_bytes = max(self.stats.restored_peak_bytes,
+                                                 self.restored_bytes())
         return out
+
+    def restored_bytes(self) -> int:
+        """Bytes of buffers copied back that something still references (a
+        saved tensor being used, a view of it, a buffer held ahead of use)."""
+        with self._lock:
+            self._restored = [(ref, n) for ref, n in self._restored if not ref.expired()]
+            return sum(n for _, n in self._restored)
 
     def _take(self, rec: Record) -> torch.Tensor:
         """The record's bytes on its device as a flat uint8 buffer (a multiple of 8 long)."""
@@ -348,6 +362,8 @@ class ActivationStore:
             chunk.view = chunk.lease.view(chunk.key)
         like = torch.empty(((rec.nbytes + 7) // 8 * 8,), dtype=torch.uint8, device="meta")
         buf = self.copy.empty_for_copy_in(like)
+        st = buf.untyped_storage()
+        self._restored.append((StorageWeakRef(st), st.nbytes()))
         t0 = time.perf_counter()
         rec.copy_in = self.copy.copy_in_many(
             [(buf[:rec.nbytes], chunk.view[rec.offset:rec.offset + rec.nbytes])], (chunk.key,))
@@ -384,17 +400,20 @@ class ActivationStore:
             if other.chunk not in to_lease:
                 to_lease.append(other.chunk)
         self._lease(to_lease)
-        budget = self.prefetch_bytes // 2   # copies to the device: half of it
+        # Copies to the device: half of it. Records already restored ahead (or
+        # whose copy is in flight) count against it: the window slides with
+        # backward instead of growing by the budget at every unpack.
+        budget = self.prefetch_bytes // 2
         for j in range(rec.seq - 1, -1, -1):
             other = self._order[j]
             if budget <= 0:
                 break
-            if (not other.alive or other.used_in == self._backward or other.ahead is not None
-                    or other.copy_in is not None) or (
+            if not other.alive or other.used_in == self._backward or (
                     other.restored is not None and other.restored() is not None):
                 continue
             budget -= other.nbytes
-            other.ahead = self._restore(other)
+            if other.ahead is None and other.copy_in is None:
+                other.ahead = self._restore(other)
 
     def _release_ready(self, *, block: bool = False) -> None:
         """Release read leases no live record still waits for, after their copies."""
@@ -429,6 +448,7 @@ class ActivationStore:
                 rec.ahead = None
             self._release_ready(block=True)
             self.sweep()
+            self.restored_bytes()   # drops the weak references of freed buffers
 
     # ------------------------------------------------------------ lifetime
     def sweep(self) -> None:
