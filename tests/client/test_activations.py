@@ -1,5 +1,11 @@
 """Activation tiering against plain torch, on a real daemon: same losses, same
-grads (bitwise, fp32), and the pool given back after every step."""
+grads (bitwise, fp32), and the pool given back after every step.
+
+Every test that claims tiering happened asserts the store copied bytes out
+(``stats()["d2h_bytes"] > 0``): tiny models save tensors far below the default
+``min_bytes`` (1 MiB), so without that check a test could pass with nothing
+offloaded. Most tests pass ``min_bytes=0``; the attach tests use a vocabulary
+large enough that the loss's saved logits cross the default threshold."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from torch import nn
 import tierd
 import tierd.optim
 from tierd.client.activations import find_blocks, tier_activations
-from tierd.client.attach import attach
+from tierd.client.attach import attach, detach, session_of
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 from tests.conftest import start_daemon
@@ -98,6 +104,32 @@ def test_policies_match_torch_bitwise_and_give_the_pool_back(client, make, polic
     assert _pool_used(client) == baseline
 
 
+@pytest.mark.parametrize("policy", ["offload", "recompute", "auto"])
+def test_bf16_autocast_steps_match_torch_bitwise(client, policy):
+    """Under autocast (what training on a GPU uses) saved tensors are bf16 and
+    the weights' bf16 casts are saved too: both round-trip exactly."""
+    ref = _gpt2()
+    data = batches(2, vocab=VOCAB, batch=4, seq=32)
+
+    def steps(model):
+        out = []
+        for ids in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad(set_to_none=True)
+        return out
+
+    want = steps(ref)
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy=policy, budget_bytes=0, **SMALL)
+    _assert_same(steps(model), want)
+    if policy != "recompute":
+        assert handle.stats()["d2h_bytes"] > 0
+    handle.close()
+
+
 def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsys):
     ref = _gpt2(n_layer=4)
     data = batches(3, vocab=VOCAB)
@@ -141,6 +173,8 @@ def test_gradient_checkpointing_already_in_the_model(client, reentrant, policy):
     handle = tier_activations(model, client, policy=policy, **SMALL)
     _assert_same(_steps(model, data), want)
     assert _pool_used(client) == baseline
+    if policy != "recompute":
+        assert handle.stats()["d2h_bytes"] > 0
     handle.close()
 
 
@@ -178,6 +212,53 @@ def test_saved_twice_and_views_share_one_copy_and_parameters_are_not_copied(clie
     assert stats["d2h_bytes"] == 32 * 128 * 4 + 32 * 64 * 4
     assert stats["deduped"] >= 3
     handle.close()
+
+
+def test_min_bytes_leaves_smaller_saved_tensors_in_place(client):
+    """Only saved tensors of at least ``min_bytes`` are copied; the default
+    (1 MiB) copies nothing of a small model, and grads are the same either way."""
+    torch.manual_seed(0)
+    ref = _Views()
+    x = torch.randn(32, 64)
+    ref(x).backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    copied = {}
+    for min_bytes in (12 << 10, None):   # h is 16 KiB, x 8 KiB
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        options = {} if min_bytes is None else {"min_bytes": min_bytes}
+        handle = tier_activations(model, client, policy="offload", blocks=[],
+                                  chunk_bytes=64 << 10, verbose=False, **options)
+        model(x).backward()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, want[n]), n
+        copied[min_bytes] = handle.stats()["d2h_bytes"]
+        assert handle.config.min_bytes == (1 << 20 if min_bytes is None else min_bytes)
+        handle.close()
+    assert copied == {12 << 10: 32 * 128 * 4, None: 0}
+
+
+@pytest.mark.parametrize("options", [dict(activations="offload"),
+                                     dict(activations="auto", activation_budget_bytes=0)],
+                         ids=["offload", "auto"])
+def test_attach_with_the_default_min_bytes_offloads_and_matches_torch(client, options):
+    """``attach(activations=...)`` tiers with the default ``min_bytes`` (attach
+    has no option for it): a vocabulary of 2048 makes the loss save 2 MiB of
+    logits, so bytes do reach the pool, and training stays bitwise."""
+    ref = gpt2(vocab=2048)
+    model = attach(copy.deepcopy(ref), client=client, **options)
+    handle = session_of(model).activations
+    assert handle.config.min_bytes == 1 << 20
+    data = batches(3, batch=8, seq=32, vocab=2048)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    stats = handle.stats()
+    assert stats["d2h_bytes"] >= 1 << 20 and stats["h2d_bytes"] >= stats["d2h_bytes"] // 2
+    assert stats["live_chunks"] == 0
+    detach(model)
+    assert handle._closed
 
 
 def test_inference_saves_nothing(client):
@@ -244,6 +325,8 @@ def test_retain_graph_backward_twice(client):
     loss.backward()
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, want[n]), n
+    stats = handle.stats()
+    assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] >= stats["d2h_bytes"]
     del loss
     handle.store.sweep()
     assert _pool_used(client) == baseline
@@ -290,7 +373,7 @@ def test_cuda_offload_matches_and_lowers_peak_memory(client, policy):
                               budget_bytes=1 << 20, verbose=False)
     got = _steps(model, data)
     _assert_same(got, want)
-    assert handle.stats()["live_chunks"] == 0
+    assert handle.stats()["d2h_bytes"] > 0 and handle.stats()["live_chunks"] == 0
     handle.close()
 
 

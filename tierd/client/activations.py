@@ -396,6 +396,10 @@ def tier_activations(model: nn.Module, client, *, policy: str | None = "offload"
                      **options) -> ActivationTiering:
     """Tier what autograd saves in ``model``'s forward (see the module docstring).
 
+    ``budget_bytes``: device bytes of saved activations ``auto`` plans for
+    (None: no limit). ``min_bytes``: saved tensors smaller than this stay on
+    the device (default 1 MiB: a small copy frees little and costs its
+    per-copy overhead); ``stats()["d2h_bytes"]`` says how much went to the pool.
     ``options`` are further :class:`ActivationConfig` fields (``chunk_bytes``,
     ``prefetch_bytes``, ``verbose``). ``device`` is the compute device (default:
     that of the model's first parameter; pass it when attach has emptied them).
