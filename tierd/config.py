@@ -73,7 +73,8 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     """Address the metrics server binds; the default keeps it local to the node."""
     segment_size: int = 256 << 20
-    """Pool memory is created per job in segments of at least this size."""
+    """Pool memory is created per job in segments of this size (at most 1/16 of
+    the pool; a larger tensor gets a segment of its own size)."""
     io_threads: int = 8
     """Threads doing NVMe reads and writes."""
     max_requests_per_client: int = 256

@@ -97,7 +97,10 @@ class Daemon:
         check_socket_free(cfg.socket)
         self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size)
         self.manifests = ManifestStore(cfg.nvme)
-        self.pool = HostPool(cfg.pool, cfg.segment_size)
+        # A job's memory is never handed to another job while it holds one
+        # tensor in the segment, so a segment as large as a small pool would
+        # let one tiny job keep every other job out: at most 1/16 of the pool.
+        self.pool = HostPool(cfg.pool, min(cfg.segment_size, max(cfg.pool // 16, 1 << 20)))
         self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas,
                                self.manifests)
         try:
