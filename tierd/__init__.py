@@ -14,10 +14,10 @@ from tierd.client.attach import AttachConfig, attach, attached, detach
 from tierd.client.checkpoint import commit, resumed_step
 from tierd.client.connection import AsyncClient, Client, Leased, aconnect, connect
 from tierd.errors import (Busy, CapacityError, DaemonUnavailable, IntegrityError,
-                          ProtocolError, StateError, TierdError, TierIOError, UnknownKey)
+                          ProtocolError, RankFailed, StateError, TierdError, TierIOError, UnknownKey)
 
 __version__ = "0.1.0"
 
 __all__ = ["AttachConfig", "attach", "attached", "commit", "detach", "optim", "resumed_step", "AsyncClient", "Busy", "CapacityError", "Client", "DaemonUnavailable",
-           "IntegrityError", "Leased", "ProtocolError", "StateError", "TierIOError",
+           "IntegrityError", "Leased", "ProtocolError", "RankFailed", "StateError", "TierIOError",
            "TierdError", "UnknownKey", "aconnect", "connect"]

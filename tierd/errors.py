@@ -56,6 +56,13 @@ class StateError(TierdError):
     code = "state"
 
 
+class RankFailed(TierdError):
+    """Another rank of a data-parallel job stopped (or a collective among the
+    ranks failed); this rank cannot go on with the job."""
+
+    code = "rank"
+
+
 class UnknownKey(TierdError, KeyError):
     """No tensor is stored under this key (also a ``KeyError``)."""
 
@@ -67,7 +74,7 @@ class UnknownKey(TierdError, KeyError):
 
 _BY_CODE = {cls.code: cls for cls in (TierdError, CapacityError, ProtocolError,
                                        IntegrityError, DaemonUnavailable, Busy,
-                                       TierIOError, StateError, UnknownKey)}
+                                       TierIOError, StateError, RankFailed, UnknownKey)}
 
 
 def to_wire(exc: TierdError) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from torch import nn
 from tierd.client.activations import POLICIES, tier_activations
 from tierd.client.attached import Session
 from tierd.client.checkpoint import TRAINING_STEP, resumable_keys
+from tierd.client import distributed
 from tierd.client.hooks import ModuleHooks
 from tierd.client.registry import restore_parameters, take_parameters
 from tierd.errors import StateError
@@ -114,6 +115,23 @@ def _connect(job: str | None):
     return tierd.connect(ensure_daemon(), job=job)
 
 
+def _join_ranks(group, model: nn.Module, client, job: str | None, config: AttachConfig):
+    """Under torch.distributed: agree with the other ranks, find the node's
+    daemon; returns (Ranks, client)."""
+    import tierd
+    from tierd.client.embedded import _answers, ensure_daemon
+    from tierd.config import default_socket_path
+    if client is not None:
+        socket, job = client.path, client.job
+    else:
+        socket = default_socket_path()
+        socket = socket if _answers(socket) else None
+    ranks, socket = distributed.join(
+        group, socket_path=socket, job=job, model=model, config=config,
+        device=config.resolved_device(), start_daemon=ensure_daemon)
+    return ranks, client if client is not None else tierd.connect(socket, job=job)
+
+
 def _expected_keys(model: nn.Module, prefix: str, config: AttachConfig) -> list[str]:
     """The keys attach stores for ``model``'s values (``p/`` and ``master/``)."""
     keys = []
@@ -126,7 +144,8 @@ def _expected_keys(model: nn.Module, prefix: str, config: AttachConfig) -> list[
 
 
 def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
-           job: str | None = None, resume: bool = False, **options) -> nn.Module:
+           job: str | None = None, resume: bool = False, process_group=None,
+           **options) -> nn.Module:
     """Move ``model``'s parameters into tierd and stream them in on use.
 
     Returns ``model`` itself; its parameters become :class:`TieredParameter`
@@ -144,9 +163,18 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     state. Needs a named job with a commit and the ``name`` that run used;
     see [Note: resume] in ``tierd.client.checkpoint``.
 
+    Under ``torch.distributed`` (``process_group``, or the default group when
+    it is initialized with several ranks) every rank must call ``attach``
+    with the same model and ``job``: the ranks of a node share one copy in
+    the node's daemon, gradients are averaged across all ranks as DDP does,
+    and each rank updates its share of the node's copy; ``detach`` and
+    ``tierd.commit`` must then be called on every rank too. See
+    ``tierd.client.distributed``.
+
     Example:
         >>> model = tierd.attach(model, compute_dtype="bf16", gpu_budget_bytes=1 << 30)  # doctest: +SKIP
         >>> model = tierd.attach(build_model(), job="run1", resume=True)                 # doctest: +SKIP
+        >>> model = tierd.attach(model, job="run1")   # under torchrun, on every rank   # doctest: +SKIP
     """
     if config is not None and options:
         raise TypeError(f"pass either config= or options {sorted(options)}, not both")
@@ -167,9 +195,16 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         raise ValueError("resume=True needs a stable key prefix: pass name= (the one the "
                          "committed run used) or job=")
     owns_client = client is None
-    if client is None:
+    group = distributed.active_group(process_group)
+    ranks = None
+    if group is not None:
+        ranks, client = _join_ranks(group, model, client, job, config)
+        if config.name is None:
+            config = replace(config, name=client.job)
+    elif client is None:
         client = _connect(job)
     session = Session(model, client, config, owns_client=owns_client)
+    session.ranks = ranks
     if resume:
         try:
             session.resumed_keys = resumable_keys(
@@ -180,7 +215,10 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
             raise
         session.resumed_step = int(client.get(f"{session.prefix}/{TRAINING_STEP}")) \
             if f"{session.prefix}/{TRAINING_STEP}" in session.resumed_keys else None
-    take_parameters(session)
+    if ranks is None or resume:
+        take_parameters(session)
+    else:
+        _take_shared(session, ranks)
     session.start()
     session.hooks = ModuleHooks(session)
     if config.activations is not None:
@@ -189,6 +227,20 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
             budget_bytes=config.activation_budget_bytes, device=session.device)
     object.__setattr__(model, _SESSION_ATTR, session)
     return model
+
+
+def _take_shared(session: Session, ranks) -> None:
+    """[Note: one copy per node]: the leader uploads (rank 0's values), the
+    others use what it stored."""
+    if ranks.leader:
+        distributed.broadcast_values(session.model, ranks)
+        take_parameters(session)
+        ranks.barrier("attach (the leader uploading the parameters)")
+    else:
+        ranks.barrier("attach (the leader uploading the parameters)")
+        session.resumed_keys = frozenset(
+            _expected_keys(session.model, session.prefix, session.config))
+        take_parameters(session)
 
 
 def session_of(model: nn.Module) -> Session:
@@ -212,7 +264,11 @@ def detach(model: nn.Module) -> nn.Module:
     session.hooks.remove()
     restore_parameters(session)
     session.leases.unhold_all()
-    session.client.delete(session.client.keys(session.prefix + "/"))
+    if session.ranks is not None:   # the node's keys go once every rank has read them
+        session.client.stats()       # our releases are processed before the barrier
+        session.ranks.barrier("detach")
+    if session.ranks is None or session.ranks.leader:
+        session.client.delete(session.client.keys(session.prefix + "/"))
     object.__delattr__(model, _SESSION_ATTR)
     if session.owns_client:
         session.client.close()

@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from tierd.client.copy_stream import CopyStream, register_pool
+from tierd.client.copy_stream import CopyStream, InflightCopy, register_pool
+from tierd.client.distributed import GradReducer, Ranks, assign_owners
 from tierd.client.grads import GradBucket
 from tierd.client.leases import LeaseTable
 from tierd.client.planner import PrefetchPlanner
@@ -101,6 +102,11 @@ class Session:
         # step of the commit (see [Note: resume] in tierd.client.checkpoint).
         self.resumed_keys: frozenset[str] = frozenset()
         self.resumed_step: int | None = None
+        # Under torch.distributed (set by attach): this rank, the owner
+        # (local rank) of each trainable parameter, the gradient reducer.
+        self.ranks: Ranks | None = None
+        self.owner_of: dict[TieredParam, int] = {}
+        self.reducer: GradReducer | None = None
         register_pool(client, self.device)
 
     # ------------------------------------------------------------- building
@@ -108,8 +114,31 @@ class Session:
         """Called once the registry and units are built (``registry.take_parameters``)."""
         self.planner = PrefetchPlanner({u.index: u.nbytes for u in self.units},
                                        min(self.config.prefetch_bytes, self.lease_cap))
+        if self.ranks is not None:
+            self._split_across_ranks()
         tps = [tp for tp in self.params.values() if not tp.resident]
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
+
+    def _split_across_ranks(self) -> None:
+        """Owners and the reducer ([Note: one copy per node] in tierd.client.distributed)."""
+        seen: set[TieredParam] = set()   # a tied parameter is in its first unit only
+        buckets = []
+        for tps in [u.params for u in self.units] + [
+                tuple(tp for tp in self.params.values() if tp.resident)]:
+            bucket = tuple(tp for tp in tps if tp.param.requires_grad and tp not in seen)
+            seen.update(bucket)
+            if bucket:
+                buckets.append(bucket)
+        owners = assign_owners([sum(tp.param.numel() for tp in b) for b in buckets],
+                               len(self.ranks.node_ranks))
+        self.owner_of = {tp: o for b, o in zip(buckets, owners) for tp in b}
+        self.reducer = GradReducer(self.ranks, buckets, owners, self.device, self._deliver_grad)
+        for tp in self.params.values():
+            self.leases.shared.update((tp.key, tp.master_key))
+
+    def owns(self, tp: TieredParam) -> bool:
+        """This rank keeps ``tp``'s optimizer state (always, without torch.distributed)."""
+        return self.ranks is None or self.owner_of.get(tp) == self.ranks.local_rank
 
     def try_hold(self, keys: list[str], nbytes: int) -> bool:
         """Hold leases on ``keys`` for good if all held bytes stay under
@@ -204,11 +233,18 @@ class Session:
         self._enter_backward()
         grad = tp.param.grad
         tp.param.grad = None
-        if grad is not None and not any(opt.on_grad(tp, grad) for opt in self.optimizers):
-            self.grads.add(tp, grad)
+        if grad is not None:
+            if self.reducer is not None:
+                self.reducer.add(tp, grad)   # delivered to the owner once summed
+            else:
+                self._deliver_grad(tp, grad)
         if (tp.state is ParamState.DEVICE and not tp.resident
                 and self._holds.get(tp, 0) == 0):
             self._free(tp)
+
+    def _deliver_grad(self, tp: TieredParam, grad: torch.Tensor) -> None:
+        if not any(opt.on_grad(tp, grad) for opt in self.optimizers):
+            self.grads.add(tp, grad)
 
     def end_backward(self, task: int) -> None:
         """Engine callback at the end of a backward graph task."""
@@ -219,6 +255,8 @@ class Session:
 
     def _end_backward(self, task: int) -> None:
         self._tasks_with_callback.discard(task)
+        if self.reducer is not None and not self._tasks_with_callback:
+            self.reducer.flush()
         self.grads.flush()
         for tp in self.params.values():
             if (tp.state is ParamState.DEVICE and tp.backward_task == task
@@ -324,6 +362,38 @@ class Session:
     def _free(self, tp: TieredParam) -> None:
         tp.free()
         self._device_bytes -= tp.nbytes
+
+    # ------------------------------------------------------------- ranks
+    def publish(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Write new versions of shared keys: reserve, copy (after the compute
+        stream on a device), publish once the copy has landed."""
+        keys = tuple(k for k, _ in pairs)
+        placed = {lease.key: lease.tensor
+                  for lease in self.client.reserve_async(dict(pairs)).result()}
+        self.counters.requests += 1
+        on_device = [(placed[k], t) for k, t in pairs if t.device.type != "cpu"]
+        for k, t in pairs:
+            if t.device.type == "cpu":
+                placed[k].copy_(t)
+        copy = (self.copy.copy_out_many(on_device, keys) if on_device
+                else InflightCopy((), (), keys, None))
+        self.releases.add_publish(copy)
+
+    def finish_update(self) -> None:
+        """The end of ``opt.step()`` on every rank ([Note: when an update is
+        visible] in tierd.client.distributed)."""
+        if self.ranks is None:
+            return
+        self.settle()
+        self.leases.confirm_publishes()
+        self.ranks.barrier("the end of opt.step()")
+        self.leases.renew_shared()
+        stale = [tp for tp in self.params.values()
+                 if tp.resident and tp.param.requires_grad and not self.owns(tp)]
+        if stale:
+            values = self.client.get_many([tp.key for tp in stale])
+            for tp in stale:
+                self.refresh_resident(tp, values[tp.key])
 
     # ------------------------------------------------------------- values
     def zero_grad(self, tps: list[TieredParam] | None = None) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierd.errors import StateError
+from tierd.errors import StateError, TierdError
 
 #: Under a session's prefix: the training step of the last commit.
 TRAINING_STEP = "optim/_step"
@@ -70,6 +70,8 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
     """Make the attached ``model`` and ``optimizer``'s state (``None``: no
     optimizer) durable as commit ``f"step-{step}"`` of its job; a restart and ``attach(..., resume=True)``
     continue from here. Call it after ``opt.step()`` (and ``zero_grad()``).
+    Under torch.distributed call it on every rank: each stores its share of
+    the step counts and the node's leader commits the job.
 
     Returns the daemon's commit info (``tag``, ``tensors``, ``written_bytes``...).
 
@@ -89,16 +91,41 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
         raise StateError("a fused update ran but opt.step() was not called yet; "
                          "commit after opt.step()")
     session.settle()
-    values = {f"{session.prefix}/{TRAINING_STEP}": torch.tensor(step, dtype=torch.int64)}
+    ranks = session.ranks
+    values = {}
+    if ranks is None or ranks.leader:
+        values[f"{session.prefix}/{TRAINING_STEP}"] = torch.tensor(step, dtype=torch.int64)
     if optimizer is not None:
-        values.update(optimizer.step_counts(session))
-    session.client.put_many(values)
+        values.update(optimizer.step_counts(session))   # this rank's share
+    if values:
+        session.client.put_many(values)
     held = session.leases.end_holds()
     try:
-        return session.client.commit(f"step-{step}")
+        if ranks is None:
+            return session.client.commit(f"step-{step}")
+        return _commit_node(session, ranks, f"step-{step}")
     finally:
         if held and not session.leases.hold(held):
             session.held_bytes = 0   # no room to hold again: leased per use from now on
+
+
+def _commit_node(session, ranks, tag: str) -> dict:
+    """Every rank's values and releases are in; the node's leader commits the
+    job and every rank returns (or raises) its answer."""
+    session.client.stats()   # the daemon has processed this rank's releases
+    ranks.barrier("commit")
+    outcome = None
+    if ranks.leader:
+        try:
+            outcome = ("ok", session.client.commit(tag))
+        except TierdError as exc:
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+            ranks.from_leader(outcome, "commit")
+            raise
+    outcome = ranks.from_leader(outcome, "commit")
+    if outcome[0] == "error":
+        raise TierdError(f"the node's commit {tag!r} failed on its leader rank: {outcome[1]}")
+    return outcome[1]
 
 
 def resumed_step(model: nn.Module) -> int | None:

@@ -47,6 +47,12 @@ def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
     return (keys,) if isinstance(keys, str) else tuple(keys)
 
 
+def _specs(like: Mapping[str, torch.Tensor]) -> tuple[P.TensorSpec, ...]:
+    """Reserve specs for tensors shaped like the values of ``like``."""
+    return tuple(P.TensorSpec(k, dtype_name(t.dtype), tuple(t.shape),
+                              t.numel() * t.element_size()) for k, t in like.items())
+
+
 def _decode(frame: bytes) -> tuple[int, Any]:
     """(request id, reply); an unreadable reply becomes its waiter's ProtocolError."""
     try:
@@ -71,10 +77,7 @@ class _Procedures:
 
     def _put(self, items: Mapping[str, torch.Tensor]) -> Generator:
         tensors = [t.detach() for t in items.values()]
-        specs = tuple(P.TensorSpec(k, dtype_name(t.dtype), tuple(t.shape),
-                                   t.numel() * t.element_size())
-                      for k, t in zip(items, tensors))
-        placed = yield P.Reserve(specs)
+        placed = yield P.Reserve(_specs(items))
         try:
             for p, t in zip(placed.placements, tensors):
                 self.control.tensor(p).copy_(t)
@@ -260,6 +263,22 @@ class Client(_Procedures):
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
         """Release leases; with ``written`` the write-leased bytes become the new version."""
         return self._submit(P.Release(_keys(keys), written))
+
+    def reserve_async(self, like: Mapping[str, torch.Tensor]) -> Pending:
+        """Reserve a new version of each key, shaped like the given tensor;
+        the result is :class:`Leased` views to write into. Readers keep seeing
+        the old version (if any) until :meth:`publish_async` of the keys;
+        :meth:`abort` gives the slots back. ``put`` is reserve, copy, publish."""
+        return self._submit(P.Reserve(_specs(like)), self._leased)
+
+    def publish_async(self, keys: Iterable[str]) -> Pending:
+        """Make reserved keys the current versions (older ones are freed once
+        nobody leases them)."""
+        return self._submit(P.Publish(_keys(keys)))
+
+    def abort(self, keys: Iterable[str]) -> None:
+        """Give back reserved, unpublished keys."""
+        self._call(P.Abort(_keys(keys)))
 
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)

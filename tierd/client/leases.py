@@ -16,6 +16,11 @@ hot path are dictionary updates and no request reaches the daemon (DESIGN
 "Hot path has no round trip"). A held key cannot be evicted to NVMe, which
 is why only a fraction of the pool is ever held; bytes written while held are
 reported as written when the hold ends (:meth:`LeaseTable.unhold_all`).
+
+Under torch.distributed some keys are *shared* by the ranks of a node
+([Note: shared and private keys] in ``tierd.client.distributed``): those are
+leased read-only, never reported as written, and changed only by publishing
+a new version (:meth:`LeaseTable.publish_async`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ class LeaseTable:
         self._batch: dict[str, _LeaseBatch] = {}
         self._written: set[str] = set()
         self._held: set[str] = set()
+        #: keys other ranks read too: leased read-only (see the module docstring)
+        self.shared: set[str] = set()
+        self._publishing: list = []   # publish requests whose reply is not read yet
+        self._republish: set[str] = set()   # shared keys whose hold a publish ended
 
     def acquire(self, keys: Iterable[str]) -> None:
         """One more reference on each (deduplicated) key; keys not leased yet
@@ -69,11 +78,13 @@ class LeaseTable:
         new = [k for k in keys if k not in self._refs or self._batch[k].failed]
         for k in keys:
             self._refs[k] = self._refs.get(k, 0) + 1
-        if new:
-            batch = _LeaseBatch(self._client.lease_async(new, write=True))
-            self._stats.requests += 1
-            for k in new:
-                self._batch[k] = batch
+        for write in (True, False):
+            ks = [k for k in new if (k not in self.shared) == write]
+            if ks:
+                batch = _LeaseBatch(self._client.lease_async(ks, write=write))
+                self._stats.requests += 1
+                for k in ks:
+                    self._batch[k] = batch
 
     def view(self, key: str) -> torch.Tensor | None:
         """The pool view of an acquired key, or None if the daemon had no room."""
@@ -99,7 +110,7 @@ class LeaseTable:
         daemon lease, in one request per ``written`` flag."""
         out: dict[bool, list[str]] = {False: [], True: []}
         for k in dict.fromkeys(keys):
-            if written:
+            if written and k not in self.shared:
                 self._written.add(k)
             left = self._refs[k] - 1
             if left > 0:
@@ -119,6 +130,36 @@ class LeaseTable:
     def release_async(self, keys: Iterable[str], written: bool = False) -> None:
         """:class:`tierd.client.releases.PendingReleases` calls this name."""
         self.release(keys, written=written)
+
+    def publish_async(self, keys: Iterable[str]) -> None:
+        """Publish reserved new versions of shared keys, and end this
+        session's hold on their old versions (which the daemon then frees
+        once no rank leases them); :meth:`confirm_publishes` reads the replies."""
+        keys = list(keys)
+        self._publishing.append(self._client.publish_async(keys))
+        self._stats.requests += 1
+        old = [k for k in keys if k in self._held]
+        self._held.difference_update(old)
+        self._republish.update(old)
+        if old:
+            self.release(old)
+
+    def confirm_publishes(self) -> None:
+        """Wait until the daemon has taken every publish sent (raises its error)."""
+        pending, self._publishing = self._publishing, []
+        for p in pending:
+            p.result()
+
+    def renew_shared(self) -> bool:
+        """Hold every shared key this session held on its current version:
+        holds on older versions are dropped first (one release, one lease)."""
+        keys = sorted((self._held & self.shared) | self._republish)
+        self._republish.clear()
+        stale = [k for k in keys if k in self._held]
+        self._held.difference_update(stale)
+        if stale:
+            self.release(stale)
+        return self.hold(keys)
 
     def hold(self, keys: Iterable[str]) -> bool:
         """Take a lasting reference on each key; False (and nothing held) if the

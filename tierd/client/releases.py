@@ -5,6 +5,7 @@ A leased pool slot may be overwritten or evicted by the daemon as soon as the
 lease is released. A copy queued on the copy stream still reads (H2D) or
 writes (D2H) the slot until its event completes, so the release waits for the
 event. Releases are batched: one request per drain, never one per tensor.
+A new version of a shared key (``publish``) waits for its copy the same way.
 """
 
 from __future__ import annotations
@@ -28,26 +29,33 @@ class PendingReleases:
 
     def __init__(self, client) -> None:
         self._client = client
-        self._copies: list[tuple[InflightCopy, bool]] = []
+        self._copies: list[tuple[InflightCopy, str]] = []
 
     def __len__(self) -> int:
         return len(self._copies)
 
     def add(self, copy: InflightCopy, *, written: bool) -> None:
-        self._copies.append((copy, written))
+        """Release ``copy.keys`` (as written or not) once the copy has landed."""
+        self._copies.append((copy, "written" if written else "read"))
+
+    def add_publish(self, copy: InflightCopy) -> None:
+        """Publish the reserved ``copy.keys`` once the copy into them has landed."""
+        self._copies.append((copy, "publish"))
 
     def drain(self, *, block: bool = False) -> None:
-        """Release the leases of every finished copy (of all of them if ``block``)."""
-        done: dict[bool, list[str]] = {False: [], True: []}
+        """Release (or publish) the keys of every finished copy (of all if ``block``)."""
+        done: dict[str, list[str]] = {"read": [], "written": [], "publish": []}
         n = 0
-        for copy, written in self._copies:
+        for copy, kind in self._copies:
             if block:
                 copy.synchronize()
             elif not copy.done():
                 break   # copies finish about in order: stop at the first pending one
-            done[written].extend(copy.keys)
+            done[kind].extend(copy.keys)
             n += 1
         del self._copies[:n]
-        for written, keys in done.items():
-            if keys:
-                self._client.release_async(keys, written=written)
+        if done["publish"]:
+            self._client.publish_async(done["publish"])
+        for kind in ("read", "written"):
+            if done[kind]:
+                self._client.release_async(done[kind], written=kind == "written")

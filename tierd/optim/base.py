@@ -86,7 +86,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
         self._create_states()
-        for session, tps in self._by_session(self._all()).items():
+        for session, tps in self._by_session(self._owned()).items():
             use = fused if fused is not None else (
                 max_grad_norm is None
                 and (placement or session.config.optimizer_placement) == "gpu-stream")
@@ -96,16 +96,16 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _create_states(self) -> None:
         """Zero moments for every parameter (but those a resumed attach found in
         the job, whose step counts are read back), in blocks, held if they fit."""
-        for block in self._blocks(list(dict.fromkeys(self._all()))):
+        for block in self._blocks(self._owned()):
             session = block[0].session
             fresh = {self.state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
                      for tp in block for n in self.state_names
                      if self.state_key(tp, n) not in session.resumed_keys}
             if fresh:
                 session.client.put_many(fresh)
-        for session, tps in self._by_session(list(dict.fromkeys(self._all()))).items():
+        for session, tps in self._by_session(self._owned()).items():
             self._load_step_counts(session, tps)
-        for session, tps in self._by_session(list(dict.fromkeys(self._all()))).items():
+        for session, tps in self._by_session(self._owned()).items():
             keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
                     if not session.leases.is_held(k)}
             session.try_hold(list(keys), sum(keys.values()))
@@ -126,7 +126,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         """Every parameter's step count of ``session`` as tensors to store at a commit."""
         return {step_count_key(session.prefix, tp.name):
                 torch.tensor(self.state[tp.param].get("step", 0.0), dtype=torch.float64)
-                for tp in dict.fromkeys(self._all()) if tp.session is session}
+                for tp in self._owned() if tp.session is session}
 
     def has_unfinished_step(self) -> bool:
         """A fused update ran in backward and ``step()`` has not closed the window."""
@@ -161,6 +161,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
             for f in self._fused:
                 f.after_step()
             self.needs_zero_grad = True
+            self._finish_update()
             return loss
         for session in self._by_session(self._all()):
             session.settle()
@@ -171,7 +172,14 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 self._step_block(group, block, coef)
         for f in self._fused:
             f.after_step()
+        self._finish_update()
         return loss
+
+    def _finish_update(self) -> None:
+        """Under torch.distributed, every rank's next forward must see the
+        new weights ([Note: when an update is visible])."""
+        for session in self._by_session(self._all()):
+            session.finish_update()
 
     def state_keys(self, tp: TieredParam) -> list[str]:
         """The fp32 master key, then one key per state name."""
@@ -196,6 +204,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _all(self) -> list[TieredParam]:
         return [p.tiered for g in self.param_groups for p in g["params"]]
 
+    def _owned(self) -> list[TieredParam]:
+        """The parameters whose state this rank keeps (all without torch.distributed)."""
+        return [tp for tp in dict.fromkeys(self._all()) if tp.session.owns(tp)]
+
     @staticmethod
     def _by_session(tps: list[TieredParam]) -> dict[Any, list[TieredParam]]:
         out: dict[Any, list[TieredParam]] = {}
@@ -209,10 +221,18 @@ class StreamedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = None
             return None
         norms = [tp.grad_norm for tp in self._all() if tp.grad_in_pool]
-        if not norms:
+        ranks = next((s.ranks for s in self._by_session(self._all()) if s.ranks), None)
+        if ranks is not None:
+            # each owner has the norms of its shard: sum the squares over the node
+            local = sum((n.double().cpu() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
+            total = ranks.node_sum(local).sqrt().to(torch.float32)
+            if norms:
+                total = total.to(norms[0].device)
+        elif not norms:
             return None
-        first = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        else:
+            first = norms[0].device
+            total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
         self.last_grad_norm = total
         return torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
 
@@ -268,20 +288,27 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     coef: torch.Tensor | None) -> bool:
         device = self._compute_device(tp)
         on_device = device.type != "cpu"
+        shared = tp.session.leases.shared
         names = {"param": tp.master_key, "grad": tp.grad_key,
                  **{n: self.state_key(tp, n) for n in self.state_names}}
-        work = {n: (views[k].to(device, non_blocking=True) if on_device else views[k])
+        # a shared key is never changed in place: its new version is published
+        work = {n: (views[k].to(device, non_blocking=True) if on_device
+                    else views[k].clone() if k in shared else views[k])
                 for n, k in names.items()}
         if coef is not None:
             work["grad"].mul_(coef.to(work["grad"].device))
         self.update_param(group, tp, work["param"], work["grad"],
                           {n: work[n] for n in self.state_names})
-        if on_device:
-            written = ["param", *self.state_names] + (["grad"] if coef is not None else [])
-            for n in written:
-                views[names[n]].copy_(work[n], non_blocking=True)
+        written = ["param", *self.state_names] + (["grad"] if coef is not None else [])
+        new = [(names[n], work[n]) for n in written]
         if tp.has_master:
-            views[tp.key].copy_(work["param"].to(views[tp.key].dtype), non_blocking=on_device)
+            new.append((tp.key, work["param"].to(tp.param.dtype)))
+        publish = [(k, t) for k, t in new if k in shared]
+        for k, t in new:
+            if k not in shared and views[k].data_ptr() != t.data_ptr():
+                views[k].copy_(t, non_blocking=on_device)
+        if publish:
+            tp.session.publish(publish)
         if tp.resident:
             tp.session.refresh_resident(tp, work["param"])
         return on_device

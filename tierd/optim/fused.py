@@ -230,8 +230,9 @@ class FusedUpdates:
             pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
             b.copy = copy.copy_in_many(pairs, tuple(read))
             b.work = {k: d for k, (d, _) in zip(read, pairs)}
-        else:
-            b.work = views
+        else:   # in place in the pool, but a shared key gets a new version instead
+            shared = session.leases.shared
+            b.work = {k: v.clone() if k in shared else v for k, v in views.items()}
         b.state = BucketState.FETCHED
         self._fetched_bytes += b.nbytes
 
@@ -273,6 +274,10 @@ class FusedUpdates:
                     written.append((tp.key, param.to(tp.param.dtype)))
                 if tp.resident:
                     session.refresh_resident(tp, param)
+        shared = session.leases.shared
+        if any(k in shared for k, _ in written):
+            session.publish([(k, t) for k, t in written if k in shared])
+            written = [(k, t) for k, t in written if k not in shared]
         if copy.on_device:
             # every key of the bucket goes once the copy out has landed (which
             # is after the copy in, that the compute stream waited for)

@@ -1,0 +1,105 @@
+"""One rank of a data-parallel training run, launched like torchrun launches it.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 TIERD_SOCKET=... \\
+        python -m tests.client.dist_worker --out DIR [--steps 3] [--tierd]
+
+Without WORLD_SIZE (or with 1) it is the single-process reference. Each rank
+trains on its contiguous share of every global batch; the loss is the mean
+over the rank's share, so averaged gradients are those of the global batch.
+Rank results (losses, final weights, the daemon's view of the job) go to
+``DIR/rank<R>.pt``. ``--die-at-step N`` makes rank ``--die-rank`` exit
+abruptly (SIGKILL itself) at step N; every other rank records the error it got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tierd
+from tests.client.models import batches, gpt2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--tierd", action="store_true", help="attach (else plain torch)")
+    ap.add_argument("--ddp", action="store_true", help="plain torch DDP (a reference)")
+    ap.add_argument("--job", default="ddp")
+    ap.add_argument("--compute-dtype", default="fp32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--last-rank-n-embd", type=int, default=None,
+                    help="the last rank builds a different model (attach must refuse)")
+    ap.add_argument("--die-rank", type=int, default=None)
+    ap.add_argument("--die-at-step", type=int, default=None)
+    ap.add_argument("--commit-at", type=int, default=None, help="commit after this step")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--start-step", type=int, default=0)
+    args = ap.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    if world > 1:
+        dist.init_process_group("gloo")
+    odd = args.last_rank_n_embd is not None and rank == world - 1
+    model = gpt2(seed=args.seed, n_embd=args.last_rank_n_embd if odd else args.n_embd)
+    data = batches(args.steps * args.accumulate, batch=args.global_batch, seed=args.seed + 1)
+    share = args.global_batch // world
+    result: dict = {"rank": rank, "losses": []}
+    try:
+        if args.tierd:
+            model = tierd.attach(model, job=args.job, resume=args.resume,
+                                 compute_dtype=args.compute_dtype)
+            opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
+                                    max_grad_norm=args.clip,
+                                    accumulation_steps=args.accumulate)
+        else:
+            if args.ddp:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
+                                    foreach=False)
+        for step in range(args.start_step, args.steps):
+            if args.die_at_step == step and rank == args.die_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            for micro in range(args.accumulate):
+                ids = data[step * args.accumulate + micro][rank * share:(rank + 1) * share]
+                loss = model(input_ids=ids, labels=ids).loss / args.accumulate
+                loss.backward()
+                result["losses"].append(loss.item())
+            if not args.tierd and args.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            opt.zero_grad()
+            if args.commit_at == step:
+                tierd.commit(model, opt, step)
+        plain = model.module if args.ddp else model
+        result["weights"] = {k: v.clone() for k, v in plain.state_dict().items()}
+        if args.tierd:
+            stats = tierd.client.attach.session_of(model).client.stats()
+            result["job"] = stats["jobs"].get(args.job)
+            result["session"] = tierd.client.attach.session_of(model).stats()
+            tierd.detach(model)
+    except Exception as exc:   # the test reads what each rank saw
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+        result["error_at"] = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{rank}.pt")
+    if world > 1 and "error" not in result:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
