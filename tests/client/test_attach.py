@@ -263,7 +263,7 @@ def test_parameters_leave_between_forward_and_backward(daemon):
 
 def test_activation_offload_keeps_losses_bitwise(daemon):
     plain, _ = _pair(gpt2, daemon)
-    tiered, _ = _pair(gpt2, daemon, activations="offload")
+    tiered, _ = _pair(gpt2, daemon, activations="offload", activation_min_bytes=0)
     assert session_of(tiered).activations is not None
     opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
     tiered_opt = tierd.optim.AdamW(tiered.parameters(), lr=1e-3)
@@ -271,6 +271,7 @@ def test_activation_offload_keeps_losses_bitwise(daemon):
     assert train(tiered, tiered_opt, data) == train(plain, opt, data)
     assert_same_weights(tiered, plain)
     handle = session_of(tiered).activations
+    assert handle.stats()["d2h_bytes"] > 0   # saved tensors really went to the pool
     detach(tiered)
     assert handle._closed
     with pytest.raises(ValueError, match="activations"):

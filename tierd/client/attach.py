@@ -72,6 +72,9 @@ class AttachConfig:
     #: Bytes of saved activations allowed on the compute device (None: the
     #: policy decides; "auto" plans against it).
     activation_budget_bytes: int | None = None
+    #: Saved tensors smaller than this stay on the compute device
+    #: (``tier_activations(min_bytes=...)``).
+    activation_min_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         dtype = self.compute_dtype
@@ -85,7 +88,7 @@ class AttachConfig:
                              "use torch.float32, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "compute_dtype", dtype)
         for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
-                  "grad_bucket_bytes"):
+                  "grad_bucket_bytes", "activation_min_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
         if not 0.0 <= self.hold_fraction <= 1.0:
@@ -224,7 +227,8 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     if config.activations is not None:
         session.activations = tier_activations(
             model, client, policy=config.activations,
-            budget_bytes=config.activation_budget_bytes, device=session.device)
+            budget_bytes=config.activation_budget_bytes, min_bytes=config.activation_min_bytes,
+            device=session.device)
     object.__setattr__(model, _SESSION_ATTR, session)
     return model
 
