@@ -2,19 +2,175 @@
 
 Each hook body is one call into :class:`tierd.client.attached.Session`; the
 reasoning about *when* parameters move is in the Note there. No torch
-function is patched; only public ``nn.Module`` / autograd hook APIs are used.
+function is patched; only public ``nn.Module`` / autograd hook APIs are used,
+and for the first forward a dispatch mode (below).
+
+[Note: parameters read without a call]
+A unit's parameters are made resident by its own module's hooks. Some modules
+read a child's parameters without calling the child: ``nn.MultiheadAttention``
+hands ``out_proj.weight`` and ``.bias`` to ``F.multi_head_attention_forward``,
+and ``nn.TransformerEncoderLayer``'s inference fast path hands the weights of
+all its children to one fused op. The child's hooks never fire, its storage
+is still empty when the op runs, and torch fails ("storage of size 0").
+
+So the first root forward runs under a dispatch mode (:class:`UseProbe`) that
+looks at the tensor arguments of every aten op. An op given a non-resident
+parameter (or a view or ``.data`` of one: same storage) that is not on the
+device is a read no running unit holds: in forward a unit's parameters are
+on the device exactly while a forward of that unit runs. The probe folds that
+parameter into the unit of the innermost module running (making a unit if the
+module owns no parameter; ``registry.fold_into``) and makes the unit resident
+before the op runs. From then on that module's pre-forward, its pre-backward
+(the first gradient of its outputs arrives before any backward node inside
+it, among them the ones that read the folded parameter) and its forward
+re-run by activation checkpointing bring the folded parameters with its own,
+and its post-forward frees them with its own. A child that is also called
+keeps its own unit; the Session counts holds, so neither frees the other's.
+
+Why this way:
+- Which child's forward is never called cannot be known before a forward
+  runs. Folding every child not called in the first forward, without watching
+  the reads, would also fold children that are merely unused then: an MoE
+  expert no token was routed to would be fetched with its layer every step.
+  Watching reads folds only what is read (MultiheadAttention: out_proj's
+  weight and bias; a module applying ``child.weight`` alone leaves
+  ``child.bias`` in the child's unit).
+- Watching costs a Python call per aten op, so it lasts one forward. Until
+  then every module has forward hooks (any may turn out to read a child);
+  at the next root forward the hooks of modules that are no unit are
+  removed, and the hot path is what it was: hooks on units only.
+- The planner learned from units whose byte counts changed (its window keeps
+  leases under a quarter of the pool), so if anything was folded it is
+  rebuilt at that next root forward and learns again over that step.
+Limits: a read only on a code path the first root forward did not take, or
+only when a submodule is called directly, fails as before. A folded
+parameter stays on the device for the whole forward of the module it was
+folded into (for the root: the whole forward).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tierd.client.attached import Session, Unit
+from tierd.client.registry import fold_into, replan
+from tierd.client.tiered_param import ParamState, TieredParam
+
+
+class ProbeState(enum.Enum):
+    """Where the first-forward probe is (see [Note: parameters read without a call]).
+
+    ARMED: attached, no root forward yet; every module has forward hooks.
+    PROBING: inside the first root forward; the probe's dispatch mode is on
+        the mode stack and folds reads that no running unit holds.
+    DONE: the first root forward ended; the next one rebuilds the planner if
+        anything was folded and removes the hooks of modules that are no unit.
+    """
+
+    ARMED = "armed"
+    PROBING = "probing"
+    DONE = "done"
+
+
+class _ReadWatch(TorchDispatchMode):
+    """Hands the arguments of every aten op to the probe before the op runs."""
+
+    def __init__(self, probe: UseProbe) -> None:
+        super().__init__()
+        self._probe = probe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._probe.on_op(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class UseProbe:
+    """Watches the first root forward for parameters read outside their unit
+    and folds them into the unit of the module reading them.
+
+    Example:
+        >>> probe = UseProbe(session); probe.start()   # doctest: +SKIP
+        >>> probe.enter(model); model.forward(x); probe.leave(model)   # doctest: +SKIP
+        >>> probe.state, probe.folded                  # doctest: +SKIP
+        (<ProbeState.DONE: 'done'>, 2)
+    """
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._names = {id(m): name or "<root>" for name, m in session.model.named_modules()}
+        self._by_storage: dict[int, TieredParam] = {}
+        self._running: list[nn.Module] = []   # modules whose forward runs, innermost last
+        self._mode = _ReadWatch(self)
+        self._paused = False
+        self.folded = 0   # folds made (none: the units and the planner are unchanged)
+        self.state = ProbeState.ARMED
+
+    def start(self) -> None:
+        """ARMED -> PROBING: the first root forward begins."""
+        assert self.state is ProbeState.ARMED, self.state
+        # keyed by StorageImpl: views and .data of a parameter share it
+        self._by_storage = {tp.param.untyped_storage()._cdata: tp
+                            for tp in self._session.params.values() if not tp.resident}
+        self._mode.__enter__()
+        self.state = ProbeState.PROBING
+
+    def stop(self) -> None:
+        """PROBING -> DONE (at the end of the root forward, or at detach)."""
+        if self.state is not ProbeState.PROBING:
+            return
+        self._mode.__exit__(None, None, None)
+        self._running.clear()
+        self._by_storage = {}
+        self.state = ProbeState.DONE
+
+    def enter(self, module: nn.Module) -> None:
+        if self.state is ProbeState.PROBING:
+            self._running.append(module)
+
+    def leave(self, module: nn.Module) -> None:
+        if self.state is not ProbeState.PROBING:
+            return
+        assert self._running and self._running[-1] is module, "unbalanced forward hooks"
+        self._running.pop()
+        if not self._running:
+            self.stop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run by tierd itself (copies into parameters) are not reads."""
+        self._paused, was = True, self._paused
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    def on_op(self, args: tuple, kwargs: dict) -> None:
+        if self._paused or not self._running:
+            return
+        t0 = time.perf_counter()
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+                tp = self._by_storage.get(t.untyped_storage()._cdata)
+                if tp is not None and tp.state is not ParamState.DEVICE:
+                    self._fold(tp)
+        self._session.counters.hook_seconds += time.perf_counter() - t0
+
+    def _fold(self, tp: TieredParam) -> None:
+        module = self._running[-1]
+        unit = fold_into(self._session, module, self._names[id(module)], [tp])
+        self.folded += 1
+        # Inside the dispatch handler the mode is off: these copies are not seen.
+        self._session.require(unit)
 
 
 class ModuleHooks:
@@ -28,56 +184,103 @@ class ModuleHooks:
     def __init__(self, session: Session) -> None:
         self._session = session
         self._handles: list[Any] = []
+        self._forward_handles: dict[int, tuple[Any, ...]] = {}   # id(module) -> its forward hooks
+        self._probe: UseProbe | None = UseProbe(session)
         model = session.model
+        # The root's one pre-hook begins the step, then makes the root's unit
+        # resident (if it has one: looked up per call, as folding may make one).
         self._handles.append(model.register_forward_pre_hook(self._begin_step))
         for module in model.modules():
-            unit = session.unit_of.get(id(module))
-            if unit is None:
-                continue
-            self._handles.append(module.register_forward_pre_hook(
-                self._pre_forward_of(unit)))
-            self._handles.append(module.register_forward_hook(
-                self._post_forward_of(unit), always_call=True))
+            # every module until the first forward has shown which are units
+            handles = (module.register_forward_hook(self._post_forward, always_call=True),)
+            if module is not model:
+                handles += (module.register_forward_pre_hook(self._pre_forward),)
+            self._forward_handles[id(module)] = handles
         for module in model.modules():
             if any(p is not None for p in module._parameters.values()):
                 self._handles.append(module.register_state_dict_post_hook(
                     self._state_dict_hook()))
 
     def remove(self) -> None:
+        if self._probe is not None:
+            self._probe.stop()
         for handle in self._handles:
             handle.remove()
+        for handles in self._forward_handles.values():
+            for handle in handles:
+                handle.remove()
         self._handles.clear()
+        self._forward_handles.clear()
 
-    # The root's pre-hook is registered first, so it runs before the root
-    # unit's own pre-hook (if the root owns parameters).
     # Every hook adds its host time to session.counters.hook_seconds (the
     # benchmark reports it as the overhead share of a step).
     def _begin_step(self, module: nn.Module, args: Any) -> None:
         t0 = time.perf_counter()
+        self._end_probe()
         self._session.begin_step()
+        if self._probe is not None and self._probe.state is ProbeState.ARMED:
+            self._probe.start()
+        self._enter(module)
         self._session.counters.hook_seconds += time.perf_counter() - t0
 
-    def _pre_forward_of(self, unit: Unit):
-        def hook(module: nn.Module, args: Any) -> None:
-            t0 = time.perf_counter()
-            self._session.pre_forward(unit)
-            self._session.counters.hook_seconds += time.perf_counter() - t0
-        return hook
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        t0 = time.perf_counter()
+        self._enter(module)
+        self._session.counters.hook_seconds += time.perf_counter() - t0
 
-    def _post_forward_of(self, unit: Unit):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            t0 = time.perf_counter()
-            self._session.post_forward(unit)
-            self._register_pre_backward(unit, output)
-            self._session.counters.hook_seconds += time.perf_counter() - t0
-        return hook
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        t0 = time.perf_counter()
+        self._leave(module, output)
+        self._session.counters.hook_seconds += time.perf_counter() - t0
 
     def _pre_backward_of(self, unit: Unit):
         def hook(grad: Any) -> None:
             t0 = time.perf_counter()
-            self._session.pre_backward(unit)
+            # unwatched: a backward may run inside the probed forward (autograd.grad)
+            self._unwatched(self._session.pre_backward, unit)
             self._session.counters.hook_seconds += time.perf_counter() - t0
         return hook
+
+    # ------------------------------------------------------------- bodies
+    def _enter(self, module: nn.Module) -> None:
+        if self._probe is not None:
+            self._probe.enter(module)
+        unit = self._session.unit_of.get(id(module))
+        if unit is not None:
+            self._unwatched(self._session.pre_forward, unit)
+
+    def _leave(self, module: nn.Module, output: Any) -> None:
+        if self._probe is not None:
+            self._probe.leave(module)   # the root's leave ends the probing
+        unit = self._session.unit_of.get(id(module))   # after folds in this forward
+        if unit is not None:
+            self._unwatched(self._finish_forward, unit, output)
+
+    def _finish_forward(self, unit: Unit, output: Any) -> None:
+        self._session.post_forward(unit)
+        self._register_pre_backward(unit, output)
+
+    def _unwatched(self, action: Callable[..., None], *args: Any) -> None:
+        """Run ``action`` with the probe's dispatch mode looking away."""
+        probe = self._probe
+        if probe is None or probe.state is not ProbeState.PROBING:
+            action(*args)
+            return
+        with probe.paused():
+            action(*args)
+
+    def _end_probe(self) -> None:
+        """After the first root forward: replan if anything was folded, keep
+        forward hooks on units only (see [Note: parameters read without a call])."""
+        probe = self._probe
+        if probe is None or probe.state is not ProbeState.DONE:
+            return
+        if probe.folded:
+            replan(self._session)
+        for key in [k for k in self._forward_handles if k not in self._session.unit_of]:
+            for handle in self._forward_handles.pop(key):
+                handle.remove()
+        self._probe = None
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         if not torch.is_grad_enabled():

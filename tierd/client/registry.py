@@ -7,6 +7,7 @@ from torch import nn
 import torch
 
 from tierd.client.attached import Session, Unit
+from tierd.client.planner import PrefetchPlanner
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
 
 
@@ -96,6 +97,33 @@ def _build_units(session: Session, model: nn.Module, by_id: dict[int, TieredPara
                     nbytes=sum(tp.nbytes for tp in tps))
         session.units.append(unit)
         session.unit_of[id(module)] = unit
+
+
+def fold_into(session: Session, module: nn.Module, name: str,
+              tps: list[TieredParam]) -> Unit:
+    """Make ``tps`` part of ``module``'s unit (a new unit if it has none) and
+    return that unit; see [Note: parameters read without a call] in hooks.py.
+    The unit keeps its index, so the planner's trace stays valid; its byte
+    count changes, so call :func:`replan` before the planner follows a trace."""
+    old = session.unit_of.get(id(module))
+    if old is None:
+        unit = Unit(index=len(session.units), name=name, params=tuple(tps),
+                    nbytes=sum(tp.nbytes for tp in tps))
+        session.units.append(unit)
+    else:
+        added = tuple(tp for tp in dict.fromkeys(tps) if tp not in old.params)
+        unit = Unit(index=old.index, name=old.name, params=old.params + added,
+                    nbytes=old.nbytes + sum(tp.nbytes for tp in added))
+        session.units[old.index] = unit
+    session.unit_of[id(module)] = unit
+    return unit
+
+
+def replan(session: Session) -> None:
+    """A fresh planner over the current units (it learns a trace again).
+    Its window is the one ``Session.start`` gives the first planner."""
+    session.planner = PrefetchPlanner({u.index: u.nbytes for u in session.units},
+                                      min(session.config.prefetch_bytes, session.lease_cap))
 
 
 def restore_parameters(session: Session) -> None:
