@@ -1,0 +1,288 @@
+"""Data-parallel tierd on the GPUs of one node, vs one rank and vs DDP all on GPU.
+
+    python -m bench.distributed --out DIR                # GPT-2 1.3B, 2 GPUs
+    python -m bench.distributed --out DIR --quick        # tiny model, CPU/gloo
+
+The orchestrator (this command) starts one ``tierd serve`` and launches each
+case with ``torch.distributed.run``; ranks write their figures as JSON. Cases:
+
+- ``correctness``: a small GPT-2 in bf16, 2 ranks sharing the daemon vs 1
+  rank with the global batch: per-step global loss, max relative difference.
+- ``tierd-1`` / ``tierd-N``: GPT-2 1.3B (T=1024) attached with a GPU budget
+  of a few blocks, one rank vs N ranks sharing one daemon (one copy),
+  per-GPU batch B; step time (slowest rank's median), tokens/s, and the bytes
+  each rank moved over its own GPU's PCIe link per step (``session.stats``).
+- ``gpu-1`` / ``ddp-N``: the same model all on the GPU (fp32 params, bf16
+  autocast, fused torch AdamW), one rank and N ranks with DDP.
+
+[Note: what to expect]  (written before measuring)
+Per GPU and step a rank copies every bf16 parameter in for forward and for
+backward (2 x 2.6 GB) whatever N is; the optimizer's fp32 state (12 B/param
+in, 14 B/param out with the new bf16 copy) is split across the N ranks. So
+per-GPU PCIe bytes fall from ~21 GB in / 18 GB out (N=1) to ~13 / 10 GB
+(N=2), and the step time of the PCIe-bound B=8 case should drop by up to the
+same ~40 %, while gradients (fp32, one reduce per unit) go over NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 1e-4
+
+
+def build(layers: int, d: int, seq: int, vocab: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=max(1, d // 128), n_positions=seq,
+                     vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg).train()
+
+
+# ------------------------------------------------------------------ rank side
+def rank_main(args) -> None:
+    import tierd
+    from tierd.client.attach import session_of
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    model = build(args.layers, args.n_embd, args.seq, args.vocab)
+    block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 2
+    session = None
+    if args.mode == "tierd":
+        model = tierd.attach(model, job=args.job, compute_dtype="bf16",
+                             gpu_budget_bytes=args.budget_blocks * block,
+                             prefetch_bytes=args.budget_blocks * block)
+        opt = tierd.optim.AdamW(model.parameters(), lr=LR,
+                                prefetch_bytes=args.budget_blocks * block * 6)
+        session = session_of(model)
+    else:
+        model = model.to(device)
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if cuda else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=cuda)
+    out = {"mode": args.mode, "world": world, "rank": rank, "cases": []}
+    for b in [int(x) for x in args.batches.split(",")]:
+        g = torch.Generator().manual_seed(1000 + b * world)   # same global batches for any world
+        data = [torch.randint(0, args.vocab, (b * world, args.seq), generator=g)
+                for _ in range(args.warmup + args.steps)]
+        losses, times, pcie = [], [], []
+        for i, ids in enumerate(data):
+            mine = ids[rank * b:(rank + 1) * b].to(device)
+            before = session.stats() if session else None
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if session:
+                after = session.stats()
+                pcie.append({k: after[k] - before[k] for k in ("h2d_bytes", "d2h_bytes",
+                                                                 "requests", "hook_seconds")})
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(dt)
+        case = {"batch": b, "losses": losses, "step_s": statistics.median(times),
+                "pcie": pcie[args.warmup:] if pcie else None}
+        if cuda:
+            case["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["cases"].append(case)
+    if session is not None:
+        out["reduced_bytes_per_backward"] = (session.reducer.reduced_bytes
+                                             / max(1, session.counters.backwards)
+                                             if session.reducer else 0)
+        out["job"] = session.client.stats()["jobs"].get(args.job)
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, out)
+    else:
+        gathered = [out]
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
+    if args.mode == "tierd":
+        tierd.detach(model)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ orchestrator
+def launch(args, mode: str, nproc: int, name: str, model: dict, batches: str,
+           steps: int, warmup: int, socket: Path) -> list[dict]:
+    result = args.out / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "bench.distributed", "--rank-side",
+           "--mode", mode, "--job", name, "--result", str(result), "--batches", batches,
+           "--steps", str(steps), "--warmup", str(warmup),
+           *[f"--{k}={v}" for k, v in model.items()]]
+    if args.cpu:
+        cmd.append("--cpu")
+    env = dict(os.environ, TIERD_SOCKET=str(socket), PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
+                          timeout=args.case_timeout)
+    print(f"[{name}] {time.perf_counter() - t0:.0f} s rc={proc.returncode}", flush=True)
+    if proc.returncode != 0 or not result.exists():
+        print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+        return []
+    return json.loads(result.read_text())
+
+
+def start_daemon(args) -> subprocess.Popen:
+    sock = args.out / "tierd.sock"
+    cmd = [sys.executable, "-m", "tierd", "serve", "--nvme", str(args.out / "nvme"),
+           "--socket", str(sock), "--pool", f"{args.pool_gib}GiB", "--nvme-size",
+           f"{args.nvme_gib}GiB", "--log-level", "WARNING"]
+    (args.out / "nvme").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    import tierd
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            tierd.connect(sock).close()
+            return proc, sock
+        except tierd.DaemonUnavailable:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.1)
+
+
+def summarize(rows: dict, nproc: int) -> dict:
+    """Per batch: slowest-rank step time, tokens/s, per-GPU PCIe bytes, ratios."""
+    table = {}
+    for name, ranks in rows.items():
+        if not ranks or name == "correctness":
+            continue
+        for ci, case in enumerate(ranks[0]["cases"]):
+            b = case["batch"]
+            step = max(r["cases"][ci]["step_s"] for r in ranks)
+            entry = {"step_s": step, "tokens_per_s": b * len(ranks) * ARGS.seq / step,
+                     "peak_gpu_gib": max(r["cases"][ci].get("peak_gpu_bytes", 0)
+                                         for r in ranks) / 2**30}
+            if case.get("pcie"):
+                per_rank = [{k: statistics.mean(p[k] for p in r["cases"][ci]["pcie"])
+                             for k in ("h2d_bytes", "d2h_bytes", "requests")} for r in ranks]
+                entry["pcie_per_gpu_gb"] = [{"in": p["h2d_bytes"] / 1e9,
+                                             "out": p["d2h_bytes"] / 1e9,
+                                             "requests": p["requests"]} for p in per_rank]
+                entry["pool_job_bytes"] = ranks[0].get("job")
+            table.setdefault(str(b), {})[name] = entry
+    for b, cases in table.items():
+        ref = cases.get(f"ddp-{nproc}", {}).get("step_s")
+        single = cases.get("gpu-1", {}).get("step_s")
+        for name, e in cases.items():
+            if ref:
+                e["vs_ddp_same_ranks"] = e["step_s"] / ref if name.endswith(f"-{nproc}") else None
+            if single:
+                e["vs_gpu_1"] = e["step_s"] / single
+    return table
+
+
+def correctness(rows: dict) -> dict:
+    one, two = rows.get("correctness-1"), rows.get("correctness")
+    if not one or not two:
+        return {"error": "a correctness case failed"}
+    out = {}
+    for ci, case in enumerate(one[0]["cases"]):
+        ref = case["losses"]
+        glob = [statistics.mean(r["cases"][ci]["losses"][i] for r in two)
+                for i in range(len(ref))]
+        out[str(case["batch"])] = {
+            "one_rank": ref, "ranks_mean": glob,
+            "max_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(ref, glob))}
+    return out
+
+
+def main() -> None:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="tierd")
+    ap.add_argument("--job", default="bench")
+    ap.add_argument("--result", default="")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/distributed"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--n-embd", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--batches", default="8,16")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget-blocks", type=int, default=4)
+    ap.add_argument("--pool-gib", type=int, default=48)
+    ap.add_argument("--nvme-gib", type=int, default=64)
+    ap.add_argument("--case-timeout", type=float, default=300)
+    ap.add_argument("--only", default="correctness,tierd,gpu")
+    args = ap.parse_args()
+    ARGS = args
+    if args.rank_side:
+        return rank_main(args)
+    if args.quick:
+        args.cpu = True
+        args.layers, args.n_embd, args.seq, args.vocab = 2, 64, 32, 128
+        args.batches, args.steps, args.warmup, args.pool_gib, args.nvme_gib = "2", 2, 1, 1, 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    daemon, sock = start_daemon(args)
+    model = dict(layers=args.layers, **{"n-embd": args.n_embd}, seq=args.seq, vocab=args.vocab,
+                 **{"budget-blocks": args.budget_blocks})
+    small = {"layers": 4, "n-embd": 256, "seq": 128, "vocab": 1024, "budget-blocks": 2}
+    if args.quick:
+        small = dict(model)
+    n = args.nproc
+    rows: dict = {}
+    only = args.only.split(",")
+    try:
+        if "correctness" in only:
+            rows["correctness-1"] = launch(args, "tierd", 1, "correctness-1", small,
+                                           "4", 6, 0, sock)
+            rows["correctness"] = launch(args, "tierd", n, "correctness", small,
+                                         str(4 // n), 6, 0, sock)
+        if "tierd" in only:
+            rows["tierd-1"] = launch(args, "tierd", 1, "tierd-1", model, args.batches,
+                                     args.steps, args.warmup, sock)
+            rows[f"tierd-{n}"] = launch(args, "tierd", n, f"tierd-{n}", model, args.batches,
+                                        args.steps, args.warmup, sock)
+        if "gpu" in only:
+            rows["gpu-1"] = launch(args, "ddp", 1, "gpu-1", model, args.batches,
+                                   args.steps, args.warmup, sock)
+            rows[f"ddp-{n}"] = launch(args, "ddp", n, f"ddp-{n}", model, args.batches,
+                                      args.steps, args.warmup, sock)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    report = {"model": model, "nproc": n,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "correctness": correctness(rows), "steps": summarize(rows, n), "raw": rows}
+    (args.out / "distributed.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("correctness", "steps")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
