@@ -158,7 +158,8 @@ def start_daemon(args) -> subprocess.Popen:
            "--socket", str(sock), "--pool", f"{args.pool_gib}GiB", "--nvme-size",
            f"{args.nvme_gib}GiB", "--log-level", "WARNING"]
     (args.out / "nvme").mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
     import tierd
     deadline = time.monotonic() + 60
     while True:
