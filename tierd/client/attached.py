@@ -146,7 +146,8 @@ class Session:
         owners = assign_owners([sum(tp.param.numel() for tp in b) for b in buckets],
                                len(self.ranks.node_ranks))
         self.owner_of = {tp: o for b, o in zip(buckets, owners) for tp in b}
-        self.reducer = GradReducer(self.ranks, buckets, owners, self.device, self._deliver_grad)
+        self.reducer = GradReducer(self.ranks, buckets, owners, self.device, self._deliver_grad,
+                                   dtype=self.config.compute_dtype)
         for tp in self.params.values():
             self.leases.shared.update((tp.key, tp.master_key))
 
@@ -396,13 +397,28 @@ class Session:
             self._device_bytes -= nbytes
 
     # ------------------------------------------------------------- ranks
-    def publish(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Write new versions of shared keys: reserve, copy (after the compute
-        stream on a device), publish once the copy has landed."""
-        keys = tuple(k for k, _ in pairs)
-        placed = {lease.key: lease.tensor
-                  for lease in self.client.reserve_async(dict(pairs)).result()}
+    def reserve_shared(self, tps: list[TieredParam]):
+        """Ask early for new slots of ``tps``' shared keys (fp32 master, and
+        the compute-dtype copy when separate); hand the result to :meth:`publish`."""
+        like = {}
+        for tp in tps:
+            like[tp.master_key] = torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
+            if tp.has_master:
+                like[tp.key] = torch.empty(tp.param.shape, dtype=tp.param.dtype, device="meta")
         self.counters.requests += 1
+        return self.client.reserve_async(like)
+
+    def publish(self, pairs: list[tuple[str, torch.Tensor]], reserved=None) -> None:
+        """Write new versions of shared keys: reserve (unless ``reserved``, from
+        :meth:`reserve_shared`), copy (after the compute stream on a device),
+        publish once the copy has landed. Reserved keys not written are given back."""
+        keys = tuple(k for k, _ in pairs)
+        if reserved is None:
+            reserved = self.reserve_shared_keys(dict(pairs))
+        placed = {lease.key: lease.tensor for lease in reserved.result()}
+        unused = [k for k in placed if k not in dict(pairs)]
+        if unused:
+            self.client.abort(unused)
         on_device = [(placed[k], t) for k, t in pairs if t.device.type != "cpu"]
         for k, t in pairs:
             if t.device.type == "cpu":
@@ -410,6 +426,10 @@ class Session:
         copy = (self.copy.copy_out_many(on_device, keys) if on_device
                 else InflightCopy((), (), keys, None))
         self.releases.add_publish(copy)
+
+    def reserve_shared_keys(self, like: dict[str, torch.Tensor]):
+        self.counters.requests += 1
+        return self.client.reserve_async(like)
 
     def finish_update(self) -> None:
         """The end of ``opt.step()`` on every rank ([Note: when an update is

@@ -283,8 +283,8 @@ class Client(_Procedures):
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)
 
-    def on_segment_mapped(self, callback) -> None:
-        self.control.on_segment_mapped(callback)
+    def on_segment_mapped(self, callback, unmapped=None) -> None:
+        self.control.on_segment_mapped(callback, unmapped)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

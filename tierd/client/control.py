@@ -68,6 +68,7 @@ class ControlChannel:
         self.mmaps: dict[int, mmap.mmap] = {}
         self.views: dict[int, torch.Tensor] = {}
         self._listeners: list[Callable[[int, torch.Tensor], None]] = []
+        self._unmap_listeners: list[Callable[[int, torch.Tensor], None]] = []
         self.dead = False
 
     # -------------------------------------------------------- control I/O
@@ -104,10 +105,14 @@ class ControlChannel:
         return not self.dead
 
     # ------------------------------------------------------------ segments
-    def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``callback(segment_id, uint8_view)`` for every segment, now and later."""
+    def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None],
+                          unmapped: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """Call ``callback(segment_id, uint8_view)`` for every segment, now and
+        later, and ``unmapped(segment_id, uint8_view)`` before one is unmapped."""
         with self.lock:
             self._listeners.append(callback)
+            if unmapped is not None:
+                self._unmap_listeners.append(unmapped)
             current = list(self.views.items())
         for sid, view in current:
             callback(sid, view)
@@ -149,6 +154,9 @@ class ControlChannel:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
 
     def close(self) -> None:
+        for sid, view in self.views.items():
+            for unmapped in self._unmap_listeners:
+                unmapped(sid, view)
         self.views.clear()
         for mm in self.mmaps.values():
             try:

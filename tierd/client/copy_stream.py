@@ -210,12 +210,30 @@ def register_pool(client, device: torch.device) -> None:
     cudart = torch.cuda.cudart()
 
     def register(segment_id: int, view: torch.Tensor) -> None:
+        # Several attaches (and activation tiering) may share one client and
+        # so one mapping: register it once. A repeated cudaHostRegister fails
+        # with cudaErrorHostMemoryAlreadyRegistered, and the runtime keeps that
+        # as its last error, which the next kernel launch then raises.
+        span = (view.data_ptr(), view.numel())
+        if span in _REGISTERED:
+            return
         err = cudart.cudaHostRegister(view.data_ptr(), view.numel(), 0)
-        # 712 = cudaErrorHostMemoryAlreadyRegistered: another attach in this
-        # process shares the client and registered it first; that is fine.
-        if int(err) not in (0, 712):
+        if int(err) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of pool segment {segment_id} "
                 f"({view.numel()} B) failed with CUDA error {int(err)}")
+        _REGISTERED.add(span)
 
-    client.on_segment_mapped(register)
+    def unregister(segment_id: int, view: torch.Tensor) -> None:
+        # before the mapping goes: a later mapping at the same address must
+        # not inherit this registration (its pages would be the old ones)
+        span = (view.data_ptr(), view.numel())
+        if span in _REGISTERED:
+            _REGISTERED.discard(span)
+            cudart.cudaHostUnregister(view.data_ptr())
+
+    client.on_segment_mapped(register, unregister)
+
+
+#: (address, bytes) of the pool mappings this process has page-locked.
+_REGISTERED: set[tuple[int, int]] = set()

@@ -32,7 +32,8 @@ lease. See [Note: when an update is visible] for how readers move on.
 
 [Note: gradient reduction]
 Gradients are summed across every rank (all nodes) while backward runs, one
-reduction per unit (its trainable parameters flattened into one fp32 buffer,
+reduction per unit (its trainable parameters flattened into one buffer of the
+compute dtype, as DDP reduces in the parameters' dtype: bf16 halves the bytes,
 plus one "had a gradient" count per parameter, so a parameter no rank used is
 skipped as torch skips it). Collectives must be issued in the same order on
 every rank, so buckets are launched in one agreed order (rank 0's completion
@@ -279,8 +280,10 @@ class GradReducer:
     """
 
     def __init__(self, ranks: Ranks, buckets: list[tuple], owners: list[int],
-                 device: torch.device, deliver: Callable) -> None:
+                 device: torch.device, deliver: Callable,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.ranks = ranks
+        self.dtype = dtype   # of the reduction buffers
         self.buckets = buckets
         self.owners = owners
         self.device = device
@@ -355,8 +358,8 @@ class GradReducer:
         parts = [self._grads.pop(tp).reshape(-1) if tp in self._grads
                  else torch.zeros(tp.param.numel(), device=self.device) for tp in tps]
         had = torch.tensor([1.0 if tp in self._got else 0.0 for tp in tps])
-        flat = torch.cat(parts + [had.to(self.device)])
-        self.reduced_bytes += flat.numel() * 4
+        flat = torch.cat(parts + [had.to(self.device)]).to(self.dtype)
+        self.reduced_bytes += flat.numel() * flat.element_size()
         r = self.ranks
         if r.nodes == 1:   # only the node's owner needs the sum
             dst = r.node_ranks[self.owners[b]]
@@ -379,7 +382,7 @@ class GradReducer:
 
     def _hand_out(self, b: int, flat: torch.Tensor) -> None:
         tps = self.buckets[b]
-        flat.div_(self.ranks.world)
+        flat = flat.to(torch.float32).div_(self.ranks.world)
         if all(tp in self._got for tp in tps):
             had = [True] * len(tps)   # known without reading the device
         else:   # some rank may have had a gradient this one lacks: read the counts

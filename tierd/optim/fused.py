@@ -66,6 +66,7 @@ class Bucket:
     keys: list[str] = field(default_factory=list)
     work: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> device tensor
     copy: object = None            # InflightCopy of the copy in (CUDA only)
+    reserved: object = None        # new slots of its shared keys, asked at fetch
 
 
 class FusedUpdates:
@@ -233,6 +234,8 @@ class FusedUpdates:
         else:   # in place in the pool, but a shared key gets a new version instead
             shared = session.leases.shared
             b.work = {k: v.clone() if k in shared else v for k, v in views.items()}
+        if session.leases.shared:   # the daemon answers while the copy runs
+            b.reserved = session.reserve_shared(b.tps)
         b.state = BucketState.FETCHED
         self._fetched_bytes += b.nbytes
 
@@ -276,8 +279,12 @@ class FusedUpdates:
                     session.refresh_resident(tp, param)
         shared = session.leases.shared
         if any(k in shared for k, _ in written):
-            session.publish([(k, t) for k, t in written if k in shared])
+            session.publish([(k, t) for k, t in written if k in shared], b.reserved)
+            b.reserved = None
             written = [(k, t) for k, t in written if k not in shared]
+        elif b.reserved is not None:   # nothing of it updated: give the slots back
+            session.client.abort([lease.key for lease in b.reserved.result()])
+            b.reserved = None
         if copy.on_device:
             # every key of the bucket goes once the copy out has landed (which
             # is after the copy in, that the compute stream waited for)
@@ -306,6 +313,9 @@ class FusedUpdates:
                 if b.copy is not None:
                     b.copy.synchronize()
                 self.session.leases.release(b.keys)
+                if b.reserved is not None:   # asked for, never written
+                    self.session.client.abort([p.key for p in b.reserved.result()])
+                    b.reserved = None
                 self._fetched_bytes -= b.nbytes
                 b.work, b.copy, b.state = {}, None, BucketState.HOST
         for done, nbytes in self._outstanding:
