@@ -195,7 +195,7 @@ def probe(model, ids: torch.Tensor) -> tuple[int, int]:
             saved[st._cdata] = st.nbytes()
         if t.is_cuda:
             pinned[0] += 1 << max(0, (t.numel() * t.element_size() - 1).bit_length())
-        return t
+        return t.detach()   # returning t itself would leak saved outputs (a cycle)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.is_cuda):

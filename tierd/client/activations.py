@@ -246,7 +246,9 @@ class ActivationTiering:
         if self._profiling and not self._is_model_state(t):
             self._prof[block].saved_bytes(t, nbytes)
         if self.modes[block] is not BlockMode.OFFLOAD or not self._eligible(t, nbytes):
-            return t
+            # not ``t`` itself: a saved output that holds its own grad_fn is a
+            # reference cycle autograd never frees (every step leaked those)
+            return t.detach()
         with self._lock:
             return self.store.save(t)
 

@@ -16,24 +16,12 @@ backward node that takes it as input has run; the rest are freed when the
 backward graph task that brought them in ends (an engine callback). Freeing
 resizes the storage to 0, see the Note in ``tiered_param``.
 
-[Note: the host runs ahead]
-The host queues kernels long before the GPU runs them, so a storage freed by
-the host returns to the caching allocator only once the compute stream has
-passed the kernels queued before the free. Counting bytes as free when the
-host frees them let the host fetch a whole model ahead of the GPU (peak GPU
-memory ~ the model's size whatever the budget). So each free records an
-event on the compute stream, its bytes stay counted against
-``gpu_budget_bytes`` until that event has completed, and a unit that must be
-fetched on demand while over the budget first waits (host-side) for the
-oldest frees to complete: the host stays about one budget ahead of the GPU,
-which is what FSDP's rate limiter does for its all-gathers.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, fields
 
 import torch
@@ -105,8 +93,7 @@ class Session:
         self._leases: set[TieredParam] = set()       # leases asked for, not copied
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         self._announced: list[TieredParam] = []      # prefetched, copy not started
-        self._device_bytes = 0   # allocated, or freed with the free not passed yet
-        self._freeing: deque = deque()   # (compute-stream event or None, bytes)
+        self._device_bytes = 0
         self._tasks_with_callback: set[int] = set()
         self.planner: PrefetchPlanner | None = None
         self.hooks = None   # tierd.client.hooks.ModuleHooks, set by attach()
@@ -291,9 +278,6 @@ class Session:
                 self._drop_lease(tp)
         on_demand = [tp for tp in unit.params
                      if tp.state is ParamState.HOST and tp not in self._leases]
-        fetch = sum(tp.nbytes for tp in unit.params if tp.state is ParamState.HOST)
-        if fetch:
-            self._reclaim_device(need=fetch)
         if on_demand:
             self._lease_batch(on_demand)
             self.leases.views([tp.key for tp in on_demand])   # raises if no room
@@ -346,7 +330,6 @@ class Session:
     def _start_announced(self) -> None:
         """Start copies of prefetched parameters while the GPU budget allows."""
         budget = self.config.gpu_budget_bytes
-        self._reclaim_device()
         while self._announced:
             tp = self._announced[0]
             if tp.state is not ParamState.HOST or tp not in self._leases:
@@ -380,21 +363,7 @@ class Session:
 
     def _free(self, tp: TieredParam) -> None:
         tp.free()
-        self._freeing.append((self.copy.mark_compute(), tp.nbytes))
-
-    def _reclaim_device(self, need: int | None = None) -> None:
-        """Stop counting frees the compute stream has passed; with ``need``,
-        wait for the oldest ones until ``need`` more bytes fit the budget
-        ([Note: the host runs ahead])."""
-        budget = self.config.gpu_budget_bytes
-        while self._freeing:
-            event, nbytes = self._freeing[0]
-            if event is not None and not event.query():
-                if need is None or self._device_bytes + need <= budget:
-                    return
-                event.synchronize()
-            self._freeing.popleft()
-            self._device_bytes -= nbytes
+        self._device_bytes -= tp.nbytes
 
     # ------------------------------------------------------------- ranks
     def reserve_shared(self, tps: list[TieredParam]):

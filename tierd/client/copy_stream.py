@@ -176,14 +176,6 @@ class CopyStream:
             self._written[key] = event
         return InflightCopy(dsts, srcs, keys, event)
 
-    def mark_compute(self) -> "torch.cuda.Event | None":
-        """An event at the current point of the compute stream (None on CPU)."""
-        if self._in is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
     def wait(self, copy: InflightCopy) -> None:
         """Make the compute stream wait for ``copy`` (no host blocking)."""
         if copy.event is not None:
