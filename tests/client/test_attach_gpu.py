@@ -46,14 +46,18 @@ def test_bf16_autocast_matches_all_on_gpu(daemon):
 
 
 def test_peak_memory_within_budget_plus_activations(daemon_factory):
+    """Peak GPU memory of a step is activations plus what tierd keeps in flight:
+    parameters (the budget, plus the unit running now), the fused optimizer's
+    fp32 state (up to twice its prefetch bytes, plus the bucket being updated)
+    and one unit's gradients; never close to the model. Few tokens, so the
+    activations are small next to the model."""
     d = daemon_factory(pool="512MiB", nvme_size="1GiB")
     make = lambda: gpt2(n_layer=8, n_embd=512, vocab=1000)
-    ids = batches(1, batch=4, seq=32, vocab=1000)[0].cuda()
+    ids = batches(1, batch=2, seq=16, vocab=1000)[0].cuda()
     ref = make().cuda()
     params = sum(p.numel() * 4 for p in ref.parameters())
-    # what a step needs besides parameters and their grads: with only the
-    # embedding trainable (so backward still runs through every layer), the
-    # step's peak less that one grad is activations plus backward transients
+    # activations plus backward transients: with only the embedding trainable
+    # (so backward still runs through every layer), the peak less its grad
     for name, p in ref.named_parameters():
         p.requires_grad_(name == "transformer.wte.weight")
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
@@ -65,33 +69,14 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
     budget = 4 * params // 8 // 8
     model = attach(make(), client=tierd.connect(d), gpu_budget_bytes=budget,
                    grad_bucket_bytes=1 << 20)
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)   # prefetch_bytes = budget
     _step(model, opt, ids, autocast=False)   # learns the order; updates in step()
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     _step(model, opt, ids, autocast=False)   # the update fused into backward
     peak = torch.cuda.max_memory_allocated() - base
-    largest = max(p.numel() * 4 for p in model.parameters())
-    # fp32 state in flight: at most one unit's master + moments + gradient
-    # beyond the budget (the optimizer's prefetch_bytes defaults to it)
-    state = 4 * max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
-                    for m in model.modules())
-    assert peak <= budget + state + 4 * largest + (1 << 20) + activations
-    assert peak < params   # never the whole model
-
-
-def test_fused_update_matches_deferred_on_cuda(daemon):
-    ref = gpt2()
-    fused = attach(copy.deepcopy(ref), client=tierd.connect(daemon), name="fused")
-    deferred = attach(copy.deepcopy(ref), client=tierd.connect(daemon), name="deferred")
-    opt_f = tierd.optim.AdamW(fused.parameters(), lr=1e-3, accumulation_steps=2)
-    opt_d = tierd.optim.AdamW(deferred.parameters(), lr=1e-3, fused=False)
-    for i, ids in enumerate(batches(6)):
-        ids = ids.cuda()
-        for m, o in ((fused, opt_f), (deferred, opt_d)):
-            (m(input_ids=ids, labels=ids).loss / 2).backward()
-            if i % 2 == 1:
-                o.step(); o.zero_grad()
-    got, want = fused.state_dict(), deferred.state_dict()
-    for name, value in want.items():   # same kernels; only backward's atomics may differ
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    unit = max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
+               for m in model.modules())   # fp32 bytes of the largest unit
+    in_flight = (budget + unit) + (2 * budget + 3 * unit) + unit
+    assert peak <= activations + in_flight + (4 << 20)
+    assert peak < params / 2
