@@ -176,7 +176,7 @@ def summarize(rows: dict, nproc: int) -> dict:
     """Per batch: slowest-rank step time, tokens/s, per-GPU PCIe bytes, ratios."""
     table = {}
     for name, ranks in rows.items():
-        if not ranks or name == "correctness":
+        if not ranks or name.startswith("correctness"):
             continue
         for ci, case in enumerate(ranks[0]["cases"]):
             b = case["batch"]
@@ -218,6 +218,56 @@ def correctness(rows: dict) -> dict:
     return out
 
 
+def render(report: dict, prefix: Path, command: str) -> None:
+    """Markdown table and a step-time chart of a ``distributed.json``."""
+    lines = [f"# tierd data-parallel: {report['nproc']} ranks on {report['device']}", "",
+             f"`{command}`; model {report['model']}; per-GPU batch B, T={report['model']['seq']}.",
+             "Step: slowest rank's median. PCIe: bytes each rank's GPU moved per step "
+             "(pool to GPU / GPU to pool).", "",
+             "| B | case | step s | tokens/s | vs 1 GPU all-on-GPU | vs DDP same ranks | "
+             "PCIe in/out per GPU GB | daemon requests/step/rank | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, cases in report["steps"].items():
+        for name, e in cases.items():
+            pcie = e.get("pcie_per_gpu_gb") or []
+            io = " ".join(f"{p['in']:.1f}/{p['out']:.1f}" for p in pcie) or "-"
+            req = " ".join(f"{p['requests']:.0f}" for p in pcie) or "-"
+            vs_ddp, vs_gpu = e.get("vs_ddp_same_ranks"), e.get("vs_gpu_1")
+            lines.append(f"| {b} | {name} | {e['step_s']:.3f} | {e['tokens_per_s']:.0f} | "
+                         f"{'-' if not vs_gpu else f'{vs_gpu:.2f}x'} | "
+                         f"{'-' if not vs_ddp else f'{vs_ddp:.2f}x'} | {io} | {req} | "
+                         f"{e['peak_gpu_gib']:.1f} |")
+    corr = report.get("correctness", {})
+    for b, c in corr.items():
+        if isinstance(c, dict):
+            lines += ["", f"Correctness (small GPT-2, bf16, global batch {b}): mean loss of "
+                      f"the ranks vs one rank, max relative difference over "
+                      f"{len(c['one_rank'])} steps: {c['max_rel_diff']:.2e}."]
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    batches = list(report["steps"])
+    names = sorted({n for c in report["steps"].values() for n in c})
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, b in enumerate(batches) if name in report["steps"][b]]
+        ys = [report["steps"][b][name]["tokens_per_s"] for b in batches
+              if name in report["steps"][b]]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
+                  [f"B={b} per GPU" for b in batches])
+    ax.set_ylabel("tokens/s (all ranks)")
+    ax.set_title(f"GPT-2 {report['model']['layers']} layers, {report['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(prefix.with_suffix(".png"), dpi=110)
+
+
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -241,8 +291,12 @@ def main() -> None:
     ap.add_argument("--nvme-gib", type=int, default=64)
     ap.add_argument("--case-timeout", type=float, default=300)
     ap.add_argument("--only", default="correctness,tierd,gpu")
+    ap.add_argument("--render", type=Path, help="write .md/.png next to this distributed.json")
     args = ap.parse_args()
     ARGS = args
+    if args.render:
+        report = json.loads(args.render.read_text())
+        return render(report, args.render.with_suffix(""), report.get("command", ""))
     if args.rank_side:
         return rank_main(args)
     if args.quick:
@@ -278,10 +332,12 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    report = {"model": model, "nproc": n,
+    report = {"model": model, "nproc": n, "command": " ".join(["python -m bench.distributed",
+                                                                 *sys.argv[1:]]),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "correctness": correctness(rows), "steps": summarize(rows, n), "raw": rows}
     (args.out / "distributed.json").write_text(json.dumps(report, indent=1))
+    render(report, args.out / "distributed", report["command"])
     print(json.dumps({k: report[k] for k in ("correctness", "steps")}, indent=1))
 
 
