@@ -40,6 +40,23 @@ def test_slow_bus_recomputes_instead():
     assert plan.memory <= 200 * MB
 
 
+def test_gpt2_13b_on_h200_recomputes_rather_than_offloads():
+    """The H200 case (bench/results/...-activations-be71e8a): 24 blocks saving
+    1.48 GB each at B=8 with ~3 ms of forward each, 50 GB/s of copies. Half
+    the saved bytes must go: offloading them (18 GB each way) cannot hide
+    behind 72 ms of forward, recomputing 12 blocks costs ~36 ms."""
+    blocks = [BlockProfile(f"h.{i}", saved=1_480_000_000, inputs=16_000_000,
+                           forward_s=0.003) for i in range(24)]
+    blocks.append(BlockProfile("rest", saved=1_000_000_000, recomputable=False))
+    budget = sum(b.saved for b in blocks) // 2
+    plan = choose_plan(blocks, budget=budget, bandwidth=50e9, overlap=True)
+    assert plan.fits
+    moved = sum(b.saved for b, m in zip(blocks, plan.modes) if m is BlockMode.OFFLOAD)
+    assert moved / 50e9 <= 24 * 0.003   # only what hides behind the forward
+    assert plan.modes.count(BlockMode.RECOMPUTE) >= 11
+    assert plan.extra_s < 0.05
+
+
 def test_offloads_earliest_blocks_and_keeps_the_last():
     blocks = _blocks(4)
     plan = choose_plan(blocks, budget=360 * MB, bandwidth=50e9, overlap=True)

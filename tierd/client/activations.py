@@ -106,7 +106,16 @@ def _in_backward() -> bool:
 
 
 class _BlockTimer:
-    """Forward time of one block in the profiling step (events on CUDA)."""
+    """Forward compute time of one block in the profiling step.
+
+    The profiling step offloads, and the host may block inside the store
+    (reserving pool chunks, waiting for copies); meanwhile the device idles
+    and that idle time is inside the block's span. So the host time spent
+    in the store during the block is taken off the span, on CUDA as on CPU
+    (where the copies themselves run on the host). Counting a wait the device
+    did not idle through errs towards a short forward, which makes offload
+    look costlier (its copies hide behind less compute), never cheaper.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -119,17 +128,18 @@ class _BlockTimer:
             return event
         return time.perf_counter()
 
-    def stop(self, begun: Any, copy_seconds: float) -> None:
+    def stop(self, begun: Any, stalled: float) -> None:
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.spans.append((begun, end))
-        else:   # on CPU the copies ran inside the forward: not compute time
-            self.spans.append(max(0.0, time.perf_counter() - begun - copy_seconds))
+            self.spans.append((begun, end, stalled))
+        else:
+            self.spans.append(max(0.0, time.perf_counter() - begun - stalled))
 
     def seconds(self) -> float:
         if self._cuda:
-            return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+            return sum(max(0.0, a.elapsed_time(b) / 1e3 - stalled)
+                       for a, b, stalled in self.spans)
         return sum(self.spans)
 
 
@@ -218,7 +228,7 @@ class ActivationTiering:
                 return
             self._stack.append(index)
             if self._profiling:
-                self._prof[index].begin(args, kwargs, self.store.stats.copy_seconds)
+                self._prof[index].begin(args, kwargs, self.store.stats.save_seconds)
             if self.modes[index] is BlockMode.RECOMPUTE and torch.is_grad_enabled():
                 gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
                     module, True, torch.utils.checkpoint.noop_context_fn, "default",
@@ -237,7 +247,7 @@ class ActivationTiering:
                     next(gens.pop())
             self._stack.pop()
             if self._profiling:
-                self._prof[index].end(self.store.stats.copy_seconds)
+                self._prof[index].end(self.store.stats.save_seconds)
         return hook
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -339,16 +349,16 @@ class _Profile:
         self.inputs = 0
         self._seen: set[tuple[int, int]] = set()
         self._begun: Any = None
-        self._copy0 = 0.0
+        self._store0 = 0.0
 
-    def begin(self, args: Any, kwargs: dict, copy_seconds: float) -> None:
+    def begin(self, args: Any, kwargs: dict, store_seconds: float) -> None:
         self.inputs = max(self.inputs, _tensor_bytes((args, kwargs)))
-        self._copy0 = copy_seconds
+        self._store0 = store_seconds
         self._begun = self.timer.start()
 
-    def end(self, copy_seconds: float) -> None:
+    def end(self, store_seconds: float) -> None:
         if self._begun is not None:
-            self.timer.stop(self._begun, copy_seconds - self._copy0)
+            self.timer.stop(self._begun, store_seconds - self._store0)
             self._begun = None
 
     def saved_bytes(self, t: torch.Tensor, nbytes: int) -> None:

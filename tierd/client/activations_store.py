@@ -171,6 +171,7 @@ class StoreStats:
     chunks: int = 0           # chunks reserved
     requests: int = 0         # daemon requests
     copy_seconds: float = 0.0  # host time in copy calls (all of it on CPU)
+    save_seconds: float = 0.0  # host time inside save(): copies, reserves, publishes
     #: Peak, over the unpacks of backward, of the bytes of restored buffers
     #: still referenced (by autograd, a view, or held ahead of use).
     restored_peak_bytes: int = 0
@@ -211,6 +212,13 @@ class ActivationStore:
 
     def save(self, t: torch.Tensor) -> SavedActivation:
         """Copy ``t``'s storage span out (or reuse a record of it); the pack hook."""
+        t0 = time.perf_counter()
+        try:
+            return self._save(t)
+        finally:
+            self.stats.save_seconds += time.perf_counter() - t0
+
+    def _save(self, t: torch.Tensor) -> SavedActivation:
         with self._lock:
             self.sweep()
             self._publish_ready(block=False)
