@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--ddp", action="store_true", help="plain torch DDP (a reference)")
     ap.add_argument("--job", default="ddp")
     ap.add_argument("--compute-dtype", default="fp32")
+    ap.add_argument("--resident-below", type=int, default=0,
+                    help="attach's resident_below_bytes (small params stay on the device)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -61,7 +63,8 @@ def main() -> None:
     try:
         if args.tierd:
             model = tierd.attach(model, job=args.job, resume=args.resume,
-                                 compute_dtype=args.compute_dtype)
+                                 compute_dtype=args.compute_dtype,
+                                 resident_below_bytes=args.resident_below)
             opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
                                     max_grad_norm=args.clip,
                                     accumulation_steps=args.accumulate)
