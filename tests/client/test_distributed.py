@@ -43,6 +43,7 @@ def run_ranks(out: Path, sockets: list, *args: str) -> list[dict]:
         env = subprocess_env()
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(sockets)),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.pop("TIERD_SOCKET", None)
         if sock is not None:
             env["TIERD_SOCKET"] = str(sock)
         procs.append(subprocess.Popen(
@@ -104,6 +105,12 @@ def test_ranks_match_one_process_and_store_one_copy(daemon_factory, tmp_path, re
     # one copy (page-rounded slots add a little), not one per rank
     assert _one_copy_bytes(reference) <= stored < 1.3 * _one_copy_bytes(reference)
     assert job["sessions"] == world
+
+
+def test_ranks_without_a_daemon_share_the_first_ranks_embedded_one(tmp_path, reference):
+    results = run_ranks(tmp_path, [None, None], "--steps", "3", "--tierd", "--job", "emb")
+    assert_matches(results, reference)
+    assert results[0]["job"]["sessions"] == 2   # both ranks in one daemon
 
 
 def test_clipping_accumulation_and_resident_params_match(daemon_factory, tmp_path_factory):
