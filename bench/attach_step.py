@@ -121,7 +121,8 @@ def run_tierd(cpu_model, batches, seq, steps, warmup, args) -> dict:
             n = steps + warmup
             out[("step", b)] = statistics.median(times)
             out[("stats", b)] = {k: (after[k] - before[k]) / n for k in
-                                 ("hook_seconds", "optimizer_seconds", "requests",
+                                 ("hook_seconds", "optimizer_seconds", "wait_seconds",
+                                  "requests",
                                   "h2d_bytes", "d2h_bytes")}
             torch.cuda.reset_peak_memory_stats()
             train_step(model, opt, ids)
@@ -170,7 +171,8 @@ def main() -> None:
               f"{s['d2h_bytes'] / 1e9:>9.2f}{100 * s['hook_seconds'] / step:>8.1f}"
               f"{s['requests']:>6.0f}{got[('peak', b)] / 1e9:>9.1f}")
         print(f"{'':<14}optimizer launch share {100 * s['optimizer_seconds'] / step:.1f} %; "
-              f"hook excl. optimizer {100 * (s['hook_seconds'] - s['optimizer_seconds']) / step:.1f} %")
+              f"hook excl. optimizer {100 * (s['hook_seconds'] - s['optimizer_seconds']) / step:.1f} %; "
+              f"hook less waits {100 * (s['hook_seconds'] - s['wait_seconds']) / step:.1f} %")
     b = min(batches)
     s = got[("fwd_stats", b)]
     fwd = got[("fwd", b)]

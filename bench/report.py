@@ -21,8 +21,10 @@ def figure(r: dict) -> str:
         return (f"p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
                 f"{r['ops_per_s']:.0f} ops/s, {r['requests_per_s']:.0f} req/s")
     if "share" in r:
+        work = r.get("hook_work_share")
         return (f"{100 * r['share']:.1f} % of {r['instrumented_step_s']:.3f} s "
-                f"(hooks {r['hook_s']:.3f} s, {r['requests']} requests)")
+                f"(hooks {r['hook_s']:.3f} s, {r['requests']} requests"
+                + ("" if work is None else f"; hooks less waits {100 * work:.1f} %") + ")")
     if "step_s" in r:
         text = f"{r['step_s']:.3f} s"
         if "tokens_per_s" in r:

@@ -154,6 +154,7 @@ def control_rows(ctx: Context) -> list[dict]:
         return [_error_row(what, {"error": res.get("partial", "not measured")})]
     return [row(what, config_text(ctx, b, c["method"]), share=c["control_share"],
                 hook_share=c["hook_share"], hook_s=c["hook_s"],
+                wait_s=c.get("wait_s"), hook_work_share=c.get("hook_work_share"),
                 request_s_outside_hooks=c["request_s_outside_hooks"],
                 hook_calls=c["hook_calls"], requests=c["requests"],
                 instrumented_step_s=c["step_s"], target_max=CONTROL_TARGET,

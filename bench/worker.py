@@ -170,11 +170,17 @@ def control_share(model, opt, ids, device) -> dict:
     try:
         models.train_step(model, opt, ids, device)    # wrappers warm
         timer.reset()
+        waited = session.stats()["wait_seconds"]
         step = models.train_step(model, opt, ids, device)
+        waited = session.stats()["wait_seconds"] - waited
     finally:
         timer.remove()
     return {"step_s": step, "hook_s": timer.hook_s, "hook_calls": timer.hook_calls,
             "requests": timer.requests, "request_s_outside_hooks": timer.req_outside_s,
+            "wait_s": waited,
+            # the hooks' own work: their time less what they spent blocked on
+            # copies, replies and collectives (waits in step() count too: a lower bound)
+            "hook_work_share": max(0.0, timer.hook_s - waited) / step,
             "hook_share": timer.hook_s / step,
             "control_share": (timer.hook_s + timer.req_outside_s) / step,
             "method": "wrapping the Session's hook methods and the client's "

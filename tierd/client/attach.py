@@ -122,13 +122,13 @@ def _join_ranks(group, model: nn.Module, client, job: str | None, config: Attach
     """Under torch.distributed: agree with the other ranks, find the node's
     daemon; returns (Ranks, client)."""
     import tierd
-    from tierd.client.embedded import _answers, ensure_daemon
+    from tierd.client.embedded import answers, ensure_daemon
     from tierd.config import default_socket_path
     if client is not None:
         socket, job = client.path, client.job
     else:
         socket = default_socket_path()
-        socket = socket if _answers(socket) else None
+        socket = socket if answers(socket) else None
     ranks, socket = distributed.join(
         group, socket_path=socket, job=job, model=model, config=config,
         device=config.resolved_device(), start_daemon=ensure_daemon)

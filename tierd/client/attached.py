@@ -52,6 +52,7 @@ class SessionStats:
 
     hook_seconds: float = 0.0      # host time inside tierd's hooks (optimizer included)
     optimizer_seconds: float = 0.0  # of which: launching fused optimizer updates
+    wait_seconds: float = 0.0      # host time blocked on replies, copies, collectives (hooks and step())
     requests: int = 0              # requests sent to the daemon
     steps: int = 0                 # root forwards that began a step
     backwards: int = 0             # outermost backward passes that ended
@@ -134,7 +135,7 @@ class Session:
                                len(self.ranks.node_ranks))
         self.owner_of = {tp: o for b, o in zip(buckets, owners) for tp in b}
         self.reducer = GradReducer(self.ranks, buckets, owners, self.device, self._deliver_grad,
-                                   dtype=self.config.compute_dtype)
+                                   dtype=self.config.compute_dtype, stats=self.counters)
         for tp in self.params.values():
             self.leases.shared.update((tp.key, tp.master_key))
 
@@ -307,10 +308,12 @@ class Session:
         for tp in list(self._leases):   # prefetched but never used: give them back
             self._drop_lease(tp)
         if synchronize:
+            t0 = time.perf_counter()
             for opt in self.optimizers:
                 opt.settle()
             self.copy.synchronize()
             self.releases.drain(block=True)
+            self.counters.wait_seconds += time.perf_counter() - t0
         else:
             self.releases.drain()
 
@@ -383,8 +386,11 @@ class Session:
         publish once the copy has landed. Reserved keys not written are given back."""
         keys = tuple(k for k, _ in pairs)
         if reserved is None:
-            reserved = self.reserve_shared_keys(dict(pairs))
+            self.counters.requests += 1
+            reserved = self.client.reserve_async(dict(pairs))
+        t0 = time.perf_counter()
         placed = {lease.key: lease.tensor for lease in reserved.result()}
+        self.counters.wait_seconds += time.perf_counter() - t0
         unused = [k for k in placed if k not in dict(pairs)]
         if unused:
             self.client.abort(unused)
@@ -395,10 +401,6 @@ class Session:
         copy = (self.copy.copy_out_many(on_device, keys) if on_device
                 else InflightCopy((), (), keys, None))
         self.releases.add_publish(copy)
-
-    def reserve_shared_keys(self, like: dict[str, torch.Tensor]):
-        self.counters.requests += 1
-        return self.client.reserve_async(like)
 
     def finish_update(self) -> None:
         """The end of ``opt.step()`` on every rank ([Note: when an update is

@@ -60,6 +60,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket as socketlib
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -281,8 +282,9 @@ class GradReducer:
 
     def __init__(self, ranks: Ranks, buckets: list[tuple], owners: list[int],
                  device: torch.device, deliver: Callable,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, stats=None) -> None:
         self.ranks = ranks
+        self.stats = stats   # SessionStats: time waited on reductions
         self.dtype = dtype   # of the reduction buffers
         self.buckets = buckets
         self.owners = owners
@@ -376,7 +378,10 @@ class GradReducer:
             if not force and len(self._launched) <= LAG and not work.is_completed():
                 return
             self._launched.popleft()
+            t0 = time.perf_counter()
             collective(work.wait, "the gradient reduction")
+            if self.stats is not None:
+                self.stats.wait_seconds += time.perf_counter() - t0
             if self.owners[b] == self.ranks.local_rank:
                 self._hand_out(b, flat)
 

@@ -65,7 +65,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierd"
 
 
-def _answers(path: Path) -> bool:
+def answers(path: Path) -> bool:
+    """True if a daemon answers on the control socket of ``path``."""
     try:
         ControlChannel(path, None).close()
         return True
@@ -99,7 +100,7 @@ def start_daemon(pool: int | None = None, nvme_size: int | None = None,
     log.close()
     daemon = EmbeddedDaemon(proc, sock, workdir, nvme)
     deadline = time.monotonic() + START_TIMEOUT
-    while not _answers(sock):
+    while not answers(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             text = (workdir / "daemon.log").read_text(errors="replace")[-2000:]
             daemon.stop()
@@ -117,7 +118,7 @@ def ensure_daemon(socket_path: str | Path | None = None) -> Path:
     """The socket of a daemon that answers: the given or default one if it
     does, else this process's embedded daemon (started on first call)."""
     path = Path(socket_path) if socket_path else default_socket_path()
-    if socket_path or _answers(path):
+    if socket_path or answers(path):
         return path
     with _EMBEDDED.lock:
         if _EMBEDDED.daemon is None or _EMBEDDED.daemon.process.poll() is not None:

@@ -25,6 +25,7 @@ a new version (:meth:`LeaseTable.publish_async`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -88,7 +89,9 @@ class LeaseTable:
 
     def view(self, key: str) -> torch.Tensor | None:
         """The pool view of an acquired key, or None if the daemon had no room."""
-        views = self._batch[key].views()
+        t0 = time.perf_counter()
+        views = self._batch[key].views()   # waits for the reply the first time
+        self._stats.wait_seconds += time.perf_counter() - t0
         return None if views is None else views[key]
 
     def views(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -147,8 +150,10 @@ class LeaseTable:
     def confirm_publishes(self) -> None:
         """Wait until the daemon has taken every publish sent (raises its error)."""
         pending, self._publishing = self._publishing, []
+        t0 = time.perf_counter()
         for p in pending:
             p.result()
+        self._stats.wait_seconds += time.perf_counter() - t0
 
     def renew_shared(self) -> bool:
         """Hold every shared key this session held on its current version:

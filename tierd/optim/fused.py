@@ -201,7 +201,9 @@ class FusedUpdates:
                 # the backward kernels that keep the GPU busy meanwhile
                 if not need or self._fetched_bytes + need <= 2 * self.prefetch_bytes:
                     return
+                t0 = time.perf_counter()
                 copy.synchronize()
+                self.session.counters.wait_seconds += time.perf_counter() - t0
             self._outstanding.pop(0)
             self._fetched_bytes -= nbytes
 
