@@ -359,8 +359,12 @@ class GradReducer:
         tps = self.buckets[b]
         parts = [self._grads.pop(tp).reshape(-1) if tp in self._grads
                  else torch.zeros(tp.param.numel(), device=self.device) for tp in tps]
-        had = torch.tensor([1.0 if tp in self._got else 0.0 for tp in tps])
-        flat = torch.cat(parts + [had.to(self.device)]).to(self.dtype)
+        # the "had a gradient" flags are made on the device: a host tensor
+        # copied in would be a pageable copy, which waits for the stream to
+        # drain and so would stall the host once per unit
+        had = [torch.ones(1, device=self.device) if tp in self._got
+               else torch.zeros(1, device=self.device) for tp in tps]
+        flat = torch.cat(parts + had).to(self.dtype)
         self.reduced_bytes += flat.numel() * flat.element_size()
         r = self.ranks
         if r.nodes == 1:   # only the node's owner needs the sum

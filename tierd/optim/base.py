@@ -224,7 +224,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
         ranks = next((s.ranks for s in self._by_session(self._all()) if s.ranks), None)
         if ranks is not None:
             # each owner has the norms of its shard: sum the squares over the node
-            local = sum((n.double().cpu() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
+            local = (torch.stack([n.double() for n in norms]).square().sum().cpu() if norms
+                     else torch.zeros((), dtype=torch.float64))   # one device sync
             total = ranks.node_sum(local).sqrt().to(torch.float32)
             if norms:
                 total = total.to(norms[0].device)
