@@ -36,7 +36,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import statistics
+import tempfile
 import time
 
 import torch
@@ -81,6 +83,100 @@ def forward(model, ids):
         model(input_ids=ids)
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two unions of spans."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_summary(trace: dict) -> dict:
+    """Where the compute stream's time went in a profiled step (seconds).
+
+    The compute stream is the one with the most kernel time. Its idle time
+    inside its first-to-last kernel is split by what PCIe was doing then:
+    ``idle_h2d``: a copy in was running (the step waited for bytes);
+    ``idle_d2h``: only a copy out was running; ``idle_none``: no copy either
+    (the GPU waited for the host: hooks, requests, launches).
+    """
+    by_stream: dict[int, list] = {}
+    h2d, d2h = [], []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        span = (e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)
+        if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]:
+            h2d.append(span)
+        elif e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]:
+            d2h.append(span)
+        else:
+            by_stream.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
+    stream = max(by_stream, key=lambda s: sum(b - a for a, b in by_stream[s]))
+    busy = _union(by_stream[stream])
+    start, end = busy[0][0], busy[-1][1]
+    idle = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
+    h2d, d2h = _union(h2d), _union(d2h)
+    idle_h2d = _overlap(idle, h2d)
+    idle_any = _overlap(idle, _union(h2d + d2h))
+    return {"window_s": end - start,
+            "compute_busy_s": sum(b - a for a, b in busy),
+            "idle_h2d_s": idle_h2d,
+            "idle_d2h_s": idle_any - idle_h2d,
+            "idle_none_s": sum(b - a for a, b in idle) - idle_any,
+            "h2d_busy_s": sum(b - a for a, b in h2d),
+            "d2h_busy_s": sum(b - a for a, b in d2h)}
+
+
+def profile(fn) -> dict:
+    """Run ``fn`` once under the CUDA profiler; :func:`stream_summary` of it."""
+    from torch.profiler import ProfilerActivity
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return stream_summary(json.load(open(f.name)))
+
+
+def phases(model, opt, ids) -> dict:
+    """Seconds of forward, backward and step() each, synchronized between."""
+    out = {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    out["forward_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss.backward()
+    torch.cuda.synchronize()
+    out["backward_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    out["step_s"] = time.perf_counter() - t0
+    return out
+
+
 def run_reference(cpu_model, batches, seq, steps, warmup) -> dict:
     model = copy.deepcopy(cpu_model).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -89,6 +185,7 @@ def run_reference(cpu_model, batches, seq, steps, warmup) -> dict:
         ids = torch.randint(0, 50257, (b, seq), device="cuda")
         out[("step", b)] = statistics.median(timed(lambda: train_step(model, opt, ids),
                                                    steps, warmup))
+        out[("phases", b)] = phases(model, opt, ids)
     ids = torch.randint(0, 50257, (min(batches), seq), device="cuda")
     out[("fwd", min(batches))] = statistics.median(timed(lambda: forward(model, ids),
                                                          steps, warmup))
@@ -127,11 +224,14 @@ def run_tierd(cpu_model, batches, seq, steps, warmup, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
             train_step(model, opt, ids)
             out[("peak", b)] = torch.cuda.max_memory_allocated()
+            out[("phases", b)] = phases(model, opt, ids)
+            out[("streams", b)] = profile(lambda: train_step(model, opt, ids))
         b = min(batches)
         ids = torch.randint(0, 50257, (b, seq), device="cuda")
         before = session.stats()
         out[("fwd", b)] = statistics.median(timed(lambda: forward(model, ids), steps, warmup))
         after = session.stats()
+        out[("fwd_streams", b)] = profile(lambda: forward(model, ids))
         out[("fwd_stats", b)] = {k: (after[k] - before[k]) / (steps + warmup)
                                  for k in ("hook_seconds", "requests", "h2d_bytes")}
         return out
@@ -152,6 +252,7 @@ def main() -> None:
                     help="optimizer state in flight, in blocks of fp32 master+m+v")
     ap.add_argument("--pool-gib", type=int, default=40)
     ap.add_argument("--nvme-gib", type=int, default=16)
+    ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     cpu_model = build(args.layers, args.d, args.seq)
@@ -173,12 +274,24 @@ def main() -> None:
         print(f"{'':<14}optimizer launch share {100 * s['optimizer_seconds'] / step:.1f} %; "
               f"hook excl. optimizer {100 * (s['hook_seconds'] - s['optimizer_seconds']) / step:.1f} %; "
               f"hook less waits {100 * (s['hook_seconds'] - s['wait_seconds']) / step:.1f} %")
+        print(f"{'':<14}phases all-GPU {_fmt(ref[('phases', b)])}; tierd {_fmt(got[('phases', b)])}")
+        print(f"{'':<14}compute stream (profiled step): {_fmt(got[('streams', b)])}")
     b = min(batches)
     s = got[("fwd_stats", b)]
     fwd = got[("fwd", b)]
     print(f"{'fwd B=' + str(b):<14}{ref[('fwd', b)]:>10.4f}{fwd:>10.4f}"
           f"{fwd / ref[('fwd', b)]:>8.2f}{s['h2d_bytes'] / 1e9:>9.2f}{0:>9.2f}"
           f"{100 * s['hook_seconds'] / fwd:>8.1f}{s['requests']:>6.0f}")
+    print(f"{'':<14}compute stream (profiled forward): {_fmt(got[('fwd_streams', b)])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args),
+                       "reference": {f"{k[0]}@B{k[1]}": v for k, v in ref.items()},
+                       "tierd": {f"{k[0]}@B{k[1]}": v for k, v in got.items()}}, f, indent=1)
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in d.items())
 
 
 if __name__ == "__main__":
