@@ -260,7 +260,8 @@ def main() -> None:
     print(f"GPT-2 {n / 1e9:.2f}B params, {args.layers} layers, d={args.d}, T={args.seq}",
           flush=True)
     ref = run_reference(cpu_model, batches, args.seq, args.steps, args.warmup)
-    print("reference:", {f"{k[0]}@B{k[1]}": round(v, 4) for k, v in ref.items()}, flush=True)
+    print("reference:", {f"{k[0]}@B{k[1]}": round(v, 4) for k, v in ref.items()
+                        if isinstance(v, float)}, flush=True)
     got = run_tierd(cpu_model, batches, args.seq, args.steps, args.warmup, args)
     print(f"\n{'what':<14}{'all-GPU s':>10}{'tierd s':>10}{'ratio':>8}"
           f"{'H2D GB':>9}{'D2H GB':>9}{'hook %':>8}{'req':>6}{'peak GB':>9}")
