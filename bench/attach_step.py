@@ -83,6 +83,17 @@ def forward(model, ids):
         model(input_ids=ids)
 
 
+def back_to_back(fn, steps: int) -> float:
+    """Mean seconds per step over ``steps`` run with no synchronize between
+    them, as a training loop runs (copies still landing overlap the next step)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
@@ -185,6 +196,7 @@ def run_reference(cpu_model, batches, seq, steps, warmup) -> dict:
         ids = torch.randint(0, 50257, (b, seq), device="cuda")
         out[("step", b)] = statistics.median(timed(lambda: train_step(model, opt, ids),
                                                    steps, warmup))
+        out[("run", b)] = back_to_back(lambda: train_step(model, opt, ids), steps)
         out[("phases", b)] = phases(model, opt, ids)
     ids = torch.randint(0, 50257, (min(batches), seq), device="cuda")
     out[("fwd", min(batches))] = statistics.median(timed(lambda: forward(model, ids),
@@ -224,6 +236,7 @@ def run_tierd(cpu_model, batches, seq, steps, warmup, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
             train_step(model, opt, ids)
             out[("peak", b)] = torch.cuda.max_memory_allocated()
+            out[("run", b)] = back_to_back(lambda: train_step(model, opt, ids), steps)
             out[("phases", b)] = phases(model, opt, ids)
             out[("streams", b)] = profile(lambda: train_step(model, opt, ids))
         b = min(batches)
@@ -275,6 +288,9 @@ def main() -> None:
         print(f"{'':<14}optimizer launch share {100 * s['optimizer_seconds'] / step:.1f} %; "
               f"hook excl. optimizer {100 * (s['hook_seconds'] - s['optimizer_seconds']) / step:.1f} %; "
               f"hook less waits {100 * (s['hook_seconds'] - s['wait_seconds']) / step:.1f} %")
+        run = got[("run", b)]
+        print(f"{'':<14}back to back (no sync between steps): all-GPU {ref[('run', b)]:.4f} s, "
+              f"tierd {run:.4f} s, ratio {run / ref[('run', b)]:.2f}")
         print(f"{'':<14}phases all-GPU {_fmt(ref[('phases', b)])}; tierd {_fmt(got[('phases', b)])}")
         print(f"{'':<14}compute stream (profiled step): {_fmt(got[('streams', b)])}")
     b = min(batches)

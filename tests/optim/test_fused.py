@@ -47,6 +47,23 @@ def test_fused_step_moves_no_gradient_and_sends_no_request_when_held(daemon):
     assert_same_weights(model, ref)
 
 
+def test_backward_casts_fetched_masters_bitwise_like_the_stored_copy(daemon):
+    # [Note: compute copy from the fetched master]: in an updating backward the
+    # bf16 weights come from the fp32 masters fetched for the update; the
+    # result is bitwise the unfused path's, which copies the stored bf16 in.
+    model, _ = _pair(gpt2, daemon, compute_dtype="bf16")
+    unfused, _ = _pair(gpt2, daemon, compute_dtype="bf16")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = tierd.optim.AdamW(unfused.parameters(), lr=1e-3, weight_decay=0.1, fused=False)
+    data = batches(4)
+    assert train(model, opt, data) == train(unfused, ref_opt, data)
+    assert_same_weights(model, unfused)
+    cast = session_of(model).stats()["master_copy_bytes"]
+    bf16 = sum(tp.nbytes for tp in session_of(model).params.values() if tp.has_master)
+    assert 3 * bf16 <= cast <= 6 * bf16   # 3 updating backwards; tied weights twice
+    assert session_of(unfused).stats()["master_copy_bytes"] == 0
+
+
 def test_not_held_fused_path_still_matches(daemon):
     model, ref = _pair(gpt2, daemon, hold_fraction=0.0, compute_dtype="fp32")
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)

@@ -54,6 +54,7 @@ class SessionStats:
     optimizer_seconds: float = 0.0  # of which: launching fused optimizer updates
     wait_seconds: float = 0.0      # host time blocked on replies, copies, collectives (hooks and step())
     requests: int = 0              # requests sent to the daemon
+    master_copy_bytes: int = 0     # compute copies cast from fetched fp32 masters, not copied in
     steps: int = 0                 # root forwards that began a step
     backwards: int = 0             # outermost backward passes that ended
 
@@ -357,6 +358,15 @@ class Session:
 
     def _start_swap_in(self, tp: TieredParam) -> None:
         self._leases.discard(tp)
+        for opt in self.optimizers:
+            master = opt.fetched_master(tp)
+            if master is not None:
+                # [Note: compute copy from the fetched master] in tierd.optim.fused
+                opt.read_master(tp, tp.start_swap_in(master, (), self.copy))
+                self._device_bytes += tp.nbytes
+                self.counters.master_copy_bytes += tp.nbytes
+                self.leases.release([tp.key])
+                return
         copy = tp.start_swap_in(self.leases.view(tp.key), (tp.key,), self.copy)
         self._device_bytes += tp.nbytes
         if self.leases.is_held(tp.key):
@@ -420,7 +430,11 @@ class Session:
 
     # ------------------------------------------------------------- values
     def zero_grad(self, tps: list[TieredParam] | None = None) -> None:
-        """Forget accumulated gradients (the next backward overwrites them)."""
+        """Forget accumulated gradients (the next backward overwrites them).
+
+        The host does not wait here for copies still landing: every later
+        read of a key waits for its last write on the device (the copy
+        stream's write events), and reads by the host settle first."""
         self.grads.flush()
         for tp in self.params.values() if tps is None else tps:
             tp.grad_in_pool = False

@@ -100,7 +100,7 @@ class CopyStream:
         kernels may still read its memory (a tensor freed earlier): start after
         them. Buffers allocated with :meth:`empty_for_copy_in` need no such wait.
         """
-        self.h2d_bytes += sum(_nbytes(s) for _, s in pairs)
+        self.h2d_bytes += sum(_nbytes(s) for _, s in pairs if s.device.type == "cpu")
         dsts = tuple(d for d, _ in pairs)
         srcs = tuple(s for _, s in pairs)
         if self._in is None:

@@ -121,7 +121,8 @@ class TieredParam:
                       stream: CopyStream) -> InflightCopy:
         """HOST -> H2D_INFLIGHT: allocate the storage and queue the copy in.
 
-        ``source`` is the leased pool view; the returned copy keeps it (and the
+        ``source`` is the leased pool view (or the fp32 master the optimizer
+        fetched, see tierd.optim.fused); the returned copy keeps it (and the
         lease's keys) alive until :meth:`finish_swap_in`.
         """
         self._expect(ParamState.HOST, action="swap in")

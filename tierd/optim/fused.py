@@ -19,6 +19,16 @@ never crosses PCIe. Parameters are grouped in *buckets*, one per unit
 3. Master, moments and the new value go back to the pool on the copy-out
    stream; the leases are released after that copy's event ([Note: release
    after the event] in tierd.client.releases).
+
+[Note: compute copy from the fetched master]
+A parameter's backward needs its compute-dtype value, and its bucket's
+update needs its fp32 master: two copies in of the same weights. When the
+bucket is already fetched as the parameter is swapped in, the session casts
+the fetched master on the copy-in stream (behind the bucket's copy) instead
+of copying the stored compute copy in: bitwise the same value (the stored
+one was cast from this master), and 2 B/param (bf16) less over PCIe in every
+updating backward. The cast is recorded in ``Bucket.readers``; the update,
+which changes the master in place, waits for it.
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
@@ -66,6 +76,7 @@ class Bucket:
     keys: list[str] = field(default_factory=list)
     work: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> device tensor
     copy: object = None            # InflightCopy of the copy in (CUDA only)
+    readers: list = field(default_factory=list)   # compute copies made from work
     reserved: object = None        # new slots of its shared keys, asked at fetch
 
 
@@ -169,7 +180,7 @@ class FusedUpdates:
                 if any(tp not in self._updated and (tp in self._grads or tp.grad_in_pool)
                        for tp in b.tps):
                     self._update(b)
-            self._release_unused()
+            self._release_fetched()   # copies out go on landing into the next step
             self.updated = True
             self.active = False
         for tp, n in self._got.items():
@@ -185,9 +196,27 @@ class FusedUpdates:
         self.backwards = 0
 
     def settle(self) -> None:
-        """Nothing stays fetched between steps."""
+        """Nothing fetched, every copy out landed (before the host reads the pool)."""
         if not self.active:
-            self._release_unused()
+            self._release_fetched()
+            for done, nbytes in self._outstanding:
+                done.synchronize()
+                self._fetched_bytes -= nbytes
+            self._outstanding.clear()
+
+    def fetched_master(self, tp: TieredParam) -> torch.Tensor | None:
+        """``tp``'s fp32 master as fetched for this backward's update, not yet
+        updated ([Note: compute copy from the fetched master]), else None."""
+        b = self.bucket_of.get(tp)
+        if not self.active or b is None or tp in self._updated:
+            return None
+        if b.state is BucketState.HOST:
+            self.prefetch()
+        return b.work.get(tp.master_key) if b.state is BucketState.FETCHED else None
+
+    def read_master(self, tp: TieredParam, copy) -> None:
+        """A compute copy of ``tp`` is being made from its fetched master by ``copy``."""
+        self.bucket_of[tp].readers.append(copy)
 
     # ------------------------------------------------------------ movement
     def _reclaim(self, need: int = 0) -> None:
@@ -249,6 +278,8 @@ class FusedUpdates:
         session, opt, copy = self.session, self.opt, self.session.copy
         if b.copy is not None:
             copy.wait(b.copy)
+        for reader in b.readers:   # the master changes in place below
+            copy.wait(reader)
         views = session.leases.views(b.keys)
         written: list[tuple[str, torch.Tensor]] = []
         by_step: dict[float, list] = {}
@@ -304,12 +335,13 @@ class FusedUpdates:
             self._fetched_bytes -= b.nbytes
         done_all = all(tp in self._updated for tp in b.tps)
         # a parameter without its gradient yet may still get one: fetch again then
-        b.work, b.copy = {}, None
+        b.work, b.copy, b.readers = {}, None, []
         b.state = BucketState.DONE if done_all else BucketState.HOST
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 
-    def _release_unused(self) -> None:
+    def _release_fetched(self) -> None:
+        """Give back the buckets fetched but not updated in this backward."""
         for b in self.buckets:
             if b.state is BucketState.FETCHED:
                 if b.copy is not None:
@@ -319,8 +351,4 @@ class FusedUpdates:
                     self.session.client.abort([p.key for p in b.reserved.result()])
                     b.reserved = None
                 self._fetched_bytes -= b.nbytes
-                b.work, b.copy, b.state = {}, None, BucketState.HOST
-        for done, nbytes in self._outstanding:
-            done.synchronize()
-            self._fetched_bytes -= nbytes
-        self._outstanding.clear()
+                b.work, b.copy, b.readers, b.state = {}, None, [], BucketState.HOST
