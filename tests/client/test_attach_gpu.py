@@ -9,7 +9,7 @@ import torch
 
 import tierd
 import tierd.optim
-from tierd.client.attach import attach
+from tierd.client.attach import attach, session_of
 from tests.client.models import batches, gpt2
 
 pytestmark = [pytest.mark.gpu,
@@ -80,3 +80,38 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
     in_flight = (budget + unit) + (2 * budget + 3 * unit) + unit
     assert peak <= activations + in_flight + (4 << 20)
     assert peak < params / 2
+
+
+def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
+    """In an updating backward the bf16 weights are cast from the fp32 masters
+    fetched for the update, and the new values of the weights the next forward
+    uses first stay on the device, within the budget ([Note: compute copy from
+    the fetched master], [Note: new values kept for the next step]). Both are
+    bitwise the unfused path's, which copies every stored bf16 value in."""
+    make = lambda: gpt2(n_layer=4, n_embd=128)
+    block = sum(p.numel() * 2 for p in make().transformer.h[0].parameters())
+    budget = 2 * block
+    model = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16",
+                   gpu_budget_bytes=budget)
+    unfused = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16",
+                     gpu_budget_bytes=budget)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = tierd.optim.AdamW(unfused.parameters(), lr=1e-3, weight_decay=0.1, fused=False)
+    for ids in batches(4):
+        ids = ids.cuda()
+        assert _step(model, opt, ids, autocast=True) == _step(unfused, ref_opt, ids,
+                                                                autocast=True)
+        assert sum(p.untyped_storage().nbytes() for p in model.parameters()) <= budget
+    session = session_of(model)
+    kept = [tp for tp in session.params.values() if tp.storage_bytes]
+    assert kept, "the first weights of the next step stay on the device"
+    first = {tp for i in session.planner.head() for tp in session.units[i].params}
+    assert set(kept) <= first
+    values = {tp.key: tp.param.detach().cpu().clone() for tp in kept}
+    stored = session.read(list(values))
+    assert all(torch.equal(values[k], stored[k]) for k in values)
+    assert session.stats()["master_copy_bytes"] > 0
+    assert session_of(unfused).stats()["master_copy_bytes"] == 0
+    got, want = model.state_dict(), unfused.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())

@@ -307,7 +307,8 @@ class ActivationTiering:
         bandwidth = measure_bandwidth(self.client, self.copy, self._probe_bytes)
         self.bandwidth = bandwidth
         self.plan = choose_plan(self.profiles, budget=self.config.budget_bytes,
-                                bandwidth=bandwidth, overlap=self.copy.on_device)
+                                bandwidth=bandwidth, overlap=self.copy.on_device,
+                                prefetch_bytes=self.store.prefetch_bytes)
         self.modes = list(self.plan.modes)
         self._profiling = False
         if self.config.verbose:
@@ -347,6 +348,7 @@ class _Profile:
         self.timer = _BlockTimer(device)
         self.saved = 0
         self.inputs = 0
+        self.largest = 0
         self._seen: set[tuple[int, int]] = set()
         self._begun: Any = None
         self._store0 = 0.0
@@ -366,9 +368,11 @@ class _Profile:
         if key not in self._seen:   # a tensor saved twice counts once
             self._seen.add(key)
             self.saved += nbytes
+            self.largest = max(self.largest, nbytes)
 
     def profile(self, name: str, recomputable: bool) -> BlockProfile:
-        return BlockProfile(name, self.saved, self.inputs, self.timer.seconds(), recomputable)
+        return BlockProfile(name, self.saved, self.inputs, self.timer.seconds(), recomputable,
+                            largest=self.largest)
 
 
 def measure_bandwidth(client, copy: CopyStream, nbytes: int, repeats: int = 3) -> float:

@@ -96,6 +96,10 @@ class Session:
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         self._announced: list[TieredParam] = []      # prefetched, copy not started
         self._device_bytes = 0
+        # new values kept on the device for the next step's first units
+        # ([Note: new values kept for the next step] in tierd.optim.fused)
+        self._kept: set[TieredParam] = set()
+        self._head: tuple[int, set[TieredParam]] = (-1, set())   # (step, first params)
         self._tasks_with_callback: set[int] = set()
         self.planner: PrefetchPlanner | None = None
         self.hooks = None   # tierd.client.hooks.ModuleHooks, set by attach()
@@ -180,6 +184,7 @@ class Session:
         self.client.check_alive()
         self.counters.steps += 1
         self.settle(synchronize=False)
+        self._kept.clear()   # in use from now on: freed after use like the rest
         self._prefetch(self.planner.begin_step())
 
     def pre_forward(self, unit: Unit) -> None:
@@ -295,7 +300,10 @@ class Session:
 
     def settle(self, *, synchronize: bool = True) -> None:
         """Bring every parameter back to rest: freed, no lease pending; with
-        ``synchronize`` also every copy landed (before the host reads the pool)."""
+        ``synchronize`` also every copy landed (before the host reads the pool)
+        and no value kept for the next step."""
+        if synchronize:
+            self._kept.clear()
         self.grads.flush()
         self._announced.clear()
         for tp in self.params.values():
@@ -345,6 +353,8 @@ class Session:
                 continue
             if self._device_bytes + tp.nbytes > budget:
                 return
+            if any(opt.will_fetch(tp) for opt in self.optimizers):
+                return   # made from its master once fetched (tierd.optim.fused)
             self._announced.pop(0)
             self._start_swap_in(tp)
 
@@ -375,8 +385,33 @@ class Session:
             self.releases.add(copy, written=False)
 
     def _free(self, tp: TieredParam) -> None:
+        if tp in self._kept:
+            return
         tp.free()
         self._device_bytes -= tp.nbytes
+
+    def keep_new_value(self, tp: TieredParam, value: torch.Tensor) -> None:
+        """The optimizer made ``tp``'s new compute value on the device: keep it
+        there if the next step uses ``tp`` first and the budget allows
+        ([Note: new values kept for the next step] in tierd.optim.fused).
+        Only on CUDA: on the CPU there is no copy to save, and parameters
+        hold no storage between steps."""
+        if not self.copy.on_device or tp.state not in (ParamState.HOST, ParamState.DEVICE):
+            return
+        if self._head[0] != self.counters.steps:   # which params come first, once a step
+            self._head = (self.counters.steps,
+                          {p for i in self.planner.head() for p in self.units[i].params})
+        if tp not in self._head[1]:
+            return
+        with torch.no_grad():
+            if tp.state is ParamState.DEVICE:   # still here from its backward
+                tp.param.data.copy_(value)
+            elif self._device_bytes + tp.nbytes <= self.config.gpu_budget_bytes:
+                tp.adopt(value)
+                self._device_bytes += tp.nbytes
+            else:
+                return
+        self._kept.add(tp)
 
     # ------------------------------------------------------------- ranks
     def reserve_shared(self, tps: list[TieredParam]):

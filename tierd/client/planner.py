@@ -79,6 +79,17 @@ class PrefetchPlanner:
         self.state = PlanState.FOLLOWING if self._trace else PlanState.LEARNING
         return self._window()
 
+    def head(self) -> list[int]:
+        """The units a step following the trace fetches first (the first window)."""
+        out, budget = [], self._depth
+        for unit in self._trace:
+            cost = self._unit_bytes.get(unit, 0)
+            if cost > budget:
+                break
+            budget -= cost
+            out.append(unit)
+        return out
+
     def on_use(self, unit: int) -> list[int]:
         """Record that ``unit`` is being used now; returns units newly worth fetching."""
         self._recording.append(unit)

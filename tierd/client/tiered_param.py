@@ -139,6 +139,14 @@ class TieredParam:
         self._inflight = None
         self.state = ParamState.DEVICE
 
+    def adopt(self, value: torch.Tensor) -> None:
+        """HOST -> DEVICE with ``value`` (already on the compute device, the
+        same as the stored bytes), copied on the current stream."""
+        self._expect(ParamState.HOST, action="adopt a value into")
+        self.param.untyped_storage().resize_(self.nbytes)
+        self.param.data.copy_(value)
+        self.state = ParamState.DEVICE
+
     def free(self) -> None:
         """DEVICE -> HOST: drop the compute-device storage; the pool has the bytes."""
         self._expect(ParamState.DEVICE, action="free")

@@ -28,7 +28,18 @@ the fetched master on the copy-in stream (behind the bucket's copy) instead
 of copying the stored compute copy in: bitwise the same value (the stored
 one was cast from this master), and 2 B/param (bf16) less over PCIe in every
 updating backward. The cast is recorded in ``Bucket.readers``; the update,
-which changes the master in place, waits for it.
+which changes the master in place, waits for it. So that the bucket comes
+first, a prefetched parameter whose bucket is still to be fetched is not
+copied in early (:meth:`FusedUpdates.will_fetch`); when it is needed, its
+bucket is fetched then.
+
+[Note: new values kept for the next step]
+The last buckets updated in backward hold the first weights the next forward
+uses (the embedding, the first blocks). Copying their new compute values out
+and straight back in would make the next step wait for every copy out queued
+before them. On CUDA the session keeps those in its first prefetch window
+(within ``gpu_budget_bytes``) on the device instead
+(:meth:`Session.keep_new_value`): between steps only they hold storage.
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
@@ -45,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
 from tierd.errors import StateError
 
@@ -108,7 +120,9 @@ class FusedUpdates:
         self._seen: list[int] = []   # bucket first-delivery order this backward
         self._cursor = 0
         self._fetched_bytes = 0      # fetched, or updated with the copy out not landed
-        self._outstanding: list[tuple[object, int]] = []   # (copy out, bytes)
+        # (event-only copy out, bytes): the sources were recorded on the copy
+        # stream, so dropping them here cannot let their memory be reused early
+        self._outstanding: list[tuple[InflightCopy, int]] = []
 
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
@@ -204,15 +218,25 @@ class FusedUpdates:
                 self._fetched_bytes -= nbytes
             self._outstanding.clear()
 
+    def will_fetch(self, tp: TieredParam) -> bool:
+        """``tp``'s master is to be fetched for this backward's update, and is not yet."""
+        b = self.bucket_of.get(tp)
+        if not self.active or b is None or tp in self._updated:
+            return False
+        if b.state is BucketState.HOST:
+            self.prefetch()
+        return b.state is BucketState.HOST
+
     def fetched_master(self, tp: TieredParam) -> torch.Tensor | None:
-        """``tp``'s fp32 master as fetched for this backward's update, not yet
-        updated ([Note: compute copy from the fetched master]), else None."""
+        """``tp``'s fp32 master fetched for this backward's update, not yet
+        updated ([Note: compute copy from the fetched master]); its bucket is
+        fetched now if it was still to be. None when there is no update of it."""
         b = self.bucket_of.get(tp)
         if not self.active or b is None or tp in self._updated:
             return None
         if b.state is BucketState.HOST:
-            self.prefetch()
-        return b.work.get(tp.master_key) if b.state is BucketState.FETCHED else None
+            self._fetch(b)
+        return b.work.get(tp.master_key)
 
     def read_master(self, tp: TieredParam, copy) -> None:
         """A compute copy of ``tp`` is being made from its fetched master by ``copy``."""
@@ -306,10 +330,13 @@ class FusedUpdates:
                 tp.grad_norm = None
                 self._updated.add(tp)
                 written += [(key, b.work[key]) for key in k]
+                new = param.to(tp.param.dtype) if tp.has_master else param
                 if tp.has_master:
-                    written.append((tp.key, param.to(tp.param.dtype)))
+                    written.append((tp.key, new))
                 if tp.resident:
                     session.refresh_resident(tp, param)
+                else:
+                    session.keep_new_value(tp, new)
         shared = session.leases.shared
         if any(k in shared for k, _ in written):
             session.publish([(k, t) for k, t in written if k in shared], b.reserved)
@@ -326,7 +353,7 @@ class FusedUpdates:
                 session.leases.release(b.keys, written=True)   # the hold outlives the copy
             else:
                 session.releases.add(done, written=True)
-            self._outstanding.append((done, b.nbytes))
+            self._outstanding.append((InflightCopy((), (), (), done.event), b.nbytes))
         else:
             for k, t in written:
                 if views[k].data_ptr() != t.data_ptr():
