@@ -99,6 +99,7 @@ class Session:
         # new values kept on the device for the next step's first units
         # ([Note: new values kept for the next step] in tierd.optim.fused)
         self._kept: set[TieredParam] = set()
+        self._kept_bytes = 0
         self._head: tuple[int, set[TieredParam]] = (-1, set())   # (step, first params)
         self._tasks_with_callback: set[int] = set()
         self.planner: PrefetchPlanner | None = None
@@ -185,6 +186,7 @@ class Session:
         self.counters.steps += 1
         self.settle(synchronize=False)
         self._kept.clear()   # in use from now on: freed after use like the rest
+        self._kept_bytes = 0
         self._prefetch(self.planner.begin_step())
 
     def pre_forward(self, unit: Unit) -> None:
@@ -304,6 +306,7 @@ class Session:
         and no value kept for the next step."""
         if synchronize:
             self._kept.clear()
+            self._kept_bytes = 0
         self.grads.flush()
         self._announced.clear()
         for tp in self.params.values():
@@ -401,17 +404,19 @@ class Session:
         if self._head[0] != self.counters.steps:   # which params come first, once a step
             self._head = (self.counters.steps,
                           {p for i in self.planner.head() for p in self.units[i].params})
-        if tp not in self._head[1]:
+        budget = self.config.gpu_budget_bytes
+        if tp not in self._head[1] or tp in self._kept or self._kept_bytes + tp.nbytes > budget:
             return
         with torch.no_grad():
             if tp.state is ParamState.DEVICE:   # still here from its backward
                 tp.param.data.copy_(value)
-            elif self._device_bytes + tp.nbytes <= self.config.gpu_budget_bytes:
+            elif self._device_bytes + tp.nbytes <= budget:
                 tp.adopt(value)
                 self._device_bytes += tp.nbytes
             else:
                 return
         self._kept.add(tp)
+        self._kept_bytes += tp.nbytes
 
     # ------------------------------------------------------------- ranks
     def reserve_shared(self, tps: list[TieredParam]):

@@ -230,11 +230,17 @@ class FusedUpdates:
     def fetched_master(self, tp: TieredParam) -> torch.Tensor | None:
         """``tp``'s fp32 master fetched for this backward's update, not yet
         updated ([Note: compute copy from the fetched master]); its bucket is
-        fetched now if it was still to be. None when there is no update of it."""
+        fetched now if it was still to be and fits twice ``prefetch_bytes``
+        (the most the fetches may hold). None otherwise."""
         b = self.bucket_of.get(tp)
         if not self.active or b is None or tp in self._updated:
             return None
         if b.state is BucketState.HOST:
+            self.prefetch()
+        if b.state is BucketState.HOST:
+            self._reclaim()
+            if self._fetched_bytes + b.nbytes > 2 * self.prefetch_bytes:
+                return None
             self._fetch(b)
         return b.work.get(tp.master_key)
 
