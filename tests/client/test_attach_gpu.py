@@ -47,10 +47,11 @@ def test_bf16_autocast_matches_all_on_gpu(daemon):
 
 def test_peak_memory_within_budget_plus_activations(daemon_factory):
     """Peak GPU memory of a step is activations plus what tierd keeps in flight:
-    parameters (the budget, plus the unit running now), the fused optimizer's
-    fp32 state (up to twice its prefetch bytes, plus the bucket being updated)
-    and one unit's gradients; never close to the model. Few tokens, so the
-    activations are small next to the model."""
+    parameters (the budget, plus the unit running now, plus the next step's
+    first weights kept at the end of backward, at most the budget again), the
+    fused optimizer's fp32 state (up to twice its prefetch bytes, plus the
+    bucket being updated) and one unit's gradients; what tierd holds is under
+    half the model. Few tokens, so the activations are small next to the model."""
     d = daemon_factory(pool="512MiB", nvme_size="1GiB")
     make = lambda: gpt2(n_layer=8, n_embd=512, vocab=1000)
     ids = batches(1, batch=2, seq=16, vocab=1000)[0].cuda()
@@ -77,9 +78,9 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
     peak = torch.cuda.max_memory_allocated() - base
     unit = max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
                for m in model.modules())   # fp32 bytes of the largest unit
-    in_flight = (budget + unit) + (2 * budget + 3 * unit) + unit
+    in_flight = (2 * budget + unit) + (2 * budget + 3 * unit) + unit
     assert peak <= activations + in_flight + (4 << 20)
-    assert peak < params / 2
+    assert peak - activations < params / 2
 
 
 def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
