@@ -26,7 +26,9 @@ up; the tierd pool is shared memory, not counted), i.e. what would have been
 device memory. A budget caps that peak: ``overhead + f * saved`` for each
 fraction ``f``, where ``saved`` is the bytes autograd saves in one forward
 (parameters excluded) and ``overhead = peak(none) - saved`` is the rest of the
-step; ``auto`` is given ``budget_bytes = f * saved``. A row *fits* a budget
+step; ``auto`` is given ``budget_bytes = f * saved`` (on CUDA it reads that
+budget the same way: see [Note: measured memory correction] in
+tierd/client/activations_plan.py). A row *fits* a budget
 when its measured peak is at most the cap (``f = 1`` is ``none``'s own peak).
 Rows also give the allocator's *reserved* peak: a tensor freed while tierd's
 copy stream still reads it leaves the allocated count at once but its memory
@@ -72,6 +74,9 @@ from tierd.errors import TierdError  # noqa: E402
 
 FIXED = ("none", "offload", "recompute")
 WITHIN = 1.05    # auto is "within 5 %" of the best fixed policy at or below this ratio
+#: auto's steps before its warm-up: the profiling step, then the plan's first
+#: step, after which (on CUDA) the plan may be made again for the next steps.
+AUTO_STEPS = 2
 GiB = 1 << 30
 
 
@@ -83,7 +88,7 @@ class Sizes:
     batches: tuple[int, ...]
     seq: int
     steps: int                # timed steps per case (median); fewer when time runs short
-    warmup: int               # untimed steps first (auto: one more, its measuring step)
+    warmup: int               # untimed steps first (auto: AUTO_STEPS more)
     #: Budgets (see [Note: peak memory and budgets]) in the order they run:
     #: the first three for every batch, then the rest, so a run cut short by
     #: --budget-s still has a spread of budgets for each batch.
@@ -240,6 +245,21 @@ def timed_steps(model, ids, *, peak: PeakMemory, ctx_factory, warmup: int, steps
     return row
 
 
+def memory_check(handle, budget: int) -> dict:
+    """auto's first planned step against its model (see [Note: measured memory
+    correction] in tierd/client/activations_plan.py): bytes above the step's
+    start, the baseline taken off (what keep-all holds beyond its saved
+    activations at its peak)."""
+    check = handle.check
+    row = {"predicted_bytes": check.predicted, "measured_bytes": check.measured,
+           "baseline_bytes": check.baseline, "growth_bytes": check.step.peak(),
+           "replanned": check.plan is not None}
+    if check.plan is not None:   # the plan timed, its estimate counting what was measured
+        row["first_plan"] = check.ran.describe(handle.profiles, budget)
+        row["replan_predicted_bytes"] = check.plan.memory
+    return row
+
+
 def host_available(host_bytes: int | None) -> int:
     """Host bytes free for pinned memory: MemAvailable, or, given the machine's
     size, that size less what is in use (the larger: on a VM whose memory grows
@@ -309,7 +329,7 @@ class Run:
         batch = ids.shape[0]
         row = dict(batch=batch, policy=policy, fraction=fraction, budget_bytes=cap,
                    auto_budget_bytes=auto_bytes, saved_bytes=self.saved[batch])
-        warmup = self.sizes.warmup + (policy == "auto")   # auto's first step measures
+        warmup = self.sizes.warmup + AUTO_STEPS * (policy == "auto")
         slowest = max((r["step_s"] for r in self.rows
                        if r["batch"] == batch and r["status"] == "ok"), default=0.0)
         if skip is None and self.remaining() < max(1e-3, (warmup + 1) * slowest):
@@ -357,6 +377,8 @@ class Run:
                 row["plan"] = handle.plan.describe(handle.profiles, auto_bytes)
                 row["plan_modes"] = {m.value: sum(x is m for x in handle.plan.modes)
                                      for m in set(handle.plan.modes)}
+            if handle.check is not None:
+                row["memory_check"] = memory_check(handle, auto_bytes)
             return row
         finally:
             handle.close()
@@ -525,7 +547,7 @@ def markdown(results: dict) -> str:
     out = [f"# Activation tiering: peak memory vs step time ({meta['device']})", "",
            f"{meta['model']}, T={meta['seq']}, autocast {meta['autocast']}, "
            f"min_bytes {meta['min_bytes']}, median of up to {meta['steps']} steps after "
-           f"{meta['warmup']} warm-up (auto: +1); wall {meta['wall_s']} s of "
+           f"{meta['warmup']} warm-up (auto: +{AUTO_STEPS}); wall {meta['wall_s']} s of "
            f"--budget-s {meta['budget_s']}; `{meta['command']}`", "",
            "Peak: above the weights, over a step (see [Note: peak memory and budgets] in "
            "bench/activations.py). Budget cap = overhead + f x saved.", "",
@@ -562,8 +584,19 @@ def markdown(results: dict) -> str:
     plans = [r for r in results["rows"] if r.get("plan")]
     if plans:
         out += ["", "## auto plans", ""]
-        out += [f"- B={r['batch']} f={r['fraction']}: {r['plan']}" for r in plans]
+        out += [f"- B={r['batch']} f={r['fraction']}: {r['plan']}" + _checked(r, unit)
+                for r in plans]
     return "\n".join(out) + "\n"
+
+
+def _checked(row: dict, unit: str) -> str:
+    c = row.get("memory_check")
+    if c is None:
+        return ""
+    made = f"made again; first: {c['first_plan']}" if c["replanned"] else "kept"
+    return (f". First step: {_size(c['measured_bytes'], unit)} {unit} above keep-all's "
+            f"overhead ({_size(c['baseline_bytes'], unit)}) at peak, "
+            f"{_size(c['predicted_bytes'], unit)} planned: {made}")
 
 
 def plot(results: dict, path: Path) -> str | None:

@@ -10,6 +10,7 @@ large enough that the loss's saved logits cross the default threshold."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from torch import nn
 
 import tierd
 import tierd.optim
-from tierd.client.activations import find_blocks, tier_activations
+from tierd.client import activations
+from tierd.client.activations import AutoStage, find_blocks, tier_activations
+from tierd.client.activations_plan import BlockMode
 from tierd.client.attach import attach, detach, session_of
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
@@ -143,6 +146,51 @@ def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsy
     modes = {m.value for m in handle.plan.modes}
     assert modes - {"keep"}, handle.plan       # the budget forced something off
     assert handle.plan.fits and handle.plan.memory <= 400 << 10
+    assert handle.check is None                # no allocator to read on CPU
+    handle.close()
+
+
+def _auto_with_allocator(client, monkeypatch, read, budget: int):
+    """``auto`` on CPU as on CUDA: ``read`` stands for the allocator's count."""
+    monkeypatch.setattr(activations, "_allocated_reader", lambda device: read)
+    ref = _gpt2(n_layer=4)
+    data = batches(3, vocab=VOCAB)
+    want = _steps(ref, data)
+    model = copy.deepcopy(ref)
+    handle = tier_activations(model, client, policy="auto", budget_bytes=budget,
+                              min_bytes=0, chunk_bytes=64 << 10)
+    _assert_same(_steps(model, data), want)    # profile, check, then the plan kept
+    assert handle.stage is AutoStage.DONE and handle.check is not None
+    return handle
+
+
+def test_auto_plans_again_when_its_first_step_went_over_the_budget(client, capsys,
+                                                                   monkeypatch):
+    """Each read finds 64 KiB more than the last: the reads fall to the points
+    in step order (blocks' forwards, the rest's, then backward from the rest
+    to block 0), and the step is far over the budget: the plan is made again
+    and printed, and the steps after it still match torch bitwise."""
+    reads = itertools.count()
+    handle = _auto_with_allocator(client, monkeypatch, lambda: next(reads) << 16, 400 << 10)
+    forward, backward = handle.check.step.forward, handle.check.step.backward
+    assert list(forward) == sorted(set(forward))
+    assert list(backward) == sorted(set(backward), reverse=True)
+    assert min(backward) > max(forward)
+    assert handle.check.measured > 400 << 10
+    assert handle.plan is handle.check.plan
+    err = capsys.readouterr().err
+    assert err.count("tierd activations plan") == 2 and "made again" in err
+    handle.close()
+
+
+def test_auto_keeps_its_plan_when_its_first_step_kept_within_the_budget(client, capsys,
+                                                                        monkeypatch):
+    # a budget all of it fits in: nothing is offloaded, so no unpack reaches
+    # the store, and the check still ends with the backward
+    handle = _auto_with_allocator(client, monkeypatch, lambda: 0, 1 << 30)
+    assert set(handle.plan.modes) == {BlockMode.KEEP}
+    assert handle.check.plan is None and handle.check.ran is handle.plan
+    assert capsys.readouterr().err.count("tierd activations plan") == 1
     handle.close()
 
 

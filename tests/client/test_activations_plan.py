@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierd.client.activations_plan import (BlockMode, BlockProfile, choose_plan,
-                                           plan_memory, plan_seconds)
+from tierd.client.activations_plan import (BlockMode, BlockProfile, StepMemory, check_plan,
+                                           choose_plan, memory_points, plan_memory,
+                                           plan_seconds)
 
 K, O, R = BlockMode.KEEP, BlockMode.OFFLOAD, BlockMode.RECOMPUTE
 MB = 1 << 20
@@ -165,3 +166,70 @@ def test_plan_is_the_best_that_fits(specs, budget, bw, overlap):
                          exhaustive_max_blocks=0)
     if greedy.fits:
         assert greedy.memory <= budget
+
+
+# ------------------------------------------------------- measured correction
+def _held(blocks, modes, other: StepMemory, **model) -> StepMemory:
+    """What a step of ``modes`` holds if the model is right but for ``other``,
+    bytes it does not see and no plan changes (logits, gradients, workspace)."""
+    return memory_points(blocks, list(modes), **model).plus(other)
+
+
+def test_a_step_over_budget_plans_again_counting_what_the_model_missed():
+    # block 2's backward takes 200 MB the model does not see; the rest's
+    # backward 20 MB (the loss's gradients, which keep-all holds as well)
+    blocks, model = _blocks(4), dict(bandwidth=1e9, overlap=False)
+    other = StepMemory((0,) * 5, (0, 0, 200 * MB, 0, 20 * MB))
+    plan = choose_plan(blocks, budget=450 * MB, **model)
+    assert plan.modes == (K,) * 5 and plan.memory == 450 * MB
+    check = check_plan(blocks, plan, _held(blocks, plan.modes, other, **model),
+                       budget=450 * MB, **model)
+    assert check.predicted == 450 * MB and check.baseline == 20 * MB
+    assert check.measured == 480 * MB                 # blocks 0..2 kept + 200 - 20
+    assert check.extra == StepMemory((0,) * 5, (0, 0, 180 * MB, 0, 0))
+    again = check.plan
+    assert again.fits and R in again.modes[:2]     # fewer bytes below block 2
+    # within the budget less a margin (one largest tensor, 10 MB), the excess counted
+    assert again.memory == plan_memory(blocks, list(again.modes), **model, extra=check.extra)
+    assert again.memory <= 440 * MB
+    # so what the step holds beyond keep-all's overhead is within the budget
+    assert _held(blocks, again.modes, other, **model).peak() - check.baseline <= 450 * MB
+
+
+def test_a_step_within_budget_keeps_the_plan():
+    # GPT-2 1.3B at B=8: the loss's gradients (3.3 GB) in the rest's backward,
+    # parameter gradients growing by 0.2 GB a block in backward, and 50 MB
+    # less than modelled at the end of each block's forward
+    blocks, model = _h200(8), dict(bandwidth=50e9, overlap=True)
+    budget = int(0.5 * sum(b.saved for b in blocks))
+    plan = choose_plan(blocks, budget=budget, **model)
+    other = StepMemory(tuple([-50_000_000] * 24 + [0]),
+                       tuple(200_000_000 * (24 - i) for i in range(24)) + (3_300_000_000,))
+    check = check_plan(blocks, plan, _held(blocks, plan.modes, other, **model), budget=budget,
+                       **model)
+    assert check.plan is None and check.baseline == 3_300_000_000
+    assert check.measured <= budget
+    assert check.extra.forward == (0,) * 25     # held less than modelled: no credit
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 100), st.integers(0, 20), st.floats(0.001, 0.1),
+                          st.integers(0, 100), st.integers(0, 100)), min_size=1, max_size=5),
+       st.integers(0, 400), st.floats(1e6, 1e11), st.booleans())
+def test_a_plan_made_again_keeps_what_the_step_holds_within_the_budget(specs, budget, bw,
+                                                                        overlap):
+    blocks = [BlockProfile(f"b{i}", s * MB, min(x, s) * MB, f)
+              for i, (s, x, f, _, _) in enumerate(specs)]
+    other = StepMemory(tuple(a * MB for *_, a, _ in specs), tuple(b * MB for *_, b in specs))
+    model = dict(bandwidth=bw, overlap=overlap)
+    budget *= MB
+    plan = choose_plan(blocks, budget=budget, **model)
+    held = _held(blocks, plan.modes, other, **model)
+    for exhaustive in (8, 0):
+        check = check_plan(blocks, plan, held, budget=budget, exhaustive_max_blocks=exhaustive,
+                           **model)
+        assert check.baseline == other.backward[-1]
+        assert (check.plan is None) == (held.peak() - check.baseline <= budget)
+        if check.plan is not None and check.plan.fits:
+            again = _held(blocks, check.plan.modes, other, **model)
+            assert again.peak() - check.baseline <= budget

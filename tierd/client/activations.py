@@ -13,7 +13,10 @@ Policies:
 - ``"auto"``: the first step offloads and measures (bytes saved and forward
   time per block, copy bandwidth), then picks keep / offload / recompute per
   block to be fastest within ``budget_bytes`` (:mod:`activations_plan`) and
-  prints the plan once;
+  prints the plan; on CUDA the plan's first step reads the device memory it
+  takes at the hooks and, if that went over the budget, the plan is made once
+  more counting what the model missed, and printed again (see [Note: measured
+  memory correction] in :mod:`activations_plan`);
 - ``None``: nothing is installed.
 
 Blocks are the items of the model's largest ``nn.ModuleList`` (GPT-2's ``h``,
@@ -31,19 +34,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import enum
 import sys
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tierd.client.activations_plan import BlockMode, BlockProfile, Plan, choose_plan
+from tierd.client.activations_plan import (BlockMode, BlockProfile, MemoryCheck, Plan,
+                                           StepMemory, check_plan, choose_plan)
 from tierd.client.activations_store import ActivationStore, SavedActivation
 from tierd.client.copy_stream import CopyStream, register_pool
 
@@ -61,7 +66,9 @@ class ActivationConfig:
 
     #: "offload", "recompute", "auto" or None (see the module docstring).
     policy: str | None = "offload"
-    #: Device bytes ``auto`` may leave saved activations in (None: no limit).
+    #: Device bytes ``auto`` may leave saved activations in (None: no limit);
+    #: on CUDA also what else its plan makes a step hold beyond keeping all
+    #: (see [Note: measured memory correction] in :mod:`activations_plan`).
     budget_bytes: int | None = None
     #: Saved tensors smaller than this stay where they are.
     min_bytes: int = 1 << 20
@@ -143,6 +150,60 @@ class _BlockTimer:
         return sum(self.spans)
 
 
+class AutoStage(enum.Enum):
+    """Where the ``auto`` policy is; every other policy is DONE from the start."""
+
+    PROFILE = "profile"   # this step offloads every block and measures them
+    CHECK = "check"       # this step runs the plan; device memory is read at the hooks
+    DONE = "done"         # the plan stays
+
+
+class _StepMeter:
+    """The largest growth of allocated device bytes over a forward's start,
+    per point of the cost model, through one step (see [Note: measured memory
+    correction] in :mod:`activations_plan`). Hooks move it from point to point
+    and read at the events they see (saves, unpacks, block boundaries)."""
+
+    def __init__(self, read: Callable[[], int], blocks: int) -> None:
+        self._read, self._rest = read, blocks
+        self._base: int | None = None
+
+    def start(self) -> None:
+        """A root forward begins: what an earlier one read is dropped."""
+        self._base = self._read()
+        self._forward = [-1] * (self._rest + 1)
+        self._backward = [-1] * (self._rest + 1)
+        self._at = (self._forward, self._rest)   # outside blocks: the rest
+
+    def sample(self) -> None:
+        if self._base is not None:
+            points, i = self._at
+            points[i] = max(points[i], self._read() - self._base)
+
+    def move(self, backward: bool, index: int) -> None:
+        """Read for the point being left, then count reads for block ``index``'s
+        forward or backward (``index`` = the number of blocks: the rest)."""
+        self.sample()
+        if self._base is not None:
+            self._at = (self._backward if backward else self._forward, index)
+
+    def result(self) -> StepMemory | None:
+        """The figures; None if no forward began since, or its backward did not."""
+        if self._base is None or self._backward[-1] < 0:
+            return None
+        return StepMemory(tuple(max(0, b) for b in self._forward),
+                          tuple(max(0, b) for b in self._backward))
+
+
+def _allocated_reader(device: torch.device) -> Callable[[], int] | None:
+    """Reads the allocator's allocated bytes on ``device``; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    # not memory_allocated(): it flattens and sorts every statistic at each read
+    return lambda: torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"][
+        "current"]
+
+
 class ActivationTiering:
     """The handle :func:`tier_activations` returns; :meth:`close` undoes it all."""
 
@@ -154,6 +215,8 @@ class ActivationTiering:
         self.blocks = find_blocks(model) if blocks is None else list(blocks)
         self.plan: Plan | None = None
         self.profiles: list[BlockProfile] | None = None
+        #: The plan's first step against the model (CUDA, ``auto`` with a budget).
+        self.check: MemoryCheck | None = None
         self.copy = CopyStream(self.device)
         register_pool(client, self.device)
         pool = int(client.stats()["pool_bytes"])
@@ -171,7 +234,9 @@ class ActivationTiering:
         self._checkpoints: dict[int, list[Any]] = {}
         self._tasks: set[int] = set()
         self._keep_storages: set[int] = set()
-        self._profiling = config.policy == "auto"
+        self.stage = AutoStage.PROFILE if config.policy == "auto" else AutoStage.DONE
+        self._read_allocated = _allocated_reader(self.device)
+        self._meter: _StepMeter | None = None    # while CHECK
         self._prof = [_Profile(self.device) for _ in range(len(self.blocks) + 1)]
         self._closed = False
         if config.policy is not None:
@@ -209,6 +274,8 @@ class ActivationTiering:
         ctx.__enter__()
         self._contexts.append(ctx)
         self._forwards.append(self.store.begin_forward())
+        if self._meter is not None:
+            self._meter.start()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._contexts:   # an earlier pre-hook raised before ours ran
@@ -218,16 +285,24 @@ class ActivationTiering:
             return
         ctx.__exit__(None, None, None)
         forward = self._forwards.pop()
+        if self._meter is not None:
+            self._meter.move(True, len(self.blocks))
         if output is None and sys.exc_info()[0] is not None:
             self._stack.clear()
             self.store.abandon(forward)   # the step is abandoned: give its space back
 
     def _block_pre(self, index: int):
         def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
-            if _in_backward() or not self._contexts or self._contexts[-1] is None:
+            if _in_backward():
+                if self._meter is not None:
+                    self._meter.move(True, index)   # rebuilt for its backward
+                return
+            if not self._contexts or self._contexts[-1] is None:
                 return
             self._stack.append(index)
-            if self._profiling:
+            if self._meter is not None:
+                self._meter.move(False, index)
+            if self.stage is AutoStage.PROFILE:
                 self._prof[index].begin(args, kwargs, self.store.stats.save_seconds)
             if self.modes[index] is BlockMode.RECOMPUTE and torch.is_grad_enabled():
                 gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
@@ -240,21 +315,37 @@ class ActivationTiering:
     def _block_post(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._stack or self._stack[-1] != index:
+                if self._meter is not None and _in_backward():
+                    self._meter.sample()   # rebuilt
                 return
             gens = self._checkpoints.get(index)
             if gens:
                 with contextlib.suppress(StopIteration):
                     next(gens.pop())
             self._stack.pop()
-            if self._profiling:
+            if self.stage is AutoStage.PROFILE:
                 self._prof[index].end(self.store.stats.save_seconds)
+            if self._meter is not None:
+                self._meter_block_end(index, output)
         return hook
+
+    def _meter_block_end(self, index: int, output: Any) -> None:
+        """Block ``index``'s forward ended; its backward begins once its
+        output's gradient is complete (a tensor hook: blocks have no other)."""
+        meter = self._meter
+        meter.move(False, len(self.blocks))
+        out = next((t for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if out is not None:
+            out.register_hook(lambda grad: meter.move(True, index))
 
     def _pack(self, t: torch.Tensor) -> Any:
         block = self._stack[-1] if self._stack else len(self.blocks)
         nbytes = t.numel() * t.element_size()
-        if self._profiling and not self._is_model_state(t):
+        if self.stage is AutoStage.PROFILE and not self._is_model_state(t):
             self._prof[block].saved_bytes(t, nbytes)
+        if self._meter is not None:
+            self._meter.sample()
         if self.modes[block] is not BlockMode.OFFLOAD or not self._eligible(t, nbytes):
             # not ``t`` itself: a saved output that holds its own grad_fn is a
             # reference cycle autograd never frees (every step leaked those)
@@ -276,6 +367,10 @@ class ActivationTiering:
         return isinstance(t, nn.Parameter) or t.untyped_storage()._cdata in self._keep_storages
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if self._meter is not None:
+            self._meter.sample()
+            with self._lock:
+                self._watch_backward()   # its end ends the check, offloaded or not
         if not isinstance(packed, SavedActivation):
             return packed
         with self._lock:
@@ -295,8 +390,10 @@ class ActivationTiering:
             if self._tasks:
                 return   # a nested backward (reentrant checkpoint) ended
             self.store.end_backward()
-            if self._profiling and self.plan is None:
+            if self.stage is AutoStage.PROFILE:
                 self._make_plan()
+            elif self.stage is AutoStage.CHECK:
+                self._check_plan()
 
     # ----------------------------------------------------------------- auto
     def _make_plan(self) -> None:
@@ -310,10 +407,34 @@ class ActivationTiering:
                                 bandwidth=bandwidth, overlap=self.copy.on_device,
                                 prefetch_bytes=self.store.prefetch_bytes)
         self.modes = list(self.plan.modes)
-        self._profiling = False
+        if self._read_allocated is not None and self.config.budget_bytes is not None:
+            self.stage, self._meter = AutoStage.CHECK, _StepMeter(self._read_allocated,
+                                                                  len(self.blocks))
+        else:
+            self.stage = AutoStage.DONE
         if self.config.verbose:
             print(self.plan.describe(self.profiles, self.config.budget_bytes)
                   + f" (copy {bandwidth / 1e9:.1f} GB/s)", file=sys.stderr)
+
+    def _check_plan(self) -> None:
+        """The plan's first step ended: plan again if it went over the budget."""
+        measured = self._meter.result()
+        if measured is None:   # a backward of a graph from before the plan
+            return
+        self.stage, self._meter = AutoStage.DONE, None
+        budget = self.config.budget_bytes
+        self.check = check_plan(self.profiles, self.plan, measured, budget=budget,
+                                bandwidth=self.bandwidth, overlap=self.copy.on_device,
+                                prefetch_bytes=self.store.prefetch_bytes)
+        if self.check.plan is None:
+            return
+        self.plan = self.check.plan
+        self.modes = list(self.plan.modes)
+        if self.config.verbose:
+            print(self.plan.describe(self.profiles, budget)
+                  + f" (made again: the first plan's step held ~{self.check.measured / 2**20:.1f}"
+                  f" MiB beyond keep-all's overhead at peak, ~"
+                  f"{self.check.predicted / 2**20:.1f} MiB planned)", file=sys.stderr)
 
     # ------------------------------------------------------------- lifetime
     def stats(self) -> dict:
