@@ -427,6 +427,11 @@ class ActivationTiering:
                                 bandwidth=self.bandwidth, overlap=self.copy.on_device,
                                 prefetch_bytes=self.store.prefetch_bytes)
         if self.check.plan is None:
+            if self.check.measured > budget and self.config.verbose:
+                print(f"tierd activations: the plan's step held "
+                      f"~{self.check.measured / 2**20:.1f} MiB beyond keep-all's overhead, "
+                      f"over the budget of {budget / 2**20:.1f} MiB, and no plan fits it: "
+                      "the plan stays (raise activation_budget_bytes)", file=sys.stderr)
             return
         self.plan = self.check.plan
         self.modes = list(self.plan.modes)

@@ -311,7 +311,8 @@ class MemoryCheck:
     step: StepMemory     # what the step held at each point (measured)
     baseline: int        # what it held beyond the model at the rest's backward
     extra: StepMemory    # per point, beyond the model and the baseline (>= 0)
-    plan: Plan | None    # the plan made again, or None: the step kept within the budget
+    plan: Plan | None    # the plan made again, or None: the step kept within the
+                         # budget, or no plan fits even with what was measured
 
     @property
     def predicted(self) -> int:
@@ -367,7 +368,10 @@ def check_plan(blocks: list[BlockProfile], plan: Plan, step: StepMemory, *, budg
                         bandwidth=bandwidth, overlap=overlap, backward_factor=backward_factor,
                         prefetch_bytes=prefetch_bytes,
                         exhaustive_max_blocks=exhaustive_max_blocks, extra=extra)
-    return replace(check, plan=again)
+    # Nothing fits: the plan that ran stays. The model's "smallest" plan would
+    # be one nobody measured (on the H200 its offloads held more than
+    # recompute-all, and ran slower).
+    return replace(check, plan=again if again.fits else None)
 
 
 def _greedy_candidates(blocks: list[BlockProfile], budget: int, score: Score):
