@@ -1,0 +1,88 @@
+"""The in-process store follows the daemon's lease rules (the client parts'
+unit tests rely on it); the same calls against a real daemon agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierd.client.store import LocalStore, Store
+from tierd.errors import CapacityError, StateError, UnknownKey
+
+
+def test_put_get_round_trip_bit_exact_and_keys_by_prefix():
+    s = LocalStore()
+    t = torch.randn(5, dtype=torch.bfloat16)
+    s.put_many({"m/a": t, "m/b": torch.arange(3), "x": torch.ones(1)})
+    assert torch.equal(s.get("m/a"), t) and s.keys("m/") == ["m/a", "m/b"]
+    with pytest.raises(UnknownKey):
+        s.get("nope")
+
+
+def test_write_lease_is_exclusive_and_written_release_makes_a_new_version():
+    s = LocalStore()
+    s.put("k", torch.zeros(2))
+    (w,) = s.lease_async(["k"], write=True).result()
+    with pytest.raises(StateError, match="leased for writing"):
+        s.lease_async(["k"]).result()
+    w.tensor.fill_(7)
+    s.release(["k"], written=True)
+    (r,) = s.lease_async(["k"]).result()
+    assert r.version == w.version + 1 and r.tensor.tolist() == [7.0, 7.0]
+    with pytest.raises(StateError, match="leased for reading"):
+        s.lease_async(["k"], write=True).result()
+    with pytest.raises(StateError, match="read-only"):
+        s.release(["k"], written=True)
+    s.release(["k"])
+    with pytest.raises(StateError, match="does not lease"):
+        s.release(["k"])
+
+
+def test_reserved_versions_are_invisible_until_published_and_abort_gives_back():
+    s = LocalStore()
+    s.put("k", torch.ones(2))
+    (slot,) = s.reserve_async({"k": torch.empty(2)}).result()
+    slot.tensor.fill_(3)
+    assert s.get("k").tolist() == [1.0, 1.0]
+    s.publish_async(["k"]).result()
+    assert s.get("k").tolist() == [3.0, 3.0]
+    s.reserve_async({"new": torch.empty(4)}).result()
+    assert "new" not in s.keys()
+    s.abort(["new"])
+    with pytest.raises(StateError, match="not reserved"):
+        s.publish_async(["new"]).result()
+
+
+def test_capacity_refuses_and_loses_nothing():
+    s = LocalStore(pool_bytes=64)
+    s.put("a", torch.zeros(8))   # 32 B
+    with pytest.raises(CapacityError):
+        s.put("b", torch.zeros(16))
+    assert s.keys() == ["a"] and s.used_bytes == 32
+    s.put("b", torch.zeros(8))
+
+
+def test_commit_and_restart_keep_exactly_the_last_commit():
+    s = LocalStore(job="run1")
+    s.put("a", torch.ones(2))
+    s.commit("step-1")
+    s.put("a", torch.full((2,), 5.0))
+    s.put("b", torch.ones(1))
+    s.restart()
+    assert s.keys() == ["a"] and s.get("a").tolist() == [1.0, 1.0] and s.commits() == ["step-1"]
+    with pytest.raises(StateError, match="never committed"):
+        LocalStore().commit("x")
+
+
+def test_both_stores_implement_the_protocol(daemon):
+    import tierd
+    with tierd.connect(daemon) as client:
+        assert isinstance(client, Store) and isinstance(LocalStore(), Store)
+        for s in (client, LocalStore()):   # the same rules on both
+            s.put_many({"k": torch.ones(2)})
+            (w,) = s.lease_async(["k"], write=True).result()
+            with pytest.raises(StateError):
+                s.lease_async(["k"]).result()
+            w.tensor.fill_(2)
+            s.release(["k"], written=True)
+            assert s.get("k").tolist() == [2.0, 2.0]

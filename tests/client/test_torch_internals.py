@@ -1,0 +1,96 @@
+"""Each private torch API tierd uses still behaves as tierd needs.
+
+A failure here names the API a torch release changed; fix
+``tierd/client/torch_internals.py`` before anything else."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+from tierd.client import torch_internals as ti
+
+
+def test_current_graph_task_is_minus_one_outside_and_set_inside_backward():
+    assert ti.current_graph_task() == -1 and not ti.in_backward()
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append((ti.current_graph_task(), ti.in_backward())))
+    y.sum().backward()
+    assert len(seen) == 1 and seen[0][0] != -1 and seen[0][1]
+
+
+def test_engine_callback_runs_after_every_node_of_the_backward():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    a = x * 2
+    b = a * 3
+
+    def first(g):
+        ti.queue_engine_callback(lambda: order.append("end"))
+        order.append("b")
+    b.register_hook(first)
+    a.register_hook(lambda g: order.append("a"))
+    b.sum().backward()
+    assert order == ["b", "a", "end"]
+
+
+def test_storage_id_is_shared_by_views_and_data_not_by_copies():
+    t = torch.zeros(4, 4)
+    assert ti.storage_id(t) == ti.storage_id(t.t()) == ti.storage_id(t.data) == ti.storage_id(t[1:])
+    assert ti.storage_id(t.clone()) != ti.storage_id(t)
+
+
+def test_storage_ref_says_when_a_storage_is_freed():
+    t = torch.zeros(8)
+    ref = ti.StorageRef(t.untyped_storage())
+    assert not ref.expired()
+    del t
+    gc.collect()
+    assert ref.expired()
+
+
+def test_checkpoint_generator_recomputes_the_call_in_backward():
+    calls = []
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            calls.append(ti.in_backward())
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 3)
+    ref = block(x).sum()
+    ref.backward()
+    want = block.lin.weight.grad.clone()
+    block.zero_grad()
+    calls.clear()
+    gen = ti.checkpoint_without_reentrant(block, x)
+    next(gen)
+    out = block(x)
+    next(gen, None)
+    out.sum().backward()
+    assert calls == [False, True]   # run once, then recomputed inside backward
+    torch.testing.assert_close(block.lin.weight.grad, want, rtol=0, atol=0)
+
+
+def test_dispatch_mode_sees_aten_ops_and_tree_flatten_finds_tensors():
+    seen = []
+
+    class Watch(ti.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.extend(t for t in ti.tree_flatten((args, kwargs or {}))[0]
+                        if isinstance(t, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.ones(2), torch.ones(2)
+    with Watch():
+        torch.add(a, b)
+    assert any(t is a for t in seen) and any(t is b for t in seen)

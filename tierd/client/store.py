@@ -1,0 +1,308 @@
+"""The store the client's parts talk to: one typed protocol, two implementations.
+
+:class:`Store` is every call an attached model, ``tierd.optim`` and activation
+tiering make: the socket client (:class:`tierd.client.connection.Client`,
+talking to a daemon) implements it, and so does :class:`LocalStore`, which
+keeps tensors in this process with the same lease rules, so each client part
+can be unit-tested alone (no daemon, no sockets) and a failing test names the
+part that broke.
+
+The rules both follow (the daemon's catalog is the reference):
+- ``lease`` pins keys and returns views to read (or, ``write=True``, to write
+  in place); a key leased for writing has no other lease, and a key leased
+  for reading takes no write lease. ``release(written=True)`` makes written
+  bytes the new version.
+- ``reserve`` gives a new slot per key that readers do not see until
+  ``publish``; ``abort`` gives it back. ``put`` is reserve, copy, publish.
+- Requests ending in ``_async`` return a :class:`Pending`; its ``result()``
+  returns the reply or raises the request's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from tierd.client.keys import random_name
+from tierd.errors import CapacityError, DaemonUnavailable, StateError, UnknownKey
+
+
+@dataclass(frozen=True)
+class Leased:
+    """A key pinned in the pool. ``tensor`` is a view of the pool: read it (or,
+    for a write lease, write it) with no further request. Valid until the key
+    is released."""
+
+    key: str
+    tensor: torch.Tensor
+    version: int
+
+
+class Pending(Protocol):
+    """A request on its way."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the reply; return it or raise the request's error."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the client's parts need from a store (see the module docstring)."""
+
+    job: str
+
+    def put_many(self, items: Mapping[str, torch.Tensor]) -> None: ...
+    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]: ...
+    def get(self, key: str) -> torch.Tensor: ...
+    def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending: ...
+    def release_async(self, keys: Iterable[str], written: bool = False) -> Pending: ...
+    def release(self, keys: Iterable[str], written: bool = False) -> None: ...
+    def reserve_async(self, like: Mapping[str, torch.Tensor]) -> Pending: ...
+    def publish_async(self, keys: Iterable[str]) -> Pending: ...
+    def abort(self, keys: Iterable[str]) -> None: ...
+    def delete(self, keys: str | Iterable[str]) -> None: ...
+    def keys(self, prefix: str = "") -> list[str]: ...
+    def stats(self) -> dict: ...
+    def commit(self, tag: str) -> dict: ...
+    def commits(self) -> list[str]: ...
+    def check_alive(self) -> None: ...
+    def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None],
+                          unmapped: Callable[[int, torch.Tensor], None] | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
+class Done:
+    """A :class:`Pending` whose reply (or error) is already known."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    @classmethod
+    def of(cls, call: Callable[[], Any]) -> "Done":
+        """Run ``call`` now; its value or tierd error becomes the reply."""
+        try:
+            return cls(call())
+        except (StateError, CapacityError, UnknownKey, DaemonUnavailable) as exc:
+            return cls(error=exc)
+
+
+@dataclass
+class _Entry:
+    value: torch.Tensor        # the current version's bytes
+    version: int = 1
+    readers: int = 0
+    writer: bool = False
+    reserved: torch.Tensor | None = None
+
+
+@dataclass
+class LocalStore:
+    """An in-process :class:`Store`: tensors in this process's memory, the
+    daemon's lease rules, a byte capacity. For unit tests of client parts.
+
+    ``restart()`` drops everything but the last commit, as a daemon restart
+    does for a named job.
+
+    Example:
+        >>> s = LocalStore(job="run1")
+        >>> s.put_many({"a": torch.ones(2)})
+        >>> [l.tensor.tolist() for l in s.lease_async(["a"]).result()]
+        [[1.0, 1.0]]
+        >>> s.release(["a"]); s.get("a").tolist()
+        [1.0, 1.0]
+    """
+
+    job: str | None = None
+    pool_bytes: int = 1 << 30
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _commits: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    _closed: bool = False
+    requests: int = 0   # calls made, as the daemon would count requests
+
+    def __post_init__(self) -> None:
+        self.ephemeral = self.job is None
+        if self.job is None:
+            self.job = f"local-{random_name()}"
+
+    # ------------------------------------------------------------ helpers
+    def _check(self) -> None:
+        self.requests += 1
+        if self._closed:
+            raise DaemonUnavailable("this local store is closed")
+
+    def _entry(self, key: str) -> _Entry:
+        e = self._entries.get(key)
+        if e is None or not e.version:
+            raise UnknownKey(f"no tensor under key {key!r} in job {self.job!r}")
+        return e
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(_nbytes(e.value) + (_nbytes(e.reserved) if e.reserved is not None else 0)
+                   for e in self._entries.values())
+
+    # ------------------------------------------------------------ leases
+    def lease_async(self, keys: Iterable[str], write: bool = False) -> Done:
+        return Done.of(lambda: self._lease(tuple(keys), write))
+
+    def _lease(self, keys: tuple[str, ...], write: bool) -> list[Leased]:
+        self._check()
+        if write and len(set(keys)) != len(keys):
+            raise StateError("a key appears twice in one write lease")
+        entries = [self._entry(k) for k in keys]
+        for e, k in zip(entries, keys):
+            if e.writer or (write and e.readers):
+                raise StateError(f"{k}: leased for {'writing' if e.writer else 'reading'} "
+                                 "by another client; release it first")
+        for e in entries:
+            if write:
+                e.writer = True
+            else:
+                e.readers += 1
+        return [Leased(k, e.value, e.version) for k, e in zip(keys, entries)]
+
+    def release_async(self, keys: Iterable[str], written: bool = False) -> Done:
+        return Done.of(lambda: self._release(tuple(keys), written))
+
+    def release(self, keys: Iterable[str], written: bool = False) -> None:
+        self.release_async(keys, written).result()
+
+    def _release(self, keys: tuple[str, ...], written: bool) -> None:
+        self._check()
+        entries = {k: self._entries.get(k) for k in keys}
+        not_held = [k for k, e in entries.items() if e is None or not (e.writer or e.readers)]
+        if not_held:
+            raise StateError(f"release of keys this client does not lease: {not_held[:5]}")
+        if written and any(not e.writer for e in entries.values()):
+            raise StateError("released as written, but these leases are read-only: "
+                             f"{[k for k, e in entries.items() if not e.writer][:5]}")
+        for e in entries.values():
+            if e.writer:
+                e.writer = False
+                e.version += written
+            else:
+                e.readers -= 1
+
+    # ------------------------------------------------------------ versions
+    def reserve_async(self, like: Mapping[str, torch.Tensor]) -> Done:
+        return Done.of(lambda: self._reserve(dict(like)))
+
+    def _reserve(self, like: dict[str, torch.Tensor]) -> list[Leased]:
+        self._check()
+        need = sum(_nbytes(t) for t in like.values())
+        if self.used_bytes + need > self.pool_bytes:
+            raise CapacityError(f"the local store holds {self.used_bytes} of "
+                                f"{self.pool_bytes} bytes; {need} more do not fit")
+        out = []
+        for k, t in like.items():
+            e = self._entries.get(k)
+            if e is not None and e.reserved is not None:
+                raise StateError(f"{k}: already reserved by this client; publish or abort it")
+            slot = torch.empty(t.shape, dtype=t.dtype)
+            if e is None:   # a key first seen here exists once published
+                e = self._entries[k] = _Entry(value=torch.empty(0, dtype=t.dtype), version=0)
+            e.reserved = slot
+            out.append(Leased(k, slot, e.version + 1))
+        return out
+
+    def publish_async(self, keys: Iterable[str]) -> Done:
+        return Done.of(lambda: self._publish(tuple(keys)))
+
+    def _publish(self, keys: tuple[str, ...]) -> None:
+        self._check()
+        missing = [k for k in keys if k not in self._entries or self._entries[k].reserved is None]
+        if missing:
+            raise StateError(f"publish of keys this client has not reserved: {missing[:5]}")
+        for k in keys:
+            e = self._entries[k]
+            e.value, e.reserved, e.version = e.reserved, None, e.version + 1
+
+    def abort(self, keys: Iterable[str]) -> None:
+        self._check()
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None and e.reserved is not None:
+                e.reserved = None
+                if e.version == 0:
+                    del self._entries[k]
+
+    # ------------------------------------------------------------ store API
+    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
+        placed = self.reserve_async(items).result()
+        for lease, t in zip(placed, items.values()):
+            lease.tensor.copy_(t.detach())
+        self.publish_async(items.keys()).result()
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        self.put_many({key: tensor})
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = tuple(keys)
+        leased = self.lease_async(keys).result()
+        out = {lease.key: lease.tensor.clone() for lease in leased}
+        self.release(keys)
+        return out
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.get_many((key,))[key]
+
+    def delete(self, keys: str | Iterable[str]) -> None:
+        self._check()
+        for k in (keys,) if isinstance(keys, str) else tuple(keys):
+            e = self._entries.get(k)
+            if e is not None and e.writer:
+                raise StateError(f"{k}: cannot delete while write-leased")
+            self._entries.pop(k, None)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        self._check()
+        return sorted(k for k, e in self._entries.items() if k.startswith(prefix) and e.version)
+
+    def stats(self) -> dict:
+        self._check()
+        return {"pool_bytes": self.pool_bytes, "pool_used": self.used_bytes,
+                "tensors": len(self._entries),
+                "jobs": {self.job: {"ephemeral": self.ephemeral}}}
+
+    def commit(self, tag: str) -> dict:
+        self._check()
+        if self.ephemeral:
+            raise StateError(f"job {self.job!r} is a default job, which is never committed")
+        leased = [k for k, e in self._entries.items() if e.writer]
+        if leased:
+            raise StateError(f"cannot commit while keys are write-leased: {leased[:5]}")
+        snapshot = {k: e.value.clone() for k, e in self._entries.items() if e.version}
+        self._commits.append((tag, snapshot))
+        return {"tag": tag, "seq": len(self._commits), "tensors": len(snapshot),
+                "bytes": sum(_nbytes(t) for t in snapshot.values())}
+
+    def commits(self) -> list[str]:
+        self._check()
+        return [tag for tag, _ in self._commits]
+
+    def restart(self) -> None:
+        """What a daemon restart leaves: the last commit, no leases, no reservations."""
+        last = self._commits[-1][1] if self._commits else {}
+        self._entries = {k: _Entry(value=v.clone()) for k, v in last.items()}
+
+    def check_alive(self) -> None:
+        if self._closed:
+            raise DaemonUnavailable("this local store is closed")
+
+    def on_segment_mapped(self, callback, unmapped=None) -> None:
+        """No shared segments here: tensors are ordinary process memory."""
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,70 @@
+"""Every private torch API tierd relies on, behind one named function each.
+
+torch gives no public way to do these things, and a torch release may change
+any of them. Keeping them here means one file to read when upgrading torch,
+and ``tests/client/test_torch_internals.py`` fails loudly (naming the API)
+when a release breaks one, instead of a training step failing somewhere deep.
+
+What each is for:
+- ``current_graph_task``: tells a forward re-run inside backward (activation
+  checkpointing) from an ordinary forward, and groups the work of one
+  backward pass.
+- ``queue_engine_callback``: runs code when the current backward pass ends
+  (FSDP2 uses the same engine call for its post-backward).
+- ``storage_id``: identity of a tensor's ``StorageImpl``; views and ``.data``
+  of a tensor share it, so it finds parameters and saved activations by
+  their bytes.
+- ``checkpoint_without_reentrant``: the generator behind
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, driven from
+  module hooks so a block is recomputed without wrapping its ``forward``.
+- ``DispatchMode`` / ``tree_flatten``: the first-forward probe watches the
+  arguments of every aten op (see [Note: parameters read without a call]).
+- ``StorageRef``: a weak reference to a storage that says when it is freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef as StorageRef
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["DispatchMode", "StorageRef", "checkpoint_without_reentrant",
+           "current_graph_task", "in_backward", "queue_engine_callback", "storage_id",
+           "tree_flatten"]
+
+
+def current_graph_task() -> int:
+    """Id of the autograd graph task running on this thread; -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    """True inside a backward pass (a forward run now is a checkpoint's re-run)."""
+    return current_graph_task() != -1
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished all its nodes.
+
+    Only valid inside backward (from a hook that autograd runs)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s StorageImpl (the same for its views and ``.data``)."""
+    return t.untyped_storage()._cdata
+
+
+def checkpoint_without_reentrant(module: torch.nn.Module, *args: Any,
+                                 **kwargs: Any) -> Generator[None, None, None]:
+    """Start non-reentrant checkpointing of one call of ``module``: call
+    ``next()`` on the result before the call runs and again after it returns.
+    Activations saved in between are dropped and recomputed in backward."""
+    return torch.utils.checkpoint._checkpoint_without_reentrant_generator(
+        module, True, torch.utils.checkpoint.noop_context_fn, "default",
+        False, True, *args, **kwargs)
