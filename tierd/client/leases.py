@@ -33,8 +33,15 @@ import torch
 from tierd.errors import CapacityError
 
 
-class _LeaseBatch:
-    """One ``lease_async`` request whose reply is read once, when first needed."""
+class LeaseBatch:
+    """One ``lease_async`` request whose reply is read once, when first needed.
+
+    Example:
+        >>> from tierd.client.store import LocalStore
+        >>> s = LocalStore(); s.put_many({"a": torch.ones(1)})
+        >>> LeaseBatch(s.lease_async(["a"])).views()["a"].tolist()
+        [1.0]
+    """
 
     def __init__(self, pending) -> None:
         self._pending = pending
@@ -64,7 +71,7 @@ class LeaseTable:
         self._client = client
         self._stats = stats
         self._refs: dict[str, int] = {}
-        self._batch: dict[str, _LeaseBatch] = {}
+        self._batch: dict[str, LeaseBatch] = {}
         self._written: set[str] = set()
         self._held: set[str] = set()
         #: keys other ranks read too: leased read-only (see the module docstring)
@@ -82,7 +89,7 @@ class LeaseTable:
         for write in (True, False):
             ks = [k for k in new if (k not in self.shared) == write]
             if ks:
-                batch = _LeaseBatch(self._client.lease_async(ks, write=write))
+                batch = LeaseBatch(self._client.lease_async(ks, write=write))
                 self._stats.requests += 1
                 for k in ks:
                     self._batch[k] = batch
