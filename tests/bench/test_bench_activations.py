@@ -1,4 +1,4 @@
-"""``python -m bench.activations --quick`` runs every policy and budget end to
+"""``python -m tierd.bench.activations --quick`` runs every policy and budget end to
 end and writes its JSON, Markdown and PNG. Checks the shape of the output and
 that tiering moved bytes, never a timing: figures are for people."""
 
@@ -15,7 +15,7 @@ POLICIES = {"none", "save_on_cpu", "offload", "recompute", "auto"}
 
 
 def test_quick_run_measures_every_policy_and_budget(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.activations", "--quick", "--steps", "1",
+    proc = subprocess.run([sys.executable, "-m", "tierd.bench.activations", "--quick", "--steps", "1",
                            "--budget-s", "600", "--out", str(tmp_path),
                            "--nvme", str(tmp_path / "nvme")],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,

@@ -15,7 +15,7 @@ SECTIONS = {"limits", "dataplane", "training", "forward", "control", "multijob"}
 
 
 def test_quick_run_writes_every_section(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "tierd.bench.run", "--quick", "--out", str(tmp_path),
                            "--nvme", str(tmp_path / "nvme")],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)

@@ -22,7 +22,7 @@ def _blocks(n: int, saved: int = 100 * MB, inputs: int = 10 * MB, fwd: float = 0
 
 
 def _h200(batch: int) -> list[BlockProfile]:
-    """GPT-2 1.3B on an H200, T=1024, bf16 autocast (bench.activations): 24
+    """GPT-2 1.3B on an H200, T=1024, bf16 autocast (tierd.bench.activations): 24
     blocks saving ~1.45 GB each at B=8 with ~3.7 ms of forward each; the rest
     (lm_head logits, loss) ~2 GB, saved last, not recomputable."""
     s = batch / 8

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import GB, IO_CHUNK, IO_THREADS, Context, chunks, fmt_bytes, median, row
+from tierd.bench.common import GB, IO_CHUNK, IO_THREADS, Context, chunks, fmt_bytes, median, row
 
 REPEATS = 5
 

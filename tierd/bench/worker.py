@@ -1,7 +1,7 @@
-"""One benchmark case in its own process: ``python -m bench.worker SPEC.json``.
+"""One benchmark case in its own process: ``python -m tierd.bench.worker SPEC.json``.
 
 Each case gets a fresh CUDA context (so peak memory is its own) and can be
-killed at its timeout by ``bench.run``. The last stdout line is the JSON result.
+killed at its timeout by ``tierd.bench.run``. The last stdout line is the JSON result.
 
 Spec fields: ``mode`` (gpu | tierd | fsdp2 | accelerate), ``model``, ``seq``,
 ``batches`` (training batch sizes; empty for none), ``forward_batch`` (0 for
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from bench import models
-from bench.common import median
+from tierd.bench import models
+from tierd.bench.common import median
 
 
 def main(path: str) -> None:

@@ -1,6 +1,6 @@
 """Section 6: two training processes sharing one daemon, each against alone.
 
-Each job is a ``bench.worker`` (tierd mode, a small model) that warms up,
+Each job is a ``tierd.bench.worker`` (tierd mode, a small model) that warms up,
 says "ready" and waits; once every job of a group is ready all start their
 timed steps together, so the steps overlap.
 """
@@ -15,9 +15,9 @@ import tempfile
 import threading
 import time
 
-from bench import models
-from bench.common import ROOT, Context, SectionTimeout, row, subprocess_env
-from bench.training import need
+from tierd.bench import models
+from tierd.bench.common import Context, SectionTimeout, row, subprocess_env
+from tierd.bench.training import need
 
 
 def _spec(ctx: Context) -> dict:
@@ -35,7 +35,7 @@ def run_group(spec: dict, n: int, timeout: float) -> list[dict]:
     """Start ``n`` jobs, release them together once all are warm, collect results."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.worker", f.name], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tierd.bench.worker", f.name],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=subprocess_env())
              for _ in range(n)]
@@ -115,7 +115,7 @@ print(n, flush=True)
 def many_clients(socket: str, clients: int, seconds: float) -> dict:
     """Requests/s served to ``clients`` processes each doing lease/release
     round trips as fast as they can, all at once, on one daemon."""
-    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, socket, str(seconds)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, socket, str(seconds)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=subprocess_env()) for _ in range(clients)]
     try:

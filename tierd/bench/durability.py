@@ -1,7 +1,7 @@
 """Durability costs: checksum speed, NVMe bandwidth with and without record
 checksums (same threads, same pieces), and what a commit costs.
 
-    python -m bench.durability --dir /mnt/nvme/bench --gib 2
+    python -m tierd.bench.durability --dir /mnt/nvme/bench --gib 2
 
 Prints one line per figure; ratios are measured side by side in one run.
 """

@@ -1,7 +1,7 @@
 """Data-parallel tierd on the GPUs of one node, vs one rank and vs DDP all on GPU.
 
-    python -m bench.distributed --out DIR                # GPT-2 1.3B, 2 GPUs
-    python -m bench.distributed --out DIR --quick        # tiny model, CPU/gloo
+    python -m tierd.bench.distributed --out DIR                # GPT-2 1.3B, 2 GPUs
+    python -m tierd.bench.distributed --out DIR --quick        # tiny model, CPU/gloo
 
 The orchestrator (this command) starts one ``tierd serve`` and launches each
 case with ``torch.distributed.run``; ranks write their figures as JSON. Cases:
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+from tierd.bench.common import DEFAULT_OUT, subprocess_env
+
 LR = 1e-4
 
 
@@ -134,16 +135,15 @@ def launch(args, mode: str, nproc: int, name: str, model: dict, batches: str,
            steps: int, warmup: int, socket: Path) -> list[dict]:
     result = args.out / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "bench.distributed", "--rank-side",
+           f"--nproc-per-node={nproc}", "-m", "tierd.bench.distributed", "--rank-side",
            "--mode", mode, "--job", name, "--result", str(result), "--batches", batches,
            "--steps", str(steps), "--warmup", str(warmup),
            *[f"--{k}={v}" for k, v in model.items()]]
     if args.cpu:
         cmd.append("--cpu")
-    env = dict(os.environ, TIERD_SOCKET=str(socket), PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(subprocess_env(), TIERD_SOCKET=str(socket))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=args.case_timeout)
     print(f"[{name}] {time.perf_counter() - t0:.0f} s rc={proc.returncode}", flush=True)
     if proc.returncode != 0 or not result.exists():
@@ -158,8 +158,7 @@ def start_daemon(args) -> subprocess.Popen:
            "--socket", str(sock), "--pool", f"{args.pool_gib}GiB", "--nvme-size",
            f"{args.nvme_gib}GiB", "--log-level", "WARNING"]
     (args.out / "nvme").mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
+    proc = subprocess.Popen(cmd, env=subprocess_env())
     import tierd
     deadline = time.monotonic() + 60
     while True:
@@ -275,7 +274,7 @@ def main() -> None:
     ap.add_argument("--mode", default="tierd")
     ap.add_argument("--job", default="bench")
     ap.add_argument("--result", default="")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/distributed"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "distributed")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--nproc", type=int, default=2)
@@ -332,7 +331,7 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    report = {"model": model, "nproc": n, "command": " ".join(["python -m bench.distributed",
+    report = {"model": model, "nproc": n, "command": " ".join(["python -m tierd.bench.distributed",
                                                                  *sys.argv[1:]]),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "correctness": correctness(rows), "steps": summarize(rows, n), "raw": rows}

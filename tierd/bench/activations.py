@@ -1,7 +1,7 @@
 """Activation tiering: peak device memory vs step time, per policy and memory budget.
 
-    python -m bench.activations --out DIR --host-gib 128   # CUDA: GPT-2 1.3B, T=1024, B=8, 16
-    python -m bench.activations --quick                      # CPU: a small GPT-2, < 1 minute
+    python -m tierd.bench.activations --out DIR --host-gib 128   # CUDA: GPT-2 1.3B, T=1024, B=8, 16
+    python -m tierd.bench.activations --quick                      # CPU: a small GPT-2, < 1 minute
 
 For each batch size one process measures, side by side: no tiering (``none``),
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, tierd ``offload`` and
@@ -63,12 +63,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-STARTED = time.monotonic()   # the --budget-s clock starts before the heavy imports
+# The --budget-s clock: torch is already imported with the tierd package this
+# module lives in, so the clock starts after it.
+STARTED = time.monotonic()
 
 import torch  # noqa: E402
 
 import tierd  # noqa: E402
 from tierd.backends.hostpool import available_memory  # noqa: E402
+from tierd.bench.common import DEFAULT_OUT  # noqa: E402
 from tierd.client.activations import tier_activations  # noqa: E402
 from tierd.errors import TierdError  # noqa: E402
 
@@ -312,7 +315,7 @@ class Run:
             "steps": sizes.steps, "warmup": sizes.warmup,
             "budget_s": budget_s, "autocast": "bf16" if cuda else None,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(["python -m bench.activations", *sys.argv[1:]]),
+            "command": " ".join(["python -m tierd.bench.activations", *sys.argv[1:]]),
             "unit": "GiB" if cuda else "MiB",
         }
 
@@ -550,7 +553,7 @@ def markdown(results: dict) -> str:
            f"{meta['warmup']} warm-up (auto: +{AUTO_STEPS}); wall {meta['wall_s']} s of "
            f"--budget-s {meta['budget_s']}; `{meta['command']}`", "",
            "Peak: above the weights, over a step (see [Note: peak memory and budgets] in "
-           "bench/activations.py). Budget cap = overhead + f x saved.", "",
+           "tierd/bench/activations.py). Budget cap = overhead + f x saved.", "",
            f"| B | policy | f | cap {unit} | peak {unit} | reserved {unit} | step s | x none | "
            f"to pool {unit}/step | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
@@ -646,11 +649,11 @@ def plot(results: dict, path: Path) -> str | None:
 
 # --------------------------------------------------------------------- main
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.activations",
+    p = argparse.ArgumentParser(prog="python -m tierd.bench.activations",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model on CPU (a smoke run)")
     p.add_argument("--out", type=Path, default=None,
-                   help="directory for the JSON, Markdown and PNG (default: bench/results; "
+                   help=f"directory for the JSON, Markdown and PNG (default: ./{DEFAULT_OUT}; "
                         "with --quick a new temporary directory)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-time cap in seconds from start, model build included "
@@ -681,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA here: run with --quick for the CPU version", file=sys.stderr)
         return 2
     out = args.out or (Path(tempfile.mkdtemp(prefix="tierd-act-bench-")) if args.quick
-                       else Path(__file__).resolve().parent / "results")
+                       else DEFAULT_OUT)
     run = Run(sizes, device, out, budget_s=args.budget_s or sizes.budget_s, quick=args.quick,
               nvme=args.nvme,
               host_bytes=None if args.host_gib is None else int(args.host_gib * GiB))

@@ -22,7 +22,11 @@ from pathlib import Path
 
 from tierd.config import ServeConfig, format_size
 
-ROOT = Path(__file__).resolve().parents[1]
+#: the directory that holds the ``tierd`` package being measured: a source tree,
+#: or site-packages once installed. Child processes import tierd from it too.
+ROOT = Path(__file__).resolve().parents[2]
+#: where results go without ``--out``: the current directory, never the package
+DEFAULT_OUT = Path("tierd-bench-results")
 GB = 1e9
 
 #: the daemon's NVMe thread count and chunk size, read from the daemon's own code
@@ -159,21 +163,22 @@ def time_limit(seconds: float):
 
 
 def subprocess_env() -> dict:
+    """A child's environment: it imports the same ``tierd`` as this process."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def run_worker(ctx: Context, spec: dict, timeout: float | None = None) -> dict:
-    """Run ``python -m bench.worker`` on ``spec`` in a child process (its own CUDA
-    context and peak-memory counters; killable at the timeout); its last stdout
-    line is the JSON result."""
+    """Run ``python -m tierd.bench.worker`` on ``spec`` in a child process (its
+    own CUDA context and peak-memory counters; killable at the timeout); its
+    last stdout line is the JSON result."""
     timeout = ctx.case_timeout(timeout)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.worker", f.name],
+        proc = subprocess.run([sys.executable, "-m", "tierd.bench.worker", f.name],
                               capture_output=True, text=True, timeout=timeout,
-                              env=subprocess_env(), cwd=ROOT)
+                              env=subprocess_env())
     except subprocess.TimeoutExpired as exc:
         partial = _last_json(exc.stdout)
         if partial is not None:   # the measurements it finished still count

@@ -1,6 +1,6 @@
 """Sections 3-5: training step, forward only, control-plane share.
 
-Every case runs in a ``bench.worker`` child process (own CUDA context and
+Every case runs in a ``tierd.bench.worker`` child process (own CUDA context and
 peak-memory counters, killed at its timeout). One worker per system serves
 all three sections: e.g. the tierd worker trains at each batch size, does one
 profiled step (PCIe bytes) and one instrumented step (hook time), then runs
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from bench import models
-from bench.common import GB, Context, Skip, fmt_bytes, row, run_worker
+from tierd.bench import models
+from tierd.bench.common import GB, Context, Skip, fmt_bytes, row, run_worker
 
 #: step time over the all-on-GPU reference that DESIGN.md holds tierd to
 TRAIN_TARGETS = {8: 1.5, 16: 1.15}

@@ -1,7 +1,7 @@
 """tierd.attach vs all-on-GPU: train step and forward of GPT-2 1.3B, side by side.
 
-    python bench/attach_step.py                 # 24 layers, d=2048, T=1024, B=8 and 16
-    python bench/attach_step.py --layers 4      # smaller, same shape per layer
+    python -m tierd.bench.attach_step                 # 24 layers, d=2048, T=1024, B=8 and 16
+    python -m tierd.bench.attach_step --layers 4      # smaller, same shape per layer
 
 Both runs use bf16 autocast; the reference keeps fp32 params, grads and a
 fused torch AdamW on the GPU; tierd keeps everything in its pool (bf16
@@ -21,7 +21,7 @@ synchronize, per block) added ~30 B/param without overlap: ~0.7 s, ~3.5x.
 Forward: 2.6 GB of bf16 params in 0.047 s vs 0.094 s of compute: <= 1.1x if
 prefetch keeps the copy ahead.
 
-Measured (H200, `python bench/attach_step.py --steps 4 --warmup 3`, pool
+Measured (H200, `python -m tierd.bench.attach_step --steps 4 --warmup 3`, pool
 40 GiB, all keys held, budget 4 blocks, optimizer state in flight 2.4 GB):
 | version | B=8 step | B=16 step | fwd B=8 |
 | fused, one copy stream for params+states, drain scans all | 1.98x | 1.31x | 1.25x |

@@ -1,4 +1,4 @@
-"""The benchmark suite: ``python -m bench.run [--quick] [--out DIR] [--only a,b]``.
+"""The benchmark suite: ``python -m tierd.bench.run [--quick] [--out DIR] [--only a,b]``.
 
 Measures the limits (pinned copies, raw O_DIRECT), tierd's data plane, the
 training step and forward pass against the all-on-GPU reference and the peers
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from bench import dataplane, limits, multijob, report, training
-from bench.common import FULL, QUICK, ROOT, Context, SectionTimeout, Skip, time_limit
+from tierd.bench import dataplane, limits, multijob, report, training
+from tierd.bench.common import (DEFAULT_OUT, FULL, QUICK, ROOT, Context, SectionTimeout, Skip,
+                                time_limit)
 
 SECTIONS = {   # name: (title, function, share of the time budget it may take)
     "limits": ("1 limits", limits.run, 0.15),
@@ -44,10 +45,10 @@ SECTIONS = {   # name: (title, function, share of the time budget it may take)
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tierd.bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes (CPU: under a minute)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
-                   help="where the JSON, PNG and Markdown go (default bench/results)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"where the JSON, PNG and Markdown go (default ./{DEFAULT_OUT})")
     p.add_argument("--only", default="", help="comma-separated sections, e.g. limits,3")
     p.add_argument("--nvme", type=Path, default=None,
                    help="directory for the disk tests and the daemon's NVMe file "
@@ -78,9 +79,12 @@ def device_name() -> str:
 
 
 def git_commit() -> str | None:
-    """The measured tree's commit ($TIERD_BENCH_COMMIT for a copy without .git)."""
+    """The measured tree's commit ($TIERD_BENCH_COMMIT for a copy without .git);
+    None for an installed package (its version is in the results instead)."""
     if os.environ.get("TIERD_BENCH_COMMIT"):
         return os.environ["TIERD_BENCH_COMMIT"]
+    if not (ROOT / ".git").exists():   # site-packages, perhaps inside someone's checkout
+        return None
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                              capture_output=True, text=True, timeout=5)
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     today = datetime.date.today().isoformat()
     results = {"meta": {
         "device": ctx.device_name, "date": today,
-        "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m tierd.bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": sizes.quick, "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "host": platform.node(), "nvme_dir": str(nvme_dir),
         "commit": git_commit(),

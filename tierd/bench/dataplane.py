@@ -19,8 +19,8 @@ import time
 import torch
 
 import tierd
-from bench import limits
-from bench.common import GB, Context, fmt_bytes, median, percentile, row
+from tierd.bench import limits
+from tierd.bench.common import GB, Context, fmt_bytes, median, percentile, row
 from tierd.client.copy_stream import CopyStream, register_pool
 
 LEASE_BATCH = 8

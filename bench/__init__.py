@@ -1,1 +1,0 @@
-"""tierd benchmarks: ``python -m bench.run`` (see README, "Performance")."""

@@ -1,0 +1,1 @@
+"""tierd benchmarks: ``python -m tierd.bench.run`` (see README, "Performance")."""
