@@ -46,15 +46,23 @@ class LeaseBatch:
     def __init__(self, pending) -> None:
         self._pending = pending
         self._views: dict[str, torch.Tensor] | None = None
+        self._error: Exception | None = None
         self.failed = False
 
     def views(self) -> dict[str, torch.Tensor] | None:
-        """The leased views, or None if the daemon had no room."""
+        """The leased views, or None if the daemon had no room. Any other
+        error of the request is raised again at every call (a reply is read
+        only once: reading it again would wait for ever)."""
+        if self._error is not None:
+            raise self._error
         if self._views is None and not self.failed:
             try:
                 self._views = {lease.key: lease.tensor for lease in self._pending.result()}
             except CapacityError:
                 self.failed = True
+            except Exception as exc:
+                self._error = exc
+                raise
         return self._views
 
 
