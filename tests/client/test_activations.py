@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 
 import pytest
 import torch
@@ -18,9 +19,8 @@ from torch import nn
 
 import tierd
 import tierd.optim
-from tierd.client import activations
-from tierd.client.activations import AutoStage, find_blocks, tier_activations
-from tierd.client.activations_plan import BlockMode
+from tierd.client.activations import AutoStage, BlockMode, find_blocks, tier_activations
+from tierd.client.activations import auto
 from tierd.client.attach import attach, detach, session_of
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
@@ -133,7 +133,13 @@ def test_bf16_autocast_steps_match_torch_bitwise(client, policy):
     handle.close()
 
 
-def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsys):
+def _logged(caplog, level=logging.INFO) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "tierd.activations" and r.levelno == level]
+
+
+def test_auto_within_a_budget_mixes_modes_and_logs_its_plan_once(client, caplog):
+    caplog.set_level(logging.INFO, logger="tierd.activations")
     ref = _gpt2(n_layer=4)
     data = batches(3, vocab=VOCAB)
     want = _steps(ref, data)
@@ -141,8 +147,8 @@ def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsy
     handle = tier_activations(model, client, policy="auto", budget_bytes=400 << 10,
                               min_bytes=0, chunk_bytes=64 << 10)
     _assert_same(_steps(model, data), want)
-    err = capsys.readouterr().err
-    assert err.count("tierd activations plan") == 1
+    plans = _logged(caplog)
+    assert len(plans) == 1 and plans[0].startswith("tierd activations plan"), plans
     modes = {m.value for m in handle.plan.modes}
     assert modes - {"keep"}, handle.plan       # the budget forced something off
     assert handle.plan.fits and handle.plan.memory <= 400 << 10
@@ -152,7 +158,7 @@ def test_auto_within_a_budget_mixes_modes_and_prints_its_plan_once(client, capsy
 
 def _auto_with_allocator(client, monkeypatch, read, budget: int):
     """``auto`` on CPU as on CUDA: ``read`` stands for the allocator's count."""
-    monkeypatch.setattr(activations, "_allocated_reader", lambda device: read)
+    monkeypatch.setattr(auto, "_allocated_reader", lambda device: read)
     ref = _gpt2(n_layer=4)
     data = batches(3, vocab=VOCAB)
     want = _steps(ref, data)
@@ -164,7 +170,7 @@ def _auto_with_allocator(client, monkeypatch, read, budget: int):
     return handle
 
 
-def test_auto_checks_its_first_step_and_keeps_the_plan_when_none_fits(client, capsys,
+def test_auto_checks_its_first_step_and_keeps_the_plan_when_none_fits(client, caplog,
                                                                       monkeypatch):
     """Each read finds 64 KiB more than the last: the reads fall to the points
     in step order (blocks' forwards, the rest's, then backward from the rest
@@ -172,6 +178,7 @@ def test_auto_checks_its_first_step_and_keeps_the_plan_when_none_fits(client, ca
     fits what it measured: the plan that ran stays, with a warning, and the
     steps still match torch bitwise. (When a plan fits, it is made again:
     the plain-code tests of check_plan.)"""
+    caplog.set_level(logging.INFO, logger="tierd.activations")
     reads = itertools.count()
     handle = _auto_with_allocator(client, monkeypatch, lambda: next(reads) << 16, 400 << 10)
     forward, backward = handle.check.step.forward, handle.check.step.backward
@@ -180,19 +187,21 @@ def test_auto_checks_its_first_step_and_keeps_the_plan_when_none_fits(client, ca
     assert min(backward) > max(forward)
     assert handle.check.measured > 400 << 10
     assert handle.check.plan is None and handle.plan is handle.check.ran
-    err = capsys.readouterr().err
-    assert err.count("tierd activations plan") == 1 and "no plan fits it" in err
+    assert len(_logged(caplog)) == 1
+    warnings = _logged(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "no plan fits it" in warnings[0]
     handle.close()
 
 
-def test_auto_keeps_its_plan_when_its_first_step_kept_within_the_budget(client, capsys,
+def test_auto_keeps_its_plan_when_its_first_step_kept_within_the_budget(client, caplog,
                                                                         monkeypatch):
     # a budget all of it fits in: nothing is offloaded, so no unpack reaches
     # the store, and the check still ends with the backward
+    caplog.set_level(logging.INFO, logger="tierd.activations")
     handle = _auto_with_allocator(client, monkeypatch, lambda: 0, 1 << 30)
     assert set(handle.plan.modes) == {BlockMode.KEEP}
     assert handle.check.plan is None and handle.check.ran is handle.plan
-    assert capsys.readouterr().err.count("tierd activations plan") == 1
+    assert len(_logged(caplog)) == 1 and not _logged(caplog, logging.WARNING)
     handle.close()
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierd.client.activations_plan import (BlockMode, BlockProfile, StepMemory, check_plan,
+from tierd.client.activations.plan import (BlockMode, BlockProfile, StepMemory, check_plan,
                                            choose_plan, memory_points, plan_memory,
                                            plan_seconds)
 
