@@ -163,9 +163,9 @@ class ChunkSet:
 
     Example:
         >>> from tierd.client.store import LocalStore
-        >>> chunks = ChunkSet(LocalStore(), "tierd-act/x", 1024, StoreStats())
+        >>> chunks = ChunkSet(LocalStore(), "act/x", 1024, StoreStats())
         >>> chunk, offset = chunks.place(100); chunk.key, offset
-        ('tierd-act/x/0', 0)
+        ('act/x/0', 0)
     """
 
     def __init__(self, store: Store, prefix: str, chunk_bytes: int, stats: StoreStats) -> None:

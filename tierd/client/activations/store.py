@@ -262,9 +262,10 @@ class ActivationStore:
         read lease, delete chunks no saved tensor refers to."""
         with self._lock:
             self._backward += 1
+            self.chunks.release_ready(block=True)   # every copy in has landed after it
             for rec in self._order:
-                rec.ahead = None
-            self.chunks.release_ready(block=True)
+                # a copy in started ahead holds its buffer too (not only ``ahead``)
+                rec.ahead, rec.copy_in = None, None
             self.sweep()
             self.restored_bytes()   # drops the weak references of freed buffers
 
