@@ -9,6 +9,8 @@ from tierd.backends.nvme import NvmeStore
 from tierd.errors import CapacityError, StateError, TierIOError, UnknownKey
 from tierd.protocol import TensorSpec
 from tierd.server.catalog import Blocked, Catalog, Direction, Residency
+from tierd.server.records import Entry
+from tierd.server.slots import DiskExtent, ExtentState, PoolSlot, SlotState
 
 MiB = 1 << 20
 
@@ -209,3 +211,121 @@ def test_quotas_spill_own_tensors_then_refuse(tmp_path):
     assert read(cat, other, "o") == bytes([1]) * 8
     pool.close()
     nvme.close()
+
+
+# ---------------------------------------------------------------- lifecycles
+def new_slot(catalog, state=SlotState.RESERVED) -> PoolSlot:
+    seg, off = catalog.pool.allocate("job", MiB)
+    return PoolSlot(seg, off, MiB, "k", state)
+
+
+def test_slot_lifecycle_frees_only_after_the_last_holder(catalog):
+    slot = new_slot(catalog)
+    slot.published()
+    slot.add_reader()
+    slot.add_reader()
+    assert not slot.end_read() and slot.state is SlotState.READY
+    assert not slot.retire() and slot.state is SlotState.RETIRED   # one lease still reads it
+    assert slot.end_read() and slot.state is SlotState.FREED
+    written = new_slot(catalog)
+    written.published()
+    written.lease_write()
+    assert not written.retire()          # replaced while write-leased: waits for the writer
+    assert written.end_write() and written.state is SlotState.FREED
+    filling = new_slot(catalog, SlotState.FILLING)
+    assert not filling.retire() and filling.filled()   # the entry went during the swap-in
+    idle = new_slot(catalog)
+    idle.published()
+    assert idle.retire() and idle.state is SlotState.FREED
+
+
+@pytest.mark.parametrize("transition, state, match", [
+    ("add_reader", SlotState.RESERVED, "^k: pool slot is RESERVED, expected READY"),
+    ("end_write", SlotState.RESERVED, "pool slot is RESERVED, expected WRITE_LEASED"),
+    ("filled", SlotState.RESERVED, "pool slot is RESERVED, expected FILLING"),
+    ("retire", SlotState.RESERVED, "pool slot is RESERVED, expected READY"),
+    ("published", SlotState.FILLING, "pool slot is FILLING, expected RESERVED"),
+    ("end_read", SlotState.FILLING, "pool slot is FILLING, expected READY"),
+])
+def test_illegal_slot_transitions_name_the_key_and_state(catalog, transition, state, match):
+    slot = new_slot(catalog, state)
+    with pytest.raises(StateError, match=match):
+        getattr(slot, transition)()
+    assert slot.state is state and slot.readers == 0     # unchanged
+
+
+def test_slot_refuses_double_use(catalog):
+    slot = new_slot(catalog)
+    slot.published()
+    with pytest.raises(StateError, match="no reader"):
+        slot.end_read()
+    slot.add_reader()
+    with pytest.raises(StateError, match="needs the tensor to itself"):
+        slot.lease_write()
+    assert slot.end_read() is False
+    assert slot.retire()
+    with pytest.raises(StateError, match="is FREED"):
+        slot.retire()
+    with pytest.raises(StateError, match="a new pool slot is RESERVED or FILLING, not READY"):
+        new_slot(catalog, SlotState.READY)
+
+
+def test_extent_lifecycle_keeps_what_a_commit_or_a_reader_needs():
+    disk = DiskExtent(0, 8192, "job", "k")
+    disk.written()
+    disk.hold()
+    disk.add_reader()
+    assert not disk.retire() and disk.state is ExtentState.HELD   # a commit names it
+    assert not disk.unhold() and disk.state is ExtentState.DRAINING   # a swap-in reads it
+    assert disk.end_read() and disk.state is ExtentState.FREED
+    failed = DiskExtent(0, 8192, "job", "k")
+    assert failed.abandon() and failed.state is ExtentState.FREED
+    plain = DiskExtent(0, 8192, "job", "k", ExtentState.CURRENT)
+    assert plain.retire()
+
+
+@pytest.mark.parametrize("transition, match", [
+    ("add_reader", "^k: NVMe extent at 0 is WRITING, expected CURRENT"),
+    ("hold", "NVMe extent at 0 is WRITING, expected CURRENT"),
+    ("retire", "NVMe extent at 0 is WRITING, expected CURRENT"),
+    ("unhold", "NVMe extent at 0 is WRITING, expected CURRENT or HELD"),
+])
+def test_illegal_extent_transitions_name_the_key_and_state(transition, match):
+    disk = DiskExtent(0, 8192, "job", "k")
+    with pytest.raises(StateError, match=match):
+        getattr(disk, transition)()
+    assert disk.state is ExtentState.WRITING
+
+
+def test_extent_refuses_unbalanced_counts():
+    disk = DiskExtent(0, 8192, "job", "k", ExtentState.CURRENT)
+    with pytest.raises(StateError, match="no hold"):
+        disk.unhold()
+    with pytest.raises(StateError, match="no reader"):
+        disk.end_read()
+    with pytest.raises(StateError, match="is CURRENT, expected WRITING"):
+        disk.abandon()
+
+
+def test_residency_transitions_raise_state_errors(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, s, "k", MiB, 1)
+    entry: Entry = catalog.entries[("job", "k")]
+    with pytest.raises(StateError, match="^k: tensor has no clean NVMe copy"):
+        entry.to_on_nvme()
+    with pytest.raises(StateError, match="^k: tensor is IN_POOL, expected WRITING_BACK"):
+        entry.to_in_pool()
+    assert entry.state is Residency.IN_POOL and read(catalog, s, "k") == bytes([1]) * 8
+
+
+def test_superseded_commit_records_count_against_admission_until_the_next_commit(catalog):
+    s = catalog.open_session(1, "job", pid=10, uid=0)
+    put(catalog, s, "k", MiB, 1)
+    catalog.finish_commit(settle(catalog, catalog.prepare_commit, s, "one"), None)
+    record = catalog.entries[("job", "k")].disk
+    put(catalog, s, "k", MiB, 2)                        # a new version: the old record is HELD
+    assert record.state is ExtentState.HELD
+    assert catalog.admission.held_only_bytes == record.nbytes
+    catalog.finish_commit(settle(catalog, catalog.prepare_commit, s, "two"), None)
+    assert record.state is ExtentState.FREED and catalog.admission.held_only_bytes == 0
+    assert catalog.nvme.extents.used == catalog.entries[("job", "k")].disk.nbytes

@@ -6,17 +6,14 @@ cannot finish now (a swap-in or write-back must happen first) returns
 :class:`Blocked` naming the transfers to start and the ones to wait for; the
 caller retries the same call once they are done.
 
-[Note: pins] A pool slot or NVMe extent is never freed or overwritten while
-something may read it: every lease and every in-flight transfer that reads a
-slot holds a pin on it. Deleting or replacing a key only marks its old slot
-``orphan``; the bytes are freed when the last pin goes. An NVMe extent named
-by a commit also carries a hold (see the Note on commits in
-:mod:`tierd.server.commits`) and is freed only once no commit names it.
+The catalog handles sessions, jobs and requests; the bytes (entries, slots,
+extents, transfers, eviction) are :class:`~tierd.server.tiers.Tiers`', whose
+slots and extents follow the Note on pins in :mod:`tierd.server.slots`, and
+whether a tensor fits is :mod:`tierd.server.admission`'s.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 from tierd.backends.hostpool import HostPool
@@ -24,10 +21,12 @@ from tierd.backends.manifest import Manifest, ManifestStore
 from tierd.backends.nvme import NvmeStore
 from tierd.errors import CapacityError, StateError, UnknownKey
 from tierd.protocol import Placement, TensorSpec
-from tierd.server import commits, eviction
-from tierd.server.records import (Blocked, Direction, DiskExtent, Entry, Job, PoolSlot,
-                                  Residency, Session, TierCounters, Transfer, spec_nbytes,
-                                  stored_size)
+from tierd.server import commits
+from tierd.server.admission import Admission
+from tierd.server.records import (Blocked, Direction, Entry, Job, Residency, Session, Transfer,
+                                  spec_nbytes, stored_size)
+from tierd.server.slots import PoolSlot, SlotState
+from tierd.server.tiers import Tiers
 
 __all__ = ["Blocked", "Catalog", "Direction", "Entry", "Job", "Residency", "Session",
            "Transfer"]
@@ -44,24 +43,30 @@ class Catalog:
         self.manifests = manifests
         self.allow_root_join = allow_root_join
         self.quotas = quotas   # job name -> (pool quota, NVMe quota), 0 for none
-        self.entries: dict[tuple[str, str], Entry] = {}
+        self.admission = Admission(pool.budget, nvme.size)
+        self.tiers = Tiers(pool, nvme, self.admission)
+        self.entries = self.tiers.entries   # (job, key) -> Entry
+        self.jobs = self.tiers.jobs
         self.sessions: dict[int, Session] = {}
-        self.jobs: dict[str, Job] = {}
-        self.counters = TierCounters()
-        self._clock = itertools.count(1)
-        self._started: list[Transfer] = []
-        # Bytes of every tensor held (published or reserved), each counted once
-        # whichever tiers hold copies; see ``_admit``.
-        self.stored_bytes = 0
-        self._largest = 0
-        # NVMe bytes of records no tensor uses any more but a commit still names.
-        self.held_only_bytes = 0
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes admitted (see :mod:`tierd.server.admission`)."""
+        return self.admission.stored_bytes
+
+    @property
+    def held_only_bytes(self) -> int:
+        """NVMe bytes of records only the last commits still name."""
+        return self.admission.held_only_bytes
 
     def take_started(self) -> list[Transfer]:
         """Transfers begun since the last call; the daemon must run each one and
         call :meth:`finish` (also when the call that began them raised)."""
-        started, self._started = self._started, []
-        return started
+        return self.tiers.take_started()
+
+    def finish(self, t: Transfer, error: Exception | None) -> None:
+        """Account for a transfer the daemon has carried out (or failed)."""
+        self.tiers.finish(t, error)
 
     # ------------------------------------------------------------ sessions
     def open_session(self, sid: int, job: str | None, pid: int, uid: int) -> Session:
@@ -85,9 +90,9 @@ class Catalog:
             return
         for records in s.leases.values():
             for entry, slot, write in records:
-                self._unpin(slot, write)
+                self.tiers.end_lease(slot, write)
         for spec, slot in s.reserved.values():
-            self._give_up_reserved(spec, slot)
+            self.tiers.give_up_reserved(spec, slot)
         job = self.jobs[s.job]
         job.sessions.discard(sid)
         if job.ephemeral and not job.sessions:
@@ -101,11 +106,11 @@ class Catalog:
         if job.committing:
             raise StateError(f"job {name!r} is being committed; drop it once the commit "
                              f"has returned")
-        for entry in [e for (j, _), e in self.entries.items() if j == name]:
-            self._drop_entry(entry)
+        for entry in self.tiers.job_entries(name):
+            self.tiers.drop_entry(entry)
         if job.manifest is not None and self.manifests is not None:
             self.manifests.remove(name)
-        commits.release(self, job, [])
+        commits.release(self.tiers, job, [])
         job.manifest = None
         if not job.sessions:
             del self.jobs[name]
@@ -122,21 +127,15 @@ class Catalog:
                                  f"publish or abort it first")
         if len({spec.key for spec in specs}) != len(specs):
             raise StateError("a key appears twice in one reserve")
-        need = self._admit(self.jobs[s.job], specs)
-        blocked = Blocked()
-        got: list[PoolSlot] = []
-        for spec in specs:
-            slot = self._alloc_slot(s.job, spec.nbytes, blocked, protect=())
-            if slot is None:
-                for g in got:
-                    self.pool.free(g.segment, g.offset)
-                return blocked
-            got.append(slot)
-        self.stored_bytes += need
-        self.jobs[s.job].stored_bytes += need
+        job = self.jobs[s.job]
+        grant = self.admission.check(job, [stored_size(sp.key, job.name, sp.nbytes)
+                                           for sp in specs])
+        got = self._reserve_slots(job.name, specs)
+        if isinstance(got, Blocked):
+            return got
+        self.admission.admit(job, grant)
         out = []
         for spec, slot in zip(specs, got):
-            slot.writer = True
             s.reserved[spec.key] = (spec, slot)
             old = self.entries.get((s.job, spec.key))
             version = old.version + 1 if old else 1
@@ -144,65 +143,44 @@ class Catalog:
                                  spec.dtype, spec.shape, version))
         return out
 
+    def _reserve_slots(self, job: str, specs: tuple[TensorSpec, ...]) -> list[PoolSlot] | Blocked:
+        """A RESERVED slot per spec, or none at all: Blocked on evictions, or
+        the CapacityError of the one that can never fit (a refused reserve
+        keeps nothing, see the Note in :mod:`tierd.server.admission`)."""
+        blocked = Blocked()
+        got: list[PoolSlot] = []
+        try:
+            for spec in specs:
+                slot = self.tiers.alloc_slot(job, spec.key, spec.nbytes, blocked, (),
+                                             SlotState.RESERVED)
+                if slot is None:
+                    break
+                got.append(slot)
+        finally:
+            if len(got) < len(specs):
+                for slot in got:
+                    self.tiers.abandon(slot)
+        return got if len(got) == len(specs) else blocked
+
     def publish(self, s: Session, keys: tuple[str, ...]) -> None:
         missing = [k for k in keys if k not in s.reserved]
         if missing:
             raise StateError(f"publish of keys this client has not reserved: {missing[:5]}")
         for key in keys:
             spec, slot = s.reserved.pop(key)
-            slot.writer = False
+            slot.published()
             old = self.entries.get((s.job, key))
             if old is not None:
-                self._drop_entry(old)
+                self.tiers.drop_entry(old)
             self.entries[(s.job, key)] = Entry(
                 key, s.job, spec, old.version + 1 if old else 1, Residency.IN_POOL, slot,
-                last_use=next(self._clock))
+                last_use=next(self.tiers.clock))
 
     def abort(self, s: Session, keys: tuple[str, ...]) -> None:
         for key in keys:
             item = s.reserved.pop(key, None)
             if item is not None:
-                self._give_up_reserved(*item)
-
-    def _give_up_reserved(self, spec: TensorSpec, slot: PoolSlot) -> None:
-        size = stored_size(spec.key, slot.segment.job, spec.nbytes)
-        self.stored_bytes -= size
-        self.jobs[slot.segment.job].stored_bytes -= size
-        slot.orphan = True
-        self._unpin(slot, write=True)
-
-    def _admit(self, job: Job, specs: tuple[TensorSpec, ...]) -> int:
-        """Bytes the specs will hold, or CapacityError when pool + NVMe could not
-        hold them and still swap any tensor in.
-
-        [Note: swap headroom] Bringing a tensor in from NVMe when the pool is
-        full means writing a dirty victim out first, so NVMe needs a free extent
-        of the largest tensor's size. Admitting at most pool + NVMe minus the
-        largest tensor keeps that true: everything stored stays readable.
-        """
-        sizes = [stored_size(spec.key, job.name, spec.nbytes) for spec in specs]
-        need = sum(sizes)
-        largest = max([self._largest, *sizes])
-        limit = self.pool.budget + self.nvme.size - largest - self.held_only_bytes
-        if self.stored_bytes + need > limit:
-            raise CapacityError(
-                f"pool + NVMe full: {self.stored_bytes} B stored, {need} B more asked, "
-                f"at most {limit} B fit (pool {self.pool.budget} B + NVMe {self.nvme.size} B, "
-                f"less {largest} B kept free for swapping and {self.held_only_bytes} B of "
-                f"older versions kept for the last commits); delete tensors, commit, or "
-                f"start the daemon with a larger --pool or --nvme-size")
-        job_largest = max([job.largest, *sizes])
-        if job.pool_quota or job.nvme_quota:
-            job_limit = ((job.pool_quota or self.pool.budget) + (job.nvme_quota or self.nvme.size)
-                         - job_largest)
-            if job.stored_bytes + need > job_limit:
-                raise CapacityError(
-                    f"job {job.name!r} over quota: {job.stored_bytes} B stored, {need} B more "
-                    f"asked, its quotas allow {job_limit} B (pool {job.pool_quota or 'none'}, "
-                    f"NVMe {job.nvme_quota or 'none'}, less {job_largest} B for swapping); delete "
-                    f"tensors or raise the job's quota in the config file")
-        self._largest, job.largest = largest, job_largest
-        return need
+                self.tiers.give_up_reserved(*item)
 
     def lease(self, s: Session, keys: tuple[str, ...], write: bool) -> list[Placement] | Blocked:
         entries = [self._entry(s, k) for k in keys]
@@ -221,15 +199,15 @@ class Catalog:
                 case Residency.READING_IN:
                     blocked.wait.append(e.transfer)
                 case Residency.ON_NVME:
-                    self._start_swap_in(e, blocked, protect=entries)
+                    self.tiers.start_swap_in(e, blocked, protect=entries)
         if blocked.wait:
             return blocked
-        tick = next(self._clock)
+        tick = next(self.tiers.clock)
         for e in entries:
             if write:
-                e.slot.writer = True
+                e.slot.lease_write()
             else:
-                e.slot.pins += 1
+                e.slot.add_reader()
             e.last_use = tick
             s.leases.setdefault(e.key, []).append((e, e.slot, write))
         return [e.placement() for e in entries]
@@ -250,8 +228,8 @@ class Catalog:
                 del s.leases[key]
             if written and self.entries.get((s.job, key)) is entry and entry.slot is slot:
                 entry.version += 1
-                self._mark_dirty(entry)
-            self._unpin(slot, write)
+                self.tiers.mark_dirty(entry)
+            self.tiers.end_lease(slot, write)
 
     def prefetch(self, s: Session, keys: tuple[str, ...]) -> None:
         """Start swap-ins of the keys on NVMe; the transfers come out of
@@ -261,14 +239,13 @@ class Catalog:
         for e in entries:
             if e.state is Residency.ON_NVME:
                 try:
-                    self._start_swap_in(e, blocked, protect=entries)
+                    self.tiers.start_swap_in(e, blocked, protect=entries)
                 except CapacityError:
                     break
 
     def evict(self, s: Session, keys: tuple[str, ...]) -> None | Blocked:
         entries = [self._entry(s, k) for k in keys]
-        leased = [e.key for e in entries if e.state is Residency.IN_POOL
-                  and (e.slot.pins or e.slot.writer)]
+        leased = [e.key for e in entries if e.state is Residency.IN_POOL and e.slot.leased]
         if leased:
             raise StateError(f"cannot evict leased tensors {leased[:5]}; release them first")
         blocked = Blocked()
@@ -276,9 +253,9 @@ class Catalog:
             match e.state:
                 case Residency.IN_POOL:
                     if e.dirty:
-                        blocked.wait.append(self._start_writeback(e))
+                        blocked.wait.append(self.tiers.start_writeback(e))
                     else:
-                        self._drop_slot(e)
+                        self.tiers.drop_slot(e)
                 case Residency.WRITING_BACK | Residency.READING_IN:
                     blocked.wait.append(e.transfer)
         return blocked if blocked.wait else None
@@ -286,11 +263,11 @@ class Catalog:
     def delete(self, s: Session, keys: tuple[str, ...]) -> None:
         entries = [self._entry(s, k) for k in keys]
         for e in entries:
-            if e.slot is not None and e.slot.writer and e.state is Residency.IN_POOL:
+            if e.state is Residency.IN_POOL and e.slot.state is SlotState.WRITE_LEASED:
                 raise StateError(f"{e.key}: cannot delete while write-leased")
         for e in entries:
             if self.entries.get((e.job, e.key)) is e:
-                self._drop_entry(e)
+                self.tiers.drop_entry(e)
 
     def keys(self, s: Session, prefix: str) -> list[str]:
         return sorted(k for (j, k) in self.entries if j == s.job and k.startswith(prefix))
@@ -308,7 +285,7 @@ class Catalog:
                 row["pool_used_bytes"] += e.slot.nbytes
             if e.disk is not None:
                 row["nvme_used_bytes"] += e.disk.nbytes
-        c = self.counters
+        c = self.tiers.counters
         return {
             "pool_bytes": self.pool.budget,
             "pool_used_bytes": self.pool.used_bytes,
@@ -328,55 +305,18 @@ class Catalog:
     # ------------------------------------------------------------- commits
     def prepare_commit(self, s: Session, tag: str) -> "commits.CommitPlan | Blocked":
         """See :func:`tierd.server.commits.prepare`."""
-        return commits.prepare(self, s, tag)
+        return commits.prepare(self.tiers, s, tag)
 
     def finish_commit(self, plan: "commits.CommitPlan", error: Exception | None) -> None:
-        commits.finish(self, plan, error)
+        commits.finish(self.tiers, plan, error)
 
     def recover(self, manifests: list[Manifest]) -> list[str]:
         """Rebuild committed jobs after a restart; one log line per job."""
-        return [commits.recover(self, m) for m in manifests]
+        return [commits.recover(self.tiers, m, self.quotas) for m in manifests]
 
     def commit_tags(self, s: Session) -> list[str]:
         m = self.jobs[s.job].manifest
         return m.tags() if m is not None else []
-
-    # ----------------------------------------------------------- transfers
-    def finish(self, t: Transfer, error: Exception | None) -> None:
-        """Account for a transfer the daemon has carried out (or failed)."""
-        t.done, t.error = True, error
-        e = t.entry
-        live = self.entries.get((e.job, e.key)) is e
-        if error is not None:
-            self.counters.io_errors += 1
-        if t.direction is Direction.TO_NVME:
-            t.slot.pins -= 1
-            if error is not None or not live:
-                self._free_disk(t.disk)
-            if not live:
-                self._free_slot_if_idle(t.slot)
-                return
-            e.to_in_pool()
-            if error is not None:
-                return
-            self.counters.bytes_to_nvme += t.nbytes
-            e.disk, e.dirty = t.disk, False
-            if t.drop_slot and not t.slot.pins and not t.slot.writer:
-                self._drop_slot(e)
-        else:
-            t.slot.writer = False
-            t.disk.pins -= 1
-            if error is not None or not live:
-                t.slot.orphan = True
-                self._free_slot_if_idle(t.slot)
-                if not live:
-                    self._free_disk_if_idle(t.disk)
-                    return
-                e.to_on_nvme()
-                return
-            self.counters.bytes_to_pool += t.nbytes
-            e.dirty = False
-            e.to_in_pool()
 
     # ----------------------------------------------------------- internals
     def _entry(self, s: Session, key: str) -> Entry:
@@ -387,202 +327,7 @@ class Catalog:
 
     @staticmethod
     def _check_lease_conflict(e: Entry, write: bool) -> None:
-        if e.slot.writer or (write and e.slot.pins):
-            raise StateError(f"{e.key}: leased for {'writing' if e.slot.writer else 'reading'} "
-                             f"by another holder; a write lease needs the tensor to itself")
-
-    def _start_swap_in(self, e: Entry, blocked: Blocked, protect) -> None:
-        slot = self._alloc_slot(e.job, e.spec.nbytes, blocked, protect)
-        if slot is None:
-            return
-        slot.writer = True
-        e.disk.pins += 1
-        t = Transfer(Direction.TO_POOL, e, slot, e.disk)
-        e.to_reading_in(t)
-        self._started.append(t)
-        blocked.wait.append(t)
-
-    def _start_writeback(self, e: Entry, drop_slot: bool = True) -> Transfer:
-        """Write the entry's pool bytes to a new NVMe extent: never over the
-        extent of an older version, which a commit may still name."""
-        job = self.jobs[e.job]
-        size = e.meta().record_len()
-        if job.nvme_quota and job.nvme_used + size > job.nvme_quota:
-            raise CapacityError(
-                f"job {job.name!r} reached its NVMe quota ({job.nvme_used} of "
-                f"{job.nvme_quota} B used), cannot write {e.key} ({size} B); "
-                f"delete tensors or raise the job's quota in the config file")
-        off = self.nvme.extents.alloc(size)
-        if off is None:
-            raise CapacityError(
-                f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used "
-                f"({self.held_only_bytes} B by older versions the last commits name), "
-                f"cannot write {e.key} ({size} B); delete tensors, commit, or start the "
-                f"daemon with a larger --nvme-size")
-        e.slot.pins += 1
-        disk = DiskExtent(off, self.nvme.extents.extent_size(size), e.job)
-        job.nvme_used += disk.nbytes
-        t = Transfer(Direction.TO_NVME, e, e.slot, disk, drop_slot)
-        e.to_writing_back(t)
-        self.counters.evictions += drop_slot
-        self._started.append(t)
-        return t
-
-    def _alloc_slot(self, job: str, nbytes: int, blocked: Blocked, protect) -> PoolSlot | None:
-        """A pool slot for ``job``, or None after planning evictions into ``blocked``."""
-        while True:
-            got = self.pool.allocate(job, nbytes, self.jobs[job].pool_quota)
-            if got is not None:
-                seg, off = got
-                return PoolSlot(seg, off, seg.extents.extent_size(nbytes))
-            if not self._plan_eviction(job, nbytes, blocked, protect):
-                break
-        if blocked.wait:
-            return None
-        quota = self.jobs[job].pool_quota
-        if quota and self.pool.job_used_bytes(job) + nbytes > quota:
-            raise CapacityError(
-                f"job {job!r} is at its pool quota ({self.pool.job_used_bytes(job)} of {quota} B "
-                f"used) with nothing evictable for {nbytes} B more (all leased); release "
-                f"leases or raise the job's pool quota")
-        raise CapacityError(
-            f"pool full: {self.pool.used_bytes} of {self.pool.budget} B in use and nothing "
-            f"evictable for {nbytes} B more (leased or in this request); release leases, "
-            f"lease smaller batches, or start the daemon with a larger --pool")
-
-    def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked, protect) -> bool:
-        """Free or start freeing about ``nbytes`` of pool for ``job`` (see the
-        Note in :mod:`tierd.server.eviction`). True when something was freed at
-        once (retry allocating); otherwise what to wait for is in ``blocked``."""
-        pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
-        for t in self._writebacks_in_flight(job):
-            if t not in blocked.wait:
-                blocked.wait.append(t)
-                pending += t.slot.nbytes
-        if pending >= nbytes:
-            return False
-        quota = self.jobs[job].pool_quota
-        at_quota = quota and self.pool.job_used_bytes(job) + nbytes > quota
-        if not at_quota and self.pool.mapped_bytes + nbytes > self.pool.budget:
-            usage = {name: self.pool.job_used_bytes(name) for name in self.jobs}
-            other = eviction.job_to_take_from(self.pool.budget, usage, job)
-            if other is not None:
-                freed = self._evict_segment(other, blocked)
-                if freed is not None:
-                    return freed
-        protected = {id(p) for p in protect}
-        victims = eviction.least_recently_used(
-            e for (j, _), e in self.entries.items()
-            if j == job and e.state is Residency.IN_POOL and not e.slot.pins
-            and not e.slot.writer and id(e) not in protected)
-        for e in victims:
-            if pending >= nbytes:
-                break
-            if not e.dirty and e.disk is not None:
-                self._drop_slot(e)
-                self.counters.evictions += 1
-                return True
-            try:
-                blocked.wait.append(self._start_writeback(e))
-            except CapacityError:
-                # NVMe is full: only a clean victim (one with a copy there) can
-                # make room now; the swap headroom Note guarantees one exists.
-                clean = next((v for v in victims if not v.dirty and v.disk is not None), None)
-                if clean is not None:
-                    self._drop_slot(clean)
-                    self.counters.evictions += 1
-                    return True
-                if pending:
-                    break
-                raise
-            pending += e.slot.nbytes
-        return False
-
-    def _evict_segment(self, job: str, blocked: Blocked) -> bool | None:
-        """Empty the coldest fully evictable segment of ``job`` so the pool can
-        hand its memory to another job. True: emptied at once; False: write-backs
-        to wait for are in ``blocked``; None: nothing of ``job`` can go."""
-        in_flight = self._writebacks_in_flight(job)
-        if in_flight:
-            blocked.wait.extend(t for t in in_flight if t not in blocked.wait)
-            return False
-        by_segment: dict[int, list[Entry]] = {}
-        for (j, _), e in self.entries.items():
-            if j == job and e.slot is not None:
-                by_segment.setdefault(e.slot.segment.id, []).append(e)
-        movable = {
-            sid: ents for sid, ents in by_segment.items()
-            if all(e.state is Residency.IN_POOL and not e.slot.pins and not e.slot.writer
-                   for e in ents)
-            and sum(e.slot.nbytes for e in ents) == self.pool.segments[sid].extents.used}
-        sid = eviction.coldest_segment(movable)
-        if sid is None:
-            return None
-        started = False
-        for e in movable[sid]:
-            if not e.dirty and e.disk is not None:
-                self._drop_slot(e)
-                self.counters.evictions += 1
-            else:
-                blocked.wait.append(self._start_writeback(e))
-                started = True
-        return not started
-
-    def _writebacks_in_flight(self, job: str) -> list[Transfer]:
-        return [e.transfer for (j, _), e in self.entries.items()
-                if j == job and e.state is Residency.WRITING_BACK and e.transfer.drop_slot]
-
-    def _drop_slot(self, e: Entry) -> None:
-        slot = e.slot
-        e.to_on_nvme()
-        slot.orphan = True
-        self._free_slot_if_idle(slot)
-
-    def _mark_dirty(self, e: Entry) -> None:
-        e.dirty = True
-        if e.disk is not None:
-            self._free_disk_if_idle(e.disk, orphan=True)
-            e.disk = None
-
-    def _drop_entry(self, e: Entry) -> None:
-        del self.entries[(e.job, e.key)]
-        size = stored_size(e.key, e.job, e.spec.nbytes)
-        self.stored_bytes -= size
-        if e.job in self.jobs:
-            self.jobs[e.job].stored_bytes -= size
-        if e.slot is not None:
-            e.slot.orphan = True
-            self._free_slot_if_idle(e.slot)
-        if e.disk is not None:
-            self._free_disk_if_idle(e.disk, orphan=True)
-
-    def _unpin(self, slot: PoolSlot, write: bool) -> None:
-        if write:
-            slot.writer = False
-        else:
-            slot.pins -= 1
-        self._free_slot_if_idle(slot)
-
-    def _free_slot_if_idle(self, slot: PoolSlot) -> None:
-        if slot.orphan and not slot.pins and not slot.writer and not slot.freed:
-            slot.freed = True
-            if slot.segment.id in self.pool.segments:
-                self.pool.free(slot.segment, slot.offset)
-
-    def _free_disk_if_idle(self, disk: DiskExtent, orphan: bool = False) -> None:
-        disk.orphan |= orphan
-        if not disk.orphan or disk.freed:
-            return
-        if disk.holds and not disk.held_only:
-            disk.held_only = True
-            self.held_only_bytes += disk.nbytes
-        if not disk.pins and not disk.holds:
-            if disk.held_only:
-                self.held_only_bytes -= disk.nbytes
-            disk.freed = True
-            self.nvme.extents.free(disk.offset)
-            if disk.job in self.jobs:
-                self.jobs[disk.job].nvme_used -= disk.nbytes
-
-    def _free_disk(self, disk: DiskExtent) -> None:
-        self._free_disk_if_idle(disk, orphan=True)
+        if e.slot.state is SlotState.WRITE_LEASED or (write and e.slot.readers):
+            raise StateError(f"{e.key}: leased for "
+                             f"{'writing' if e.slot.state is SlotState.WRITE_LEASED else 'reading'}"
+                             f" by another holder; a write lease needs the tensor to itself")

@@ -1,7 +1,8 @@
 """Commits: a named job's tensors made durable as one consistent version.
 
-Plain code over the catalog's records, like the catalog itself: the daemon
-calls :func:`prepare` until it stops returning Blocked, writes the plan's
+Plain code over the catalog's :class:`~tierd.server.tiers.Tiers`, like the
+catalog itself (which calls these functions; this module never imports it):
+the daemon calls :func:`prepare` until it stops returning Blocked, writes the plan's
 manifest in an I/O thread (data file fsync, then the manifest, see the Note on
 manifest format), then calls :func:`finish`.
 
@@ -16,24 +17,22 @@ never freed or overwritten until a newer manifest has replaced it, whatever
 the job does meanwhile (overwrite, delete, evict). While a commit is being
 made its records carry a second hold, dropped if it fails; so a failed commit
 (disk full, EIO, a crash) leaves the previous one whole. Superseded records
-that only a commit holds count against admission (``held_only_bytes``) so the
-swap headroom Note stays true. Ephemeral (per-process) jobs are never
+that only a commit holds (``HELD`` extents) count against admission
+(``held_only_bytes``) so the swap headroom Note stays true. Ephemeral (per-process) jobs are never
 committed: they end with their process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tierd.backends.manifest import CommittedTensor, Manifest, next_manifest
 from tierd.errors import IntegrityError, StateError
 from tierd.protocol import TensorSpec
-from tierd.server.records import (Blocked, DiskExtent, Entry, Job, Residency, Session,
-                                  stored_size)
-
-if TYPE_CHECKING:
-    from tierd.server.catalog import Catalog
+from tierd.server.records import Blocked, Entry, Job, Residency, Session, stored_size
+from tierd.server.slots import DiskExtent, ExtentState, SlotState
+from tierd.server.tiers import Tiers
 
 
 @dataclass(eq=False)
@@ -51,15 +50,16 @@ class CommitPlan:
                 "bytes": sum(t.nbytes for t in m.tensors), "written_bytes": self.written_bytes}
 
 
-def prepare(cat: "Catalog", s: Session, tag: str) -> CommitPlan | Blocked:
+def prepare(tiers: Tiers, s: Session, tag: str) -> CommitPlan | Blocked:
     """Start the write-backs the commit needs (Blocked on them), or the plan
     once every tensor of the job is clean on NVMe."""
-    job = cat.jobs[s.job]
+    job = tiers.jobs[s.job]
     if job.ephemeral:
         raise StateError(f"job {job.name!r} is this process's ephemeral job and is never "
                          f"committed; connect with job=NAME to commit")
-    entries = [e for (j, _), e in cat.entries.items() if j == job.name]
-    writing = [e.key for e in entries if e.state is Residency.IN_POOL and e.slot.writer]
+    entries = tiers.job_entries(job.name)
+    writing = [e.key for e in entries
+               if e.state is Residency.IN_POOL and e.slot.state is SlotState.WRITE_LEASED]
     if writing:
         raise StateError(f"cannot commit job {job.name!r} while these keys are write-leased: "
                          f"{writing[:5]}; release them first")
@@ -68,7 +68,7 @@ def prepare(cat: "Catalog", s: Session, tag: str) -> CommitPlan | Blocked:
         if e.state is Residency.WRITING_BACK:
             blocked.wait.append(e.transfer)
         elif e.state is Residency.IN_POOL and (e.dirty or e.disk is None):
-            t = cat._start_writeback(e, drop_slot=False)
+            t = tiers.start_writeback(e, drop_slot=False)
             job.commit_written += t.nbytes
             blocked.wait.append(t)
     if blocked.wait:
@@ -80,60 +80,56 @@ def prepare(cat: "Catalog", s: Session, tag: str) -> CommitPlan | Blocked:
     job.commit_written = 0
     job.committing = True
     for d in plan.records:
-        d.holds += 1
+        d.hold()
     return plan
 
 
-def finish(cat: "Catalog", plan: CommitPlan, error: Exception | None) -> None:
+def finish(tiers: Tiers, plan: CommitPlan, error: Exception | None) -> None:
     """The manifest is durable (``error`` None): it replaces the job's last
     commit, whose records lose their hold. Or it failed: drop the new holds."""
     job = plan.job
     job.committing = False
     if error is not None:
-        _unhold(cat, plan.records)
+        _unhold(tiers, plan.records)
         return
-    release(cat, job, plan.records)
+    release(tiers, job, plan.records)
     job.manifest = plan.manifest
 
 
-def release(cat: "Catalog", job: Job, records: list[DiskExtent]) -> None:
+def release(tiers: Tiers, job: Job, records: list[DiskExtent]) -> None:
     """Make ``records`` the job's committed set, dropping the old set's holds."""
     old, job.committed = job.committed, records
-    _unhold(cat, old)
+    _unhold(tiers, old)
 
 
-def _unhold(cat: "Catalog", records: list[DiskExtent]) -> None:
+def _unhold(tiers: Tiers, records: list[DiskExtent]) -> None:
     for d in records:
-        d.holds -= 1
-        cat._free_disk_if_idle(d)
+        tiers.unhold(d)
 
 
-def recover(cat: "Catalog", m: Manifest) -> str:
+def recover(tiers: Tiers, m: Manifest, quotas: Callable[[str], tuple[int, int]]) -> str:
     """Rebuild a job's last commit after a restart: its tensors on NVMe, its
     extents allocated and held. Returns the log line."""
-    if m.job in cat.jobs:
+    if m.job in tiers.jobs:
         raise IntegrityError(f"two commit manifests name job {m.job!r}")
-    job = cat.jobs[m.job] = Job(m.job, m.owner_uid, ephemeral=False)
-    job.pool_quota, job.nvme_quota = cat.quotas(m.job)
+    job = tiers.jobs[m.job] = Job(m.job, m.owner_uid, ephemeral=False)
+    job.pool_quota, job.nvme_quota = quotas(m.job)
     for t in m.tensors:
         try:
-            cat.nvme.extents.claim(t.offset, t.extent_len)
+            tiers.nvme.extents.claim(t.offset, t.extent_len)
         except ValueError as exc:
             raise IntegrityError(
                 f"commit {m.tag!r} of job {m.job!r}: record of {t.key!r} at {t.offset} "
                 f"({t.extent_len} B) cannot be claimed ({exc}); if --nvme-size shrank, "
                 f"restart with the old size, else move the job's manifest aside") from None
-        disk = DiskExtent(t.offset, t.extent_len, m.job, holds=1)
+        disk = DiskExtent(t.offset, t.extent_len, m.job, t.key, ExtentState.CURRENT)
+        disk.hold()
         spec = TensorSpec(t.key, t.dtype, t.shape, t.nbytes)
-        cat.entries[(m.job, t.key)] = Entry(t.key, m.job, spec, t.version, Residency.ON_NVME,
-                                            None, disk, dirty=False)
+        tiers.entries[(m.job, t.key)] = Entry(t.key, m.job, spec, t.version,
+                                              Residency.ON_NVME, None, disk, dirty=False)
         job.committed.append(disk)
         job.nvme_used += disk.nbytes
-        size = stored_size(t.key, m.job, t.nbytes)
-        cat.stored_bytes += size
-        job.stored_bytes += size
-        job.largest = max(job.largest, size)
-        cat._largest = max(cat._largest, size)
+        tiers.admission.recovered(job, stored_size(t.key, m.job, t.nbytes))
     job.manifest = m
     return (f"recovered job {m.job!r}: commit {m.tag!r} (#{m.seq}), {len(m.tensors)} tensors, "
             f"{sum(t.nbytes for t in m.tensors)} B")

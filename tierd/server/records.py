@@ -1,7 +1,9 @@
-"""The catalog's records: tensors, slots, extents, transfers, sessions, jobs.
+"""The catalog's records: tensors, transfers, sessions, jobs.
 
 Each lifecycle is one enum whose members say where the bytes are; transitions
-are the ``to_*`` methods, which assert the states they accept.
+are the ``to_*`` methods, which begin by checking the states they accept and
+raise StateError naming the key and the state. Pool slots and NVMe extents
+have their own lifecycles in :mod:`tierd.server.slots`.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tierd.backends.hostpool import Segment
 from tierd.backends.manifest import Manifest
 from tierd.backends.recordio import RecordMeta
+from tierd.errors import StateError
 from tierd.protocol import Placement, TensorSpec
+from tierd.server.slots import DiskExtent, PoolSlot
 
 
 class Residency(enum.Enum):
@@ -22,29 +25,6 @@ class Residency(enum.Enum):
     WRITING_BACK = "writing_back"  # pool -> NVMe in flight; pool bytes still readable
     ON_NVME = "on_nvme"            # only on NVMe; a lease must swap it in first
     READING_IN = "reading_in"      # NVMe -> pool in flight into a slot nobody may read yet
-
-
-@dataclass(eq=False)
-class PoolSlot:
-    segment: Segment
-    offset: int
-    nbytes: int
-    pins: int = 0          # leases and in-flight write-backs reading it
-    writer: bool = False   # a write lease or an in-flight swap-in is changing it
-    orphan: bool = False   # no entry refers to it; free once unpinned
-    freed: bool = False
-
-
-@dataclass(eq=False)
-class DiskExtent:
-    offset: int
-    nbytes: int
-    job: str
-    pins: int = 0          # in-flight swap-ins reading it
-    holds: int = 0         # commits naming it (the last one and one being made)
-    orphan: bool = False   # no entry refers to it; free once unpinned and unheld
-    held_only: bool = False  # orphan kept only for a commit (counted in admission)
-    freed: bool = False
 
 
 @dataclass(eq=False)
@@ -71,25 +51,33 @@ class Entry:
                          s.dtype, s.shape, self.version)
 
     # -- transitions -------------------------------------------------
+    def _expect(self, *states: Residency) -> None:
+        if self.state not in states:
+            raise StateError(f"{self.key}: tensor is {self.state.name}, expected "
+                             f"{' or '.join(s.name for s in states)}")
+
     def to_writing_back(self, transfer: "Transfer") -> None:
-        assert self.state is Residency.IN_POOL, (self.key, self.state)
+        self._expect(Residency.IN_POOL)
         self.transfer = transfer
         self.state = Residency.WRITING_BACK
 
     def to_reading_in(self, transfer: "Transfer") -> None:
-        assert self.state is Residency.ON_NVME, (self.key, self.state)
+        self._expect(Residency.ON_NVME)
         self.slot = transfer.slot
         self.transfer = transfer
         self.state = Residency.READING_IN
 
     def to_in_pool(self) -> None:
-        assert self.state in (Residency.WRITING_BACK, Residency.READING_IN), (self.key, self.state)
+        self._expect(Residency.WRITING_BACK, Residency.READING_IN)
         self.transfer = None
         self.state = Residency.IN_POOL
 
     def to_on_nvme(self) -> None:
-        assert self.state in (Residency.IN_POOL, Residency.READING_IN), (self.key, self.state)
-        assert self.disk is not None and not self.dirty, self.key
+        """Its pool copy goes (evicted, or a swap-in failed): NVMe must hold it."""
+        self._expect(Residency.IN_POOL, Residency.READING_IN)
+        if self.disk is None or self.dirty:
+            raise StateError(f"{self.key}: tensor has no clean NVMe copy; it cannot leave "
+                             f"the pool")
         self.slot = None
         self.transfer = None
         self.state = Residency.ON_NVME

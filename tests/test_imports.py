@@ -1,0 +1,164 @@
+"""The package's shape: imports go one way, modules and classes stay small.
+
+Read from the source with ``ast`` (nothing is imported), so an import hidden
+inside a function or under ``if TYPE_CHECKING`` counts like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tierd"
+MAX_LINES = 500
+MAX_METHODS = 25
+
+# Known back edges (importer, imported) left out of the graph. Both close the
+# client's attach <-> checkpoint cycle (imports inside functions: checkpoint
+# imports attach, attach imports the package, which imports checkpoint); the
+# client's split removes them: delete the entries then.
+KNOWN_CYCLE_EDGES: frozenset[tuple[str, str]] = frozenset({
+    ("tierd.client.checkpoint", "tierd.client.attach"),
+    ("tierd.client.attach", "tierd"),
+})
+
+# Today's oversized client modules and classes, shrinking with the client's
+# split; delete each entry when it fits. Files are paths relative to tierd/,
+# classes "path:Class".
+KNOWN_LONG_MODULES: frozenset[str] = frozenset({
+    "client/attached.py", "client/activations.py", "client/activations_store.py",
+})
+KNOWN_LARGE_CLASSES: frozenset[str] = frozenset({
+    "client/attached.py:Session", "client/activations_store.py:ActivationStore",
+    "client/connection.py:Client", "client/store.py:LocalStore",
+})
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(name: str, path: Path, known: set[str]) -> set[str]:
+    """The tierd modules ``name`` imports anywhere in its source. ``from a.b
+    import c`` is the module a.b.c when that is a module, else a.b itself."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imported(name, path, known) for name, path in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each
+    given as one cycle through its members."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(cycle_through(graph, set(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def cycle_through(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """One import path inside ``component`` that returns to where it began."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:   # breadth first from start, back to start
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def test_cycle_finder_names_the_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_resolution_counts_imports_inside_functions(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from tierd.server import records\n"
+                   "def f():\n    from tierd.server.catalog import Catalog\n")
+    known = {"tierd.server", "tierd.server.records", "tierd.server.catalog"}
+    assert imported("tierd.server.x", src, known) == {"tierd.server.records",
+                                                      "tierd.server.catalog"}
+
+
+def test_no_import_cycles():
+    graph = {m: {d for d in deps if (m, d) not in KNOWN_CYCLE_EDGES}
+             for m, deps in import_graph().items()}
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_modules_stay_under_the_line_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    unexpected = {p: n for p, n in long.items() if p not in KNOWN_LONG_MODULES}
+    assert not unexpected, f"modules over {MAX_LINES} lines (split them): {unexpected}"
+
+
+def test_classes_stay_under_the_method_limit():
+    large = {}
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for b in node.body)
+                if n > MAX_METHODS:
+                    large[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
+    unexpected = {c: n for c, n in large.items() if c not in KNOWN_LARGE_CLASSES}
+    assert not unexpected, f"classes over {MAX_METHODS} methods (split them): {unexpected}"
