@@ -1,76 +1,97 @@
-"""The ``tierd`` command: ``serve``, ``status``.
+"""The ``tierd`` command line: one :class:`Command` per subcommand in :data:`COMMANDS`.
 
-Settings come from, in order of precedence: flags, ``TIERD_<NAME>``
+Daemon settings come from, highest first: flags, ``TIERD_<NAME>``
 environment variables, the ``[serve]`` table of ``--config`` (default
-``/etc/tierd/tierd.toml`` when it exists), the dataclass defaults.
+``$TIERD_CONFIG``, else ``/etc/tierd/tierd.toml`` when it exists), the
+dataclass defaults (:mod:`tierd.config`).
+
+The commands that talk to a running daemon (``status``, ``top``, ``health``,
+``drop-job``) never import torch: a probe runs every few seconds and torch
+takes a second to import. Only ``demo`` and ``import`` need it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
-import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from tierd.config import ServeConfig, default_socket_path, format_size, load_toml
+from tierd import config as C
 from tierd.errors import TierdError
 
 DEFAULT_CONFIG = Path("/etc/tierd/tierd.toml")
+DESCRIPTION = ("tierd keeps PyTorch tensors (parameters, gradients, optimizer states) of the "
+               "jobs on a node in a shared host-memory pool and on NVMe.")
+EPILOG = ("Run `tierd COMMAND --help` for a command's options. Daemon settings come from "
+          "flags, TIERD_* variables and /etc/tierd/tierd.toml (docs/configuration.md).")
+CLI_ONLY = {"config", "print_config"}   # serve options that are not ServeConfig fields
 
 
-def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the node daemon")
-    p.add_argument("--nvme", help="directory for the NVMe tier (required)")
-    p.add_argument("--pool", help="host pool size, e.g. 8GiB (default 1GiB)")
-    p.add_argument("--nvme-size", help="bytes preallocated on NVMe (default 16GiB)")
-    p.add_argument("--socket", help=f"socket path (default {default_socket_path()})")
-    p.add_argument("--segment-size", help="pool segment size (default 256MiB)")
-    p.add_argument("--io-threads", type=int, help="NVMe I/O threads (default 8)")
-    p.add_argument("--default-pool-quota", help="pool bytes per job, e.g. 8GiB (default: none)")
-    p.add_argument("--default-nvme-quota", help="NVMe bytes per job (default: none)")
-    p.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG} if present)")
-    p.add_argument("--print-config", action="store_true", help="print the merged settings and exit")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    p.add_argument("--log-format", choices=("text", "json"), help="log lines (default text)")
-    p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default off)")
-    p.add_argument("--metrics-host", help="address of the metrics server (default 127.0.0.1)")
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: ``tierd --help`` lists ``name`` with ``summary``."""
+
+    name: str
+    summary: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    values: dict = {}
-    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    if path is not None:
-        try:
-            values.update(load_toml(path))
-        except (OSError, ValueError) as exc:   # TOMLDecodeError is a ValueError
-            raise TierdError(f"config file {path}: {exc}") from None
-    for name in ServeConfig.field_names():
-        if name == "job_quotas":
-            continue  # only the config file's [jobs.NAME] tables set these
-        env = os.environ.get(f"TIERD_{name.upper()}")
-        if env is not None:
-            values[name] = env
-        flag = getattr(args, name, None)
-        if flag is not None:
-            values[name] = flag
-    if "nvme" not in values:
-        raise TierdError("--nvme DIR is required (the directory for the NVMe tier)")
-    for name in ("io_threads", "max_requests_per_client", "max_requests", "metrics_port"):
-        if name in values:
-            try:
-                values[name] = int(values[name])
-            except ValueError:
-                raise TierdError(f"{name} = {values[name]!r} is not a whole number") from None
-    if isinstance(values.get("allow_root_join"), str):
-        values["allow_root_join"] = values["allow_root_join"].lower() in ("1", "true", "yes")
+# ------------------------------------------------------------------ serve
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    docs = C.setting_docs(C.ServeConfig)
+    defaults = {f.name: f for f in dataclasses.fields(C.ServeConfig)}
+    for name in C.ServeConfig.field_names():
+        kind, _ = C.setting_kind(C.ServeConfig, name)
+        default = _default_text(defaults[name], kind)
+        help_ = docs.get(name, "").split(". ")[0].rstrip(".") + \
+            (f" (default {default})" if default else "") + f"; ${C.env_name(name)}"
+        extra = dict(nargs="?", const="true") if kind == "bool" else {}
+        p.add_argument(C.flag_name(name), dest=name, metavar=_METAVARS.get(kind, "TEXT"),
+                       help=help_.replace("``", "").replace("%", "%%"), **extra)
+    p.add_argument("--config", type=Path,
+                   help=f"TOML file (default $TIERD_CONFIG, else {DEFAULT_CONFIG} if present)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged settings as JSON and exit (needs no --nvme)")
+
+
+_METAVARS = {"Size": "SIZE", "int": "N", "float": "X", "bool": "BOOL", "Path": "PATH",
+             "JobQuotas": "JOB.QUOTA=SIZE,..."}
+
+
+def _default_text(field, kind: str) -> str:
+    if field.default is dataclasses.MISSING or field.default in (None, ""):
+        return ""
+    if kind == "Size":
+        return "none" if field.default == 0 else C.format_size(field.default).replace(" ", "")
+    return str(field.default).lower() if kind == "bool" else str(field.default)
+
+
+def config_path(args: argparse.Namespace) -> Path | None:
+    if getattr(args, "config", None) is not None:
+        return args.config
+    if os.environ.get("TIERD_CONFIG"):
+        return Path(os.environ["TIERD_CONFIG"])
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
+def serve_config(args: argparse.Namespace) -> C.ServeConfig:
+    """The merged settings of ``tierd serve``; TierdError names a bad source."""
+    flags = {k: v for k, v in vars(args).items() if k not in CLI_ONLY}
+    known = {C.env_name(n) for n in C.ServeConfig.field_names()} | {"TIERD_CONFIG"}
+    for name in sorted(k for k in os.environ if k.startswith("TIERD_") and k not in known):
+        print(f"tierd: warning: {name} is not a daemon setting (ignored); the settings are "
+              f"listed by `tierd serve --help`", file=sys.stderr)
     try:
-        return ServeConfig(**values)
+        return C.resolve(flags, os.environ, config_path(args))
     except (TypeError, ValueError) as exc:
         raise TierdError(str(exc)) from None
 
@@ -95,46 +116,90 @@ def configure_logging(level: str, log_format: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
-    configure_logging(args.log_level, cfg.log_format)
     if args.print_config:
-        print(json.dumps({k: str(v) if isinstance(v, Path) else v
-                          for k, v in dataclasses.asdict(cfg).items()}, indent=2))
+        print(json.dumps(cfg.as_json(), indent=2))
         return 0
+    if cfg.nvme is None:
+        raise TierdError("no NVMe directory: pass --nvme DIR, set TIERD_NVME or `nvme` in "
+                         "the config file")
+    configure_logging(cfg.log_level, cfg.log_format)
     from tierd.server.daemon import serve
     serve(cfg)
     return 0
 
 
+# ------------------------------------------------------ status, top, health
+def _socket_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET, else "
+                                     "$XDG_RUNTIME_DIR/tierd/tierd.sock)")
+
+
+def _status_arguments(p: argparse.ArgumentParser) -> None:
+    _socket_argument(p)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--all", action="store_true",
+                   help="also list jobs with no client connected (kept named jobs)")
+
+
+def live_view(stats: dict, own_job: str, everything: bool = False) -> dict:
+    """``stats`` with only the jobs a client is in (all but our own with
+    ``everything``); ``idle_jobs`` counts the others and what they hold."""
+    jobs = {n: j for n, j in stats["jobs"].items()
+            if n != own_job and (everything or j["sessions"] > 0)}
+    idle = [j for n, j in stats["jobs"].items() if n != own_job and n not in jobs]
+    return dict(stats, jobs=jobs, idle_jobs={
+        "jobs": len(idle), "tensors": sum(j["tensors"] for j in idle),
+        "pool_used_bytes": sum(j["pool_used_bytes"] for j in idle),
+        "nvme_used_bytes": sum(j["nvme_used_bytes"] for j in idle)})
+
+
+def _stats(socket) -> tuple[dict, str]:
+    from tierd.client.connection import connect
+    with connect(socket) as c:
+        return c.stats(), c.job
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    import tierd
-    with tierd.connect(args.socket) as c:
-        stats = c.stats()
+    stats, own = _stats(args.socket)
+    view = live_view(stats, own, args.all)
     if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
-    print_status(stats)
+        print(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        print_status(view)
     return 0
 
 
-def print_status(stats: dict) -> None:
-    print(f"pool  {format_size(stats['pool_used_bytes']):>10} used of "
-          f"{format_size(stats['pool_bytes'])} ({format_size(stats['pool_mapped_bytes'])} mapped)")
-    print(f"nvme  {format_size(stats['nvme_used_bytes']):>10} used of "
-          f"{format_size(stats['nvme_bytes'])} ({'O_DIRECT' if stats['nvme_direct_io'] else 'buffered'})")
-    print(f"moved {format_size(stats['bytes_to_nvme'])} to NVMe, "
-          f"{format_size(stats['bytes_to_pool'])} to pool, {stats['evictions']} evictions, "
-          f"{stats['io_errors']} I/O errors")
+def print_status(view: dict) -> None:
+    size = C.format_size
+    print(f"pool  {size(view['pool_used_bytes']):>10} used of "
+          f"{size(view['pool_bytes'])} ({size(view['pool_mapped_bytes'])} mapped)")
+    print(f"nvme  {size(view['nvme_used_bytes']):>10} used of "
+          f"{size(view['nvme_bytes'])} ({'O_DIRECT' if view['nvme_direct_io'] else 'buffered'})")
+    print(f"moved {size(view['bytes_to_nvme'])} to NVMe, "
+          f"{size(view['bytes_to_pool'])} to pool, {view['evictions']} evictions, "
+          f"{view['io_errors']} I/O errors")
     print(f"{'job':<24} {'owner':>6} {'clients':>7} {'tensors':>8} {'pool':>10} {'nvme':>10}")
-    for name, j in sorted(stats["jobs"].items()):
+    for name, j in sorted(view["jobs"].items()):
         print(f"{name:<24} {j['owner_uid']:>6} {j['sessions']:>7} {j['tensors']:>8} "
-              f"{format_size(j['pool_used_bytes']):>10} {format_size(j['nvme_used_bytes']):>10}")
+              f"{size(j['pool_used_bytes']):>10} {size(j['nvme_used_bytes']):>10}")
+    idle = view["idle_jobs"]
+    if idle["jobs"]:
+        print(f"and {idle['jobs']} jobs with no client holding {idle['tensors']} tensors, "
+              f"pool {size(idle['pool_used_bytes'])}, NVMe {size(idle['nvme_used_bytes'])} "
+              f"(--all lists them)")
+
+
+def _top_arguments(p: argparse.ArgumentParser) -> None:
+    _socket_argument(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
 
 
 def cmd_top(args: argparse.Namespace) -> int:
     """``tierd status`` every ``--interval`` seconds, with transfer rates."""
-    import tierd
+    from tierd.client.connection import connect
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-    with tierd.connect(args.socket) as c:
+    with connect(args.socket) as c:
         before, then = None, time.monotonic()
         for i in itertools.count(1):
             stats, now = c.stats(), time.monotonic()
@@ -143,10 +208,10 @@ def cmd_top(args: argparse.Namespace) -> int:
                 dt = max(now - then, 1e-9)
                 rate = {k: (stats[k] - before[k]) / dt
                         for k in ("bytes_to_nvme", "bytes_to_pool", "evictions")}
-                print(f"rate  {format_size(int(rate['bytes_to_nvme']))}/s to NVMe, "
-                      f"{format_size(int(rate['bytes_to_pool']))}/s to pool, "
+                print(f"rate  {C.format_size(int(rate['bytes_to_nvme']))}/s to NVMe, "
+                      f"{C.format_size(int(rate['bytes_to_pool']))}/s to pool, "
                       f"{rate['evictions']:.1f} evictions/s")
-            print_status(stats)
+            print_status(live_view(stats, c.job))
             sys.stdout.flush()
             if args.count and i >= args.count:
                 return 0
@@ -155,86 +220,86 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health_arguments(p: argparse.ArgumentParser) -> None:
+    _socket_argument(p)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the daemon answers a stats request within ``--timeout``, else 1."""
     import asyncio
 
-    import tierd
+    from tierd.client.connection import aconnect
 
     async def probe() -> dict:
-        async with await tierd.aconnect(args.socket) as c:
+        async with await aconnect(args.socket) as c:
             return await c.stats()
     try:
         stats = asyncio.run(asyncio.wait_for(probe(), args.timeout))
     except (TierdError, TimeoutError, asyncio.TimeoutError, OSError) as exc:
         print(f"tierd health: unhealthy: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
-    print(f"ok: {stats['sessions']} sessions, pool {format_size(stats['pool_used_bytes'])} "
-          f"of {format_size(stats['pool_bytes'])}, {stats['io_errors']} I/O errors")
+    print(f"ok: {stats['sessions'] - 1} other sessions, pool "
+          f"{C.format_size(stats['pool_used_bytes'])} of {C.format_size(stats['pool_bytes'])}, "
+          f"{stats['io_errors']} I/O errors")
     return 0
 
 
+# ------------------------------------------------------ jobs and archives
+def _drop_job_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the job's name")
+    _socket_argument(p)
+
+
 def cmd_drop_job(args: argparse.Namespace) -> int:
-    import tierd
-    with tierd.connect(args.socket, job=args.name) as c:
+    from tierd.client.connection import connect
+    with connect(args.socket, job=args.name) as c:
         n = len(c.keys())
         c.drop_job()
     print(f"dropped job {args.name!r} ({n} tensors)")
     return 0
 
 
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", required=True, help="the named job whose last commit to write")
+    p.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
+    p.add_argument("--tag", help="fail unless the last commit has this tag")
+    p.add_argument("--prefix", default="", help="only keys under it, with it stripped")
+    p.add_argument("--nvme", type=Path, help="the daemon's NVMe directory (default $TIERD_NVME, "
+                                             "else `nvme` of the config file)")
+    p.add_argument("--config", type=Path, help=f"TOML file to read `nvme` from (default "
+                                               f"$TIERD_CONFIG, else {DEFAULT_CONFIG})")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tierd.archive import export_job
-    n, nbytes = export_job(Path(args.nvme), args.job, Path(args.out), args.tag, args.prefix)
-    print(f"exported {n} tensors ({format_size(nbytes)}) of job {args.job!r} to {args.out}")
+    nvme = args.nvme or serve_config(argparse.Namespace(config=args.config)).nvme
+    if nvme is None:
+        raise TierdError("no NVMe directory: pass --nvme DIR (the daemon's), set TIERD_NVME "
+                         "or `nvme` in the config file")
+    n, nbytes = export_job(Path(nvme), args.job, args.out, args.tag, args.prefix)
+    print(f"exported {n} tensors ({C.format_size(nbytes)}) of job {args.job!r} to {args.out}")
     return 0
+
+
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", type=Path, help="the .safetensors file to read")
+    p.add_argument("--job", required=True, help="the named job to put the tensors in")
+    p.add_argument("--tag", default="import", help="tag of the commit (default import)")
+    p.add_argument("--prefix", default="", help="prepended to every tensor name")
+    _socket_argument(p)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from tierd.archive import import_file
-    info = import_file(args.socket, args.job, Path(args.file), args.tag, args.prefix)
+    info = import_file(args.socket, args.job, args.file, args.tag, args.prefix)
     print(f"imported {info['tensors']} tensors into job {args.job!r}, committed as {args.tag!r}")
     return 0
 
 
-def _archive_parsers(sub) -> None:
-    ex = sub.add_parser("export", help="write a job's last commit as a .safetensors file")
-    ex.add_argument("--job", required=True)
-    ex.add_argument("--out", required=True, help="the .safetensors file to write")
-    ex.add_argument("--tag", help="fail unless the last commit has this tag")
-    ex.add_argument("--prefix", default="", help="only keys under it, with it stripped")
-    ex.add_argument("--nvme", default=os.environ.get("TIERD_NVME"),
-                    required=not os.environ.get("TIERD_NVME"), help="the daemon's --nvme dir")
-    im = sub.add_parser("import", help="put a .safetensors file's tensors in a job and commit")
-    im.add_argument("file")
-    im.add_argument("--job", required=True)
-    im.add_argument("--tag", default="import", help="tag of the commit (default import)")
-    im.add_argument("--prefix", default="", help="prepended to every tensor name")
-    im.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierd", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    st = sub.add_parser("status", help="print the daemon's pool/NVMe use and jobs")
-    st.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
-    st.add_argument("--json", action="store_true")
-    top = sub.add_parser("top", help="tierd status, refreshed every --interval seconds")
-    top.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
-    health = sub.add_parser("health", help="exit 0 if the daemon answers, 1 if not (probes)")
-    health.add_argument("--socket",
-                        help="daemon socket (default $TIERD_SOCKET or the standard path)")
-    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
-    dj = sub.add_parser("drop-job", help="delete every tensor of a named job")
-    dj.add_argument("name")
-    dj.add_argument("--socket", help="daemon socket (default $TIERD_SOCKET or the standard path)")
-    _archive_parsers(sub)
-    from tierd.demo import run as demo
-    demo.add_parser(sub)
-    return parser
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    from tierd.demo import add_arguments
+    add_arguments(p)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -242,17 +307,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "top": cmd_top,
-            "health": cmd_health, "drop-job": cmd_drop_job, "export": cmd_export,
-            "import": cmd_import}
+COMMANDS: tuple[Command, ...] = (
+    Command("serve", "run the node daemon (pool + NVMe tier) until SIGTERM",
+            _serve_arguments, cmd_serve),
+    Command("status", "print pool/NVMe use, traffic and the jobs with clients",
+            _status_arguments, cmd_status),
+    Command("top", "tierd status, refreshed every --interval seconds, with rates",
+            _top_arguments, cmd_top),
+    Command("health", "exit 0 if the daemon answers, 1 if not (for probes)",
+            _health_arguments, cmd_health),
+    Command("drop-job", "delete every tensor and the commit of a named job",
+            _drop_job_arguments, cmd_drop_job),
+    Command("export", "write a job's last commit as a .safetensors file",
+            _export_arguments, cmd_export),
+    Command("import", "put a .safetensors file's tensors in a job and commit them",
+            _import_arguments, cmd_import),
+    Command("demo", "fine-tune a small GPT-2 with every tensor in tierd",
+            _demo_arguments, cmd_demo),
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) that points at ``--help``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentParser:
+    parser = Parser(prog="tierd", description=DESCRIPTION, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands", parser_class=Parser)
+    for cmd in commands:
+        cmd.arguments(sub.add_parser(cmd.name, help=cmd.summary, description=cmd.summary))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = {c.name: c.run for c in COMMANDS}[args.command]
     try:
-        return COMMANDS[args.command](args)
+        return run(args)
     except TierdError as exc:
         print(f"tierd {args.command}: error: {exc}", file=sys.stderr)
         return 2

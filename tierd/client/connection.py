@@ -18,9 +18,8 @@ import weakref
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -28,6 +27,9 @@ from tierd import protocol as P
 from tierd.client.control import ControlChannel, dtype_name
 from tierd.config import default_socket_path
 from tierd.errors import DaemonUnavailable, TierdError, from_wire
+
+if TYPE_CHECKING:
+    import torch
 
 POLL_MS = 10
 

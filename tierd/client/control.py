@@ -15,31 +15,44 @@ import select
 import socket
 import threading
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierd import protocol as P
-from tierd.errors import DaemonUnavailable, TierdError, from_wire
+from tierd.errors import DaemonUnavailable, ProtocolError, TierdError, from_wire
 
 CONNECT_TIMEOUT = 2.0
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in P.DTYPES if hasattr(torch, name)}
-DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
+if TYPE_CHECKING:
+    import torch
+
+
+@cache
+def torch_dtypes() -> dict[str, "torch.dtype"]:
+    """Wire dtype name -> torch dtype; imports torch on first use only, so the
+    probes (``tierd status``/``health``) never pay for it."""
+    import torch
+    return {name: getattr(torch, name) for name in P.DTYPES if hasattr(torch, name)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
+    name = str(dtype).removeprefix("torch.")
+    if name not in torch_dtypes():
         raise TierdError(f"dtype {dtype} cannot be stored; supported: "
-                         f"{', '.join(TORCH_DTYPES)}") from None
+                         f"{', '.join(torch_dtypes())}")
+    return name
 
 
 def no_daemon(path: Path, why: str) -> DaemonUnavailable:
     return DaemonUnavailable(
         f"no tierd daemon at {path} ({why}); start one with `tierd serve --nvme DIR "
         f"--socket {path}`, or point TIERD_SOCKET at a running one")
+
+
+def not_tierd(path: Path, why: str) -> DaemonUnavailable:
+    return DaemonUnavailable(f"{path} is not a tierd daemon's socket ({why}); point --socket "
+                             f"or TIERD_SOCKET at tierd's")
 
 
 class ControlChannel:
@@ -59,6 +72,13 @@ class ControlChannel:
         except (OSError, EOFError) as exc:
             self.ctl.close()
             raise no_daemon(self.path, str(exc) or type(exc).__name__) from None
+        except ProtocolError as exc:   # something else listens there
+            self.ctl.close()
+            raise not_tierd(self.path, str(exc)) from None
+        if reply.get("ok") and not (isinstance(reply.get("token"), bytes)
+                                    and isinstance(reply.get("job"), str)):
+            self.ctl.close()
+            raise not_tierd(self.path, "its reply has no session token")
         if not reply.get("ok"):
             self.ctl.close()
             raise from_wire(*reply.get("error", ["tierd", "handshake refused"]))
@@ -122,7 +142,7 @@ class ControlChannel:
         if p.segment not in self.views:
             self.map([p.segment])
         raw = self.views[p.segment][p.offset:p.offset + p.nbytes]
-        return raw.view(TORCH_DTYPES[p.dtype]).view(p.shape)
+        return raw.view(torch_dtypes()[p.dtype]).view(p.shape)
 
     def map(self, ids: list[int]) -> None:
         new = []
@@ -140,6 +160,7 @@ class ControlChannel:
                 for (sid, size), fd in zip(reply.get("segments", []), fds):
                     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                     self.mmaps[sid] = mm
+                    import torch
                     self.views[sid] = torch.frombuffer(mm, dtype=torch.uint8)
                     new.append((sid, self.views[sid]))
             finally:

@@ -4,6 +4,7 @@ Runs on CUDA when present, else on the CPU. Unless ``--socket`` names a
 running daemon, the demo starts a private (embedded) daemon for itself; for
 ``gpt2-small`` its pool is smaller than the model state, so tensors spill to
 the NVMe tier and back and the progress lines show bytes moving between tiers.
+On a terminal a progress bar (tqdm) shows the steps, loss and tokens/s.
 """
 
 from __future__ import annotations
@@ -13,19 +14,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 import tierd
 from tierd.client.attach import session_of
 from tierd.config import format_size, parse_size
+from tierd.demo import DEFAULTS, options  # noqa: F401  (options: for scripts)
 from tierd.demo.model import GPT, PRESETS
 from tierd.demo.text import Batches, generate
 
-#: Per model: batch size, sequence length, learning rate, private pool
-#: (None: the embedded daemon's own default, half of available memory).
-DEFAULTS = {
-    "gpt2-small": dict(batch_size=4, seq_len=128, lr=3e-3, pool="40MiB"),
-    "gpt2-1.3b": dict(batch_size=8, seq_len=1024, lr=1e-4, pool=None),
-}
 STATE_BYTES_PER_PARAM = 16   # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
 
 
@@ -39,36 +36,9 @@ class DemoResult:
     gpu_peak_bytes: int | None = None
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="fine-tune a small GPT-2 with every tensor in tierd")
-    p.add_argument("--model", choices=sorted(PRESETS), default="gpt2-small")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, help="sequences per step (small 4, 1.3b 8)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (small 128, 1.3b 1024)")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (small 3e-3, 1.3b 1e-4)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"),
-                   help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", help="compute device (default cuda if present, else cpu)")
-    p.add_argument("--socket", help="use the daemon at this socket instead of a private one")
-    p.add_argument("--pool", help="pool of the private daemon (small: 40MiB, below its "
-                                  "model state, so it spills to NVMe; 1.3b: the embedded "
-                                  "default)")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    run(args, out=print)
+    run(args, out=tqdm.write)    # lines go above the progress bar, not through it
     return 0
-
-
-def options(**kw) -> argparse.Namespace:
-    """The demo's arguments as ``tierd demo`` would parse them (for tests and scripts)."""
-    sub = argparse.ArgumentParser().add_subparsers()
-    add_parser(sub)
-    ns = sub.choices["demo"].parse_args([])
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    return ns
 
 
 def run(args: argparse.Namespace, out=lambda line: None) -> DemoResult:
@@ -94,8 +64,10 @@ def run(args: argparse.Namespace, out=lambda line: None) -> DemoResult:
                                 max_grad_norm=1.0)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        result = _train(model, opt, client, Batches(generate(), batch_size, seq_len, args.seed),
-                        args.steps, device, out)
+        data = Batches(generate(), batch_size, seq_len, args.seed)
+        with tqdm(total=args.steps, desc="training", unit="step", leave=False,
+                  disable=None if getattr(args, "progress", True) else True) as bar:
+            result = _train(model, opt, client, data, args.steps, device, out, bar)
         result.params = n_params
         if device.type == "cuda":
             result.gpu_peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -121,7 +93,7 @@ def _open_client(args, state_bytes: int, default_pool: str | None):
         raise
 
 
-def _train(model, opt, client, data: Batches, steps: int, device, out) -> DemoResult:
+def _train(model, opt, client, data: Batches, steps: int, device, out, bar: tqdm) -> DemoResult:
     result = DemoResult()
     session = session_of(model)
     before, copies = client.stats(), session.stats()
@@ -145,6 +117,8 @@ def _train(model, opt, client, data: Batches, steps: int, device, out) -> DemoRe
             f"{device.type}->pool {format_size(now['d2h_bytes'] - copies['d2h_bytes']):>9}  "
             f"pool->NVMe {format_size(stats['bytes_to_nvme'] - before['bytes_to_nvme']):>9}  "
             f"NVMe->pool {format_size(stats['bytes_to_pool'] - before['bytes_to_pool']):>9}")
+        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{ids.numel() / seconds:.0f}")
+        bar.update()
         before, copies = stats, now
     result.stats = client.stats()
     return result
