@@ -65,7 +65,7 @@ def test_as_many_tensors_fit_after_a_refused_put(catalog):
 
 
 def test_daemon_fits_as_many_tensors_after_a_put_larger_than_the_pool(daemon_factory):
-    d = daemon_factory(pool="8MiB", nvme_size="16MiB")
+    d = daemon_factory(pool="4MiB", nvme_size="8MiB")
     one = torch.ones(MiB // 4)                       # 1 MiB of float32
     with d.connect(job="fill") as c:
         def count(prefix: str) -> int:
@@ -78,9 +78,9 @@ def test_daemon_fits_as_many_tensors_after_a_put_larger_than_the_pool(daemon_fac
                 n += 1
 
         fitted = count("k")
-        assert fitted > 8                             # the pool spilled to NVMe
+        assert fitted > 4                             # the pool spilled to NVMe
         c.delete([f"k{i}" for i in range(fitted)])
         with pytest.raises(CapacityError, match="can never fit in the pool"):
-            c.put("big", torch.ones(5 * MiB // 2))   # 10 MiB: above the pool, under half
+            c.put("big", torch.ones(5 * MiB // 4))   # 5 MiB: above the pool, under half
         assert count("m") == fitted
         assert torch.equal(c.get(f"m{fitted - 1}"), one)
