@@ -54,10 +54,21 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     assert proc.returncode == 0 and not complaints, proc.stderr
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_unit_exposure_is_at_most_4():
+    proc = subprocess.run(["systemd-analyze", "security", "--offline=true", str(UNIT)],
+                          capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for tierd.service: ([0-9.]+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    assert float(m.group(1)) <= 4.0, proc.stdout
+
+
 def test_unit_settings_that_matter():
     s = unit_settings(UNIT.read_text())
     assert s["LimitMEMLOCK"] == "infinity"
-    assert s["Restart"] == "on-failure"
+    assert s["Restart"] == "on-failure"             # a crashed or OOM-killed daemon comes back
+    assert (s["Type"], s["NotifyAccess"]) == ("notify", "main")
+    assert "PrivateUsers" not in s                  # would turn the jobs' uids into nobody
     socket = re.search(r"--socket (\S+)", s["ExecStart"]).group(1)
     assert Path(socket).parent == Path("/run") / s["RuntimeDirectory"]
     assert "--config /etc/tierd/tierd.toml" in s["ExecStart"]

@@ -127,6 +127,8 @@ class Daemon:
 
     async def run(self) -> None:
         self.open()
+        from tierd.server import notify  # both sockets listen: tell systemd (Type=notify)
+        notify.ready(f"serving at {self.config.socket}")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)

@@ -1,158 +1,144 @@
-"""Prometheus text metrics for ``tierd serve --metrics-port``.
+"""Prometheus metrics for ``tierd serve --metrics-port`` (prometheus_client).
 
-:class:`Metrics` is plain code: the daemon observes request latencies and
-errors into it, and :meth:`Metrics.render` turns those plus the catalog's
-stats into the text exposition format (version 0.0.4). :func:`serve_metrics`
-is the thin asyncio adapter: a minimal HTTP/1.0 server answering
-``GET /metrics``, bound to 127.0.0.1 unless configured otherwise.
+:class:`Metrics` is what the daemon feeds: request latencies and error
+replies go into prometheus_client's histogram and counter, and
+:meth:`Metrics.render` adds the catalog's figures (pool, NVMe, jobs, traffic)
+as metric families of that moment. :func:`serve_metrics` runs
+prometheus_client's HTTP server (a thread) for as long as the daemon runs.
+
+[Note: scrapes read the catalog on the loop]
+The catalog is plain code owned by the daemon's event loop; the HTTP server
+answers in its own threads. A scrape therefore asks the loop for a snapshot
+(``run_coroutine_threadsafe``) and waits for it, so the figures are read
+between two requests, never while one changes them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tierd.errors import TierdError
 
 log = logging.getLogger("tierd.metrics")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Request latency buckets in seconds: a pool hit is ~100 µs, an NVMe swap-in ms to s.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
            0.5, 1.0, 2.5, 5.0, 10.0)
-MAX_REQUEST_BYTES = 8192
-READ_TIMEOUT = 5.0
+#: Seconds a scrape waits for the daemon's loop before it fails.
+SCRAPE_TIMEOUT = 10.0
+
+_GAUGES = (("tierd_pool_bytes", "pool_bytes", "Host pool budget in bytes."),
+           ("tierd_pool_used_bytes", "pool_used_bytes", "Pool bytes held by tensors."),
+           ("tierd_pool_mapped_bytes", "pool_mapped_bytes",
+            "Pool bytes of created shared-memory segments."),
+           ("tierd_nvme_bytes", "nvme_bytes", "Bytes preallocated on the NVMe tier."),
+           ("tierd_nvme_used_bytes", "nvme_used_bytes", "NVMe bytes held by tensors."),
+           ("tierd_tensors", "tensors", "Tensors stored."),
+           ("tierd_sessions", "sessions", "Connected client sessions."))
+_JOB_GAUGES = (("tierd_job_pool_used_bytes", "pool_used_bytes",
+                "Pool bytes held by a job's tensors."),
+               ("tierd_job_nvme_used_bytes", "nvme_used_bytes",
+                "NVMe bytes held by a job's tensors."),
+               ("tierd_job_tensors", "tensors", "Tensors of a job."),
+               ("tierd_job_sessions", "sessions", "Sessions in a job."))
 
 
-class Histogram:
-    """Cumulative-on-render latency histogram with the fixed :data:`BUCKETS`."""
+class Snapshot:
+    """Metric families of one moment: a prometheus_client collector;
+    ``str()`` of it is the exposition text."""
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)   # the last one is +Inf
-        self.sum = 0.0
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.sum += seconds
+    def collect(self) -> Iterable[Metric]:
+        return iter(self.families)
+
+    def __str__(self) -> str:
+        return generate_latest(self).decode()   # type: ignore[arg-type]
 
 
 class Metrics:
-    """Counters the daemon feeds; ``render(stats)`` writes the exposition text.
+    """What the daemon observes, plus the catalog's figures on :meth:`render`.
 
     Example:
         >>> m = Metrics(); m.observe("lease", 0.0002); m.error("capacity")
-        >>> "tierd_errors_total{code=\\"capacity\\"} 1" in m.render(stats)   # doctest: +SKIP
+        >>> 'tierd_errors_total{code="capacity"} 1.0' in str(m.render(stats))  # doctest: +SKIP
     """
 
     def __init__(self) -> None:
-        self.latency: dict[str, Histogram] = {}
-        self.errors: dict[str, int] = {}
+        # A registry of its own: two daemons in one process (tests) never share counters.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram("tierd_request_duration_seconds",
+                                 "Time from a request's arrival to its reply, by op.",
+                                 ["op"], buckets=BUCKETS, registry=self.registry)
+        self.errors = Counter("tierd_errors", "Error replies sent, by error code.", ["code"],
+                              registry=self.registry)
 
     def observe(self, op: str, seconds: float) -> None:
-        self.latency.setdefault(op, Histogram()).observe(seconds)
+        self.latency.labels(op).observe(seconds)
 
     def error(self, code: str) -> None:
-        self.errors[code] = self.errors.get(code, 0) + 1
+        self.errors.labels(code).inc()
 
-    def render(self, stats: dict) -> str:
-        """The exposition text for the catalog's ``stats()`` and these counters."""
-        out: list[str] = []
-        gauge = _family(out, "gauge")
-        counter = _family(out, "counter")
-        gauge("tierd_pool_bytes", "Host pool budget in bytes.", [({}, stats["pool_bytes"])])
-        gauge("tierd_pool_used_bytes", "Pool bytes held by tensors.",
-              [({}, stats["pool_used_bytes"])])
-        gauge("tierd_pool_mapped_bytes", "Pool bytes of created shared-memory segments.",
-              [({}, stats["pool_mapped_bytes"])])
-        gauge("tierd_nvme_bytes", "Bytes preallocated on the NVMe tier.",
-              [({}, stats["nvme_bytes"])])
-        gauge("tierd_nvme_used_bytes", "NVMe bytes held by tensors.",
-              [({}, stats["nvme_used_bytes"])])
-        gauge("tierd_tensors", "Tensors stored.", [({}, stats["tensors"])])
-        gauge("tierd_sessions", "Connected client sessions.", [({}, stats["sessions"])])
-        jobs = sorted(stats["jobs"].items())
-        for name, key, help_ in (("tierd_job_pool_used_bytes", "pool_used_bytes",
-                                  "Pool bytes held by a job's tensors."),
-                                 ("tierd_job_nvme_used_bytes", "nvme_used_bytes",
-                                  "NVMe bytes held by a job's tensors."),
-                                 ("tierd_job_tensors", "tensors", "Tensors of a job."),
-                                 ("tierd_job_sessions", "sessions", "Sessions in a job.")):
-            gauge(name, help_, [({"job": j}, row[key]) for j, row in jobs])
-        counter("tierd_moved_bytes_total", "Bytes moved between pool and NVMe, by direction.",
-                [({"direction": "to_nvme"}, stats["bytes_to_nvme"]),
-                 ({"direction": "to_pool"}, stats["bytes_to_pool"])])
-        counter("tierd_evictions_total", "Tensors evicted from the pool to NVMe.",
-                [({}, stats["evictions"])])
-        counter("tierd_io_errors_total", "Failed NVMe reads and writes.",
-                [({}, stats["io_errors"])])
-        counter("tierd_errors_total", "Error replies sent, by error code.",
-                [({"code": c}, n) for c, n in sorted(self.errors.items())])
-        self._render_latency(out)
-        return "\n".join(out) + "\n"
-
-    def _render_latency(self, out: list[str]) -> None:
-        name = "tierd_request_duration_seconds"
-        out.append(f"# HELP {name} Time from a request's arrival to its reply, by op.")
-        out.append(f"# TYPE {name} histogram")
-        for op, h in sorted(self.latency.items()):
-            running = 0
-            for bound, n in zip((*map(repr, BUCKETS), "+Inf"), h.counts):
-                running += n
-                out.append(f"{name}_bucket{_labels({'op': op, 'le': bound})} {running}")
-            out.append(f"{name}_sum{_labels({'op': op})} {h.sum!r}")
-            out.append(f"{name}_count{_labels({'op': op})} {running}")
+    def render(self, stats: dict) -> Snapshot:
+        """The catalog's ``stats()`` and these counters as one :class:`Snapshot`."""
+        return Snapshot([*stats_families(stats), *self.registry.collect()])
 
 
-def _family(out: list[str], kind: str):
-    def add(name: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(f"{name}{_labels(labels)} {value}" for labels, value in samples)
-    return add
+def stats_families(stats: dict) -> list[Metric]:
+    """The catalog's figures as gauges (sizes, per job) and counters (traffic)."""
+    out: list[Metric] = [GaugeMetricFamily(name, help_, value=stats[key])
+                         for name, key, help_ in _GAUGES]
+    jobs = sorted(stats["jobs"].items())
+    for name, key, help_ in _JOB_GAUGES:
+        family = GaugeMetricFamily(name, help_, labels=["job"])
+        for job, row in jobs:
+            family.add_metric([job], row[key])
+        out.append(family)
+    moved = CounterMetricFamily("tierd_moved_bytes",
+                                "Bytes moved between pool and NVMe, by direction.",
+                                labels=["direction"])
+    moved.add_metric(["to_nvme"], stats["bytes_to_nvme"])
+    moved.add_metric(["to_pool"], stats["bytes_to_pool"])
+    out += [moved,
+            CounterMetricFamily("tierd_evictions", "Tensors evicted from the pool to NVMe.",
+                                value=stats["evictions"]),
+            CounterMetricFamily("tierd_io_errors", "Failed NVMe reads and writes.",
+                                value=stats["io_errors"])]
+    return out
 
 
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    return "{" + body + "}"
+class _OnLoop:
+    """The registry prometheus_client's server collects from: each scrape runs
+    ``render`` on the daemon's loop ([Note: scrapes read the catalog on the loop])."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, render: Callable[[], Snapshot]) -> None:
+        self.loop, self.render = loop, render
+
+    async def _snapshot(self) -> Snapshot:
+        return self.render()
+
+    def collect(self) -> Iterable[Metric]:
+        future = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop)
+        return future.result(SCRAPE_TIMEOUT).collect()
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-async def serve_metrics(host: str, port: int, render: Callable[[], str]) -> None:
-    """Answer ``GET /metrics`` with ``render()`` until cancelled."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            if method != "GET":
-                status, body = "405 Method Not Allowed", "only GET\n"
-            elif path.split("?", 1)[0] != "/metrics":
-                status, body = "404 Not Found", "metrics are at /metrics\n"
-            else:
-                status, body = "200 OK", render()
-            data = body.encode()
-            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-                         .encode() + data)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, ValueError):
-            pass   # a bad or slow scraper only loses its own connection
-        finally:
-            writer.close()
-
+async def serve_metrics(host: str, port: int, render: Callable[[], Snapshot]) -> None:
+    """Serve ``render()`` at ``http://host:port/metrics`` until cancelled."""
     try:
-        server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_BYTES)
+        httpd, _ = start_http_server(port, host, registry=_OnLoop(asyncio.get_running_loop(),
+                                                                  render))
     except OSError as exc:
-        raise TierdError(f"metrics server cannot listen on {host}:{port}: {exc.strerror}; "
-                         f"pick another --metrics-port") from None
-    bound = server.sockets[0].getsockname()
-    log.info("metrics at http://%s:%d/metrics", bound[0], bound[1])
-    async with server:
+        raise TierdError(f"metrics server cannot listen on {host}:{port}: "
+                         f"{exc.strerror or exc}; pick another --metrics-port") from None
+    log.info("metrics at http://%s:%d/metrics", host, httpd.server_port)
+    try:
         await asyncio.Event().wait()   # until the daemon's shutdown cancels this task
+    finally:
+        await asyncio.to_thread(httpd.shutdown)
+        httpd.server_close()
