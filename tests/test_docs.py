@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
+import shlex
+
+import pytest
 
 import tierd.errors
-from tierd.cli import build_parser
+from tierd.cli import build_parser, main
 from tierd.client.attach import AttachConfig
 from tierd.config import ServeConfig
 from tests.conftest import ROOT
@@ -41,11 +45,54 @@ def test_troubleshooting_has_a_section_per_error_class():
         assert f"code `{cls.code}`" in body.group(1), cls.__name__
 
 
-def test_docs_name_only_commands_that_exist():
+def shown_commands(text: str) -> list[str]:
+    """Every ``tierd ...`` command line in a page: in code blocks (also after
+    ``&&``, ``;``, ``|`` or ``--``, as in ``kubectl exec ... -- tierd status``)
+    and in inline code spans."""
+    found = [" ".join(span.split()) for span in re.findall(r"`(tierd [a-z-][^`]*)`", text)]
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S):
+        for line in block.splitlines():
+            for part in re.split(r"&&|;|\|(?!\|)", line.split("  #")[0]):
+                m = re.search(r"(?:^|\s--\s|^\s*(?:[A-Z_]+=\S+\s+)*)(tierd (?:[a-z-]|--).*)",
+                              part)
+                if m:
+                    found.append(m.group(1).strip())
+    return found
+
+
+def test_every_command_in_the_readme_and_docs_runs(monkeypatch, capsys):
+    """Each command line shown is parsed by the real CLI (a changed flag or
+    command fails here); ``--help`` lines run; ``serve`` lines run as a dry
+    run with ``--print-config``, which also reads every value they give. A
+    bare ``tierd CMD`` in prose names the command: it must exist."""
+    for k in [k for k in os.environ if k.startswith("TIERD_")]:
+        monkeypatch.delenv(k)
+    sample = str(ROOT / "deploy" / "tierd.toml")
     commands = set(build_parser()._subparsers._group_actions[0].choices)
-    for path in [ROOT / "README.md", *DOCS.glob("*.md")]:
-        for cmd in re.findall(r"`tierd ([a-z-]+)", path.read_text()):
-            assert cmd in commands, f"{path.name} mentions `tierd {cmd}`"
+    seen = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for line in shown_commands(path.read_text()):
+            argv = [sample if a == "/etc/tierd/tierd.toml" else a for a in shlex.split(line)[1:]]
+            where = f"{path.name}: {line}"
+            if len(argv) == 1 and argv[0] != "--help":
+                assert argv[0] in commands, where
+                seen.append(argv[0])
+                continue
+            if "--help" in argv:
+                with pytest.raises(SystemExit) as exit_:
+                    main(argv)
+                assert exit_.value.code == 0, where
+                continue
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit:
+                raise AssertionError(f"{where}: {capsys.readouterr().err}") from None
+            if args.command == "serve":
+                assert main([*argv, "--print-config"]) == 0, f"{where}: {capsys.readouterr().err}"
+            seen.append(args.command)
+    capsys.readouterr()
+    assert {"serve", "status", "top", "health", "export", "import", "demo", "drop-job"} <= \
+        set(seen), seen
 
 
 def test_architecture_names_the_state_machines_that_exist():
