@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import threading
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import tierd.optim
 from tierd.client.activations import AutoStage, BlockMode, find_blocks, tier_activations
 from tierd.client.activations import auto
 from tierd.client.attach import attach, detach, session_of
-from tierd.errors import StateError
+from tierd.errors import StateError, UnknownKey
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 from tests.conftest import start_daemon
 
@@ -366,6 +367,34 @@ def test_close_with_a_graph_pending_gives_the_pool_back(client):
     assert _pool_used(client) == baseline
     with pytest.raises(StateError, match="dropped"):
         loss.backward()
+
+
+def test_chunks_deleted_behind_the_store_fail_the_backward_and_close_still_returns(client):
+    """A lease request that failed is not read again (a reply is read once:
+    reading it again waited for ever); close gives back what is left."""
+    model = _gpt2()
+    baseline = _pool_used(client)
+    handle = tier_activations(model, client, policy="offload", **SMALL)
+    ids = batches(1, vocab=VOCAB)[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    handle.store.flush()
+    client.delete(client.keys(handle.store.prefix))
+    with pytest.raises(UnknownKey):
+        loss.backward()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            handle.close()
+        except BaseException as exc:   # reported below, not lost in the thread
+            errors.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(120)   # a guard against hanging, not a timing: close takes milliseconds
+    assert not closer.is_alive(), "close() hung on a failed lease"
+    assert errors == []
+    assert _pool_used(client) == baseline
 
 
 def test_retain_graph_backward_twice(client):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,9 @@ import torch
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.leases import LeaseBatch
 from tierd.client.store import Store
-from tierd.errors import CapacityError, StateError, TierdError
+from tierd.errors import CapacityError, StateError, TierdError, UnknownKey
+
+log = logging.getLogger("tierd.activations")
 
 ALIGN = 512
 
@@ -293,7 +296,16 @@ class ChunkSet:
         for chunk in chunks:
             chunk.deleted()
             del self._chunks[chunk.key]
-        self.store.delete([c.key for c in chunks])
+        keys = [c.key for c in chunks]
+        try:
+            self.store.delete(keys)
+        except UnknownKey:
+            # Deleted behind the store (a load has raised for them already).
+            # The daemon deletes all of a request's keys or none: delete the rest.
+            left = set(self.store.keys(self.prefix + "/"))
+            log.warning("activation chunks %s were deleted by another caller",
+                        [k for k in keys if k not in left][:5])
+            self.store.delete([k for k in keys if k in left])
         self.stats.requests += 1
 
     def abort_open_if_empty(self) -> None:
