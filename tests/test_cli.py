@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import subprocess_env, tierd_command
 from tierd.cli import COMMANDS, build_parser, main
-from tierd.config import ServeConfig, parse_bool
+from tierd.config import ServeConfig, parse_bool, setting_kind
 
 
 def tierd_run(*args: str, env: dict | None = None, timeout: float = 60):
@@ -110,18 +110,12 @@ def test_every_option_of_every_command_has_help():
 def test_every_setting_is_settable_by_flag_variable_and_toml(tmp_path, monkeypatch, capsys):
     """Each ServeConfig field, set three ways to a value unlike its default,
     comes back from --print-config."""
-    values = {"nvme": "/x/nvme", "pool": "8MiB", "nvme_size": "32MiB", "socket": "/x/t.sock",
-              "log_level": "DEBUG", "log_format": "json", "metrics_port": "9100",
-              "metrics_host": "0.0.0.0", "segment_size": "2MiB", "io_threads": "3",
-              "max_requests_per_client": "7", "max_requests": "70", "allow_root_join": "off",
-              "default_pool_quota": "1MiB", "default_nvme_quota": "2MiB",
-              "job_quotas": "a.b.pool_quota=1MiB,c.nvme_quota=3MiB"}
-    assert set(values) == set(ServeConfig.field_names()), "a new setting needs a value here"
+    values = {name: unlike_default(name) for name in ServeConfig.field_names()}
     expect = ServeConfig(**values).as_json()
     assert all(expect[k] != v for k, v in ServeConfig().as_json().items() if k != "nvme")
     for name, value in values.items():
         toml = (f"[jobs.'a.b']\npool_quota = '1MiB'\n[jobs.c]\nnvme_quota = '3MiB'\n"
-                if name == "job_quotas" else f"[serve]\n{name} = {json.dumps(value)}\n")
+                if name == "job_quotas" else f"[serve]\n{name} = {toml_value(value)}\n")
         (tmp_path / "t.toml").write_text(toml)
         ways = {"flag": ([f"--{name.replace('_', '-')}", value], {}),
                 "variable": ([], {f"TIERD_{name.upper()}": value}),
@@ -134,6 +128,32 @@ def test_every_setting_is_settable_by_flag_variable_and_toml(tmp_path, monkeypat
             assert main(["serve", "--print-config", *argv]) == 0, (name, way)
             got = json.loads(capsys.readouterr().out)[name]
             assert got == expect[name], (name, way, got)
+
+
+def toml_value(text: str) -> str:
+    """TOML's own types where they fit (numbers, booleans), else a string."""
+    if text.isdigit():
+        return text
+    return {"on": "true", "off": "false"}.get(text, json.dumps(text))
+
+
+#: Values for settings whose kind alone does not give a valid one.
+SPECIAL = {"log_level": "DEBUG", "log_format": "json", "metrics_host": "0.0.0.0",
+           "metrics_port": "9100", "job_quotas": "a.b.pool_quota=1MiB,c.nvme_quota=3MiB"}
+
+
+def unlike_default(name: str) -> str:
+    """Text for setting ``name`` that reads as a valid value other than its default."""
+    if name in SPECIAL:
+        return SPECIAL[name]
+    kind, _ = setting_kind(ServeConfig, name)
+    default = getattr(ServeConfig(), name)
+    if kind == "bool":
+        return "off" if default else "on"
+    if kind in ("int", "Size"):
+        return str(default + 4096 if kind == "Size" else default + 1)
+    assert kind == "Path", f"add a value for {name} ({kind}) to SPECIAL"
+    return f"/x/{name}"
 
 
 @pytest.mark.parametrize("word,expected", [("1", True), ("0", False), ("true", True),

@@ -152,12 +152,19 @@ def parse_setting(cls, name: str, value):
         if optional:
             return None
         raise ValueError(f"{name} must be set")
+    if kind not in PARSERS:   # a typed value passes; text needs a reader in PARSERS
+        if isinstance(value, str):
+            raise ValueError(f"{name} ({kind}) cannot be read from text")
+        return value
     return PARSERS[kind](value)
 
 
 def setting_docs(cls) -> dict[str, str]:
     """Each field's documentation: the string right under it in the class body."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):   # no source (frozen/zipped install): flags without help text
+        return {}
     docs = {}
     for stmt, nxt in zip(body, body[1:]):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
