@@ -20,7 +20,8 @@ from torch import nn
 
 import tierd
 import tierd.optim
-from tierd.client.activations import AutoStage, BlockMode, find_blocks, tier_activations
+from tierd.client.activations import (ActivationConfig, AutoStage, BlockMode, find_blocks,
+                                     tier_activations)
 from tierd.client.activations import auto
 from tierd.client.attach import attach, detach, session_of
 from tierd.errors import StateError, UnknownKey
@@ -299,7 +300,7 @@ def test_min_bytes_leaves_smaller_saved_tensors_in_place(client):
 
 
 @pytest.mark.parametrize("options", [dict(activations="offload"),
-                                     dict(activations="auto", activation_budget_bytes=0)],
+                                     dict(activations=ActivationConfig(policy="auto", budget_bytes=0))],
                          ids=["offload", "auto"])
 def test_attach_with_the_default_min_bytes_offloads_and_matches_torch(client, options):
     """``attach(activations=...)`` tiers with the default ``min_bytes`` (attach

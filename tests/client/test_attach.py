@@ -9,6 +9,7 @@ import torch
 
 import tierd
 import tierd.optim
+from tierd.client.activations import ActivationConfig
 from tierd.client.attach import AttachConfig, attach, detach, session_of
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
@@ -172,7 +173,7 @@ def test_learned_prefetch_follows_the_trace(daemon):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
     data = batches(4)
     assert train(model, opt, data) == train(ref, ref_opt, data)
-    planner = session_of(model).planner
+    planner = session_of(model).mover.planner
     assert planner.steps_followed >= 2 and planner.divergences == 0
 
 
@@ -241,7 +242,7 @@ def test_dynamic_control_flow_falls_back_and_relearns(daemon):
         loss = model(x, step).sum(); loss.backward(); opt.step(); opt.zero_grad()
         want = ref(x, step).sum(); want.backward(); ref_opt.step(); ref_opt.zero_grad()
         assert loss.item() == want.item()
-    assert session_of(model).planner.divergences >= 2
+    assert session_of(model).mover.planner.divergences >= 2
     assert_same_weights(model, ref)
 
 
@@ -263,7 +264,7 @@ def test_parameters_leave_between_forward_and_backward(daemon):
 
 def test_activation_offload_keeps_losses_bitwise(daemon):
     plain, _ = _pair(gpt2, daemon)
-    tiered, _ = _pair(gpt2, daemon, activations="offload", activation_min_bytes=0)
+    tiered, _ = _pair(gpt2, daemon, activations=ActivationConfig(policy="offload", min_bytes=0))
     assert session_of(tiered).activations is not None
     opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
     tiered_opt = tierd.optim.AdamW(tiered.parameters(), lr=1e-3)
@@ -276,8 +277,11 @@ def test_activation_offload_keeps_losses_bitwise(daemon):
     assert handle._closed
     with pytest.raises(ValueError, match="activations"):
         AttachConfig(activations="disk")
-    with pytest.raises(ValueError, match="activation_budget_bytes"):
-        AttachConfig(activation_budget_bytes=-1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        AttachConfig(activations=ActivationConfig(policy="auto", budget_bytes=-1))
+    with pytest.raises(ValueError, match="ActivationConfig"):
+        AttachConfig(activations=3)
+    assert AttachConfig(activations="auto").activations == ActivationConfig(policy="auto")
 
 
 def test_a_dead_daemon_is_seen_at_the_next_step(daemon):

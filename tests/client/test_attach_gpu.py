@@ -106,7 +106,7 @@ def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
     session = session_of(model)
     kept = [tp for tp in session.params.values() if tp.storage_bytes]
     assert kept, "the first weights of the next step stay on the device"
-    first = {tp for i in session.planner.head() for tp in session.units[i].params}
+    first = {tp for i in session.mover.planner.head() for tp in session.units[i].params}
     assert set(kept) <= first
     values = {tp.key: tp.param.detach().cpu().clone() for tp in kept}
     stored = session.read(list(values))

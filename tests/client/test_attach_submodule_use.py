@@ -143,5 +143,5 @@ def test_root_reading_a_called_childs_weight_bitwise_and_prefetch_relearns(daemo
         want.backward(); ref_opt.step(); ref_opt.zero_grad()
         assert loss.item() == want.item()
     assert_same_weights(model, ref)
-    planner = session_of(model).planner   # learned again with the folded units
+    planner = session_of(model).mover.planner   # learned again with the folded units
     assert planner.steps_followed >= 1 and planner.divergences == 0

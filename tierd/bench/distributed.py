@@ -113,9 +113,9 @@ def rank_main(args) -> None:
             case["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         out["cases"].append(case)
     if session is not None:
-        out["reduced_bytes_per_backward"] = (session.reducer.reduced_bytes
+        out["reduced_bytes_per_backward"] = (session.share.reducer.reduced_bytes
                                              / max(1, session.counters.backwards)
-                                             if session.reducer else 0)
+                                             if session.share else 0)
         out["job"] = session.client.stats()["jobs"].get(args.job)
     gathered = [None] * world
     if world > 1:

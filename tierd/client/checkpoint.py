@@ -29,15 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tierd.client.attached import session_of
 from tierd.errors import StateError, TierdError
-
-#: Under a session's prefix: the training step of the last commit.
-TRAINING_STEP = "optim/_step"
-
-
-def step_count_key(prefix: str, param_name: str) -> str:
-    """Key of one parameter's optimizer step count (see [Note: what a training commit holds])."""
-    return f"{prefix}/optim/step/{param_name}"
 
 
 def resumable_keys(client, prefix: str, expected: list[str]) -> frozenset[str]:
@@ -83,7 +76,6 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
         ...     if step % 100 == 0:
         ...         tierd.commit(model, opt, step)
     """
-    from tierd.client.attach import session_of   # attach imports this module
     session = session_of(model)
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
@@ -91,10 +83,10 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
         raise StateError("a fused update ran but opt.step() was not called yet; "
                          "commit after opt.step()")
     session.settle()
-    ranks = session.ranks
+    ranks = None if session.share is None else session.share.ranks
     values = {}
     if ranks is None or ranks.leader:
-        values[f"{session.prefix}/{TRAINING_STEP}"] = torch.tensor(step, dtype=torch.int64)
+        values[session.keys.training_step] = torch.tensor(step, dtype=torch.int64)
     if optimizer is not None:
         values.update(optimizer.step_counts(session))   # this rank's share
     if values:
@@ -135,5 +127,4 @@ def resumed_step(model: nn.Module) -> int | None:
         >>> model = tierd.attach(model, job="run1", resume=True)   # doctest: +SKIP
         >>> start = tierd.resumed_step(model) + 1                  # doctest: +SKIP
     """
-    from tierd.client.attach import session_of
     return session_of(model).resumed_step

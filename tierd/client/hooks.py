@@ -1,6 +1,6 @@
-"""The hooks that drive a Session: registered once per attach, handles kept.
+"""The hooks that drive an AttachSession: registered once per attach, handles kept.
 
-Each hook body is one call into :class:`tierd.client.attached.Session`; the
+Each hook body is one call into :class:`tierd.client.attached.AttachSession`; the
 reasoning about *when* parameters move is in the Note there. No torch
 function is patched; only public ``nn.Module`` / autograd hook APIs are used,
 and for the first forward a dispatch mode (below).
@@ -19,13 +19,13 @@ parameter (or a view or ``.data`` of one: same storage) that is not on the
 device is a read no running unit holds: in forward a unit's parameters are
 on the device exactly while a forward of that unit runs. The probe folds that
 parameter into the unit of the innermost module running (making a unit if the
-module owns no parameter; ``registry.fold_into``) and makes the unit resident
+module owns no parameter; ``ParamRegistry.fold_into``) and makes the unit resident
 before the op runs. From then on that module's pre-forward, its pre-backward
 (the first gradient of its outputs arrives before any backward node inside
 it, among them the ones that read the folded parameter) and its forward
 re-run by activation checkpointing bring the folded parameters with its own,
 and its post-forward frees them with its own. A child that is also called
-keeps its own unit; the Session counts holds, so neither frees the other's.
+keeps its own unit; the mover counts holds, so neither frees the other's.
 
 Why this way:
 - Which child's forward is never called cannot be known before a forward
@@ -58,12 +58,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-from tierd.client.attached import Session, Unit
-from tierd.client.registry import fold_into, replan
+from tierd.client.registry import Unit
 from tierd.client.tiered_param import ParamState, TieredParam
+from tierd.client.torch_internals import DispatchMode, storage_id, tree_flatten
+from tierd.errors import StateError
 
 
 class ProbeState(enum.Enum):
@@ -81,7 +79,7 @@ class ProbeState(enum.Enum):
     DONE = "done"
 
 
-class _ReadWatch(TorchDispatchMode):
+class _ReadWatch(DispatchMode):
     """Hands the arguments of every aten op to the probe before the op runs."""
 
     def __init__(self, probe: UseProbe) -> None:
@@ -105,7 +103,7 @@ class UseProbe:
         (<ProbeState.DONE: 'done'>, 2)
     """
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session) -> None:
         self._session = session
         self._names = {id(m): name or "<root>" for name, m in session.model.named_modules()}
         self._by_storage: dict[int, TieredParam] = {}
@@ -117,9 +115,11 @@ class UseProbe:
 
     def start(self) -> None:
         """ARMED -> PROBING: the first root forward begins."""
-        assert self.state is ProbeState.ARMED, self.state
+        if self.state is not ProbeState.ARMED:
+            raise StateError(f"the first-forward probe cannot start: it is {self.state.name}, "
+                             "start needs ARMED")
         # keyed by StorageImpl: views and .data of a parameter share it
-        self._by_storage = {tp.param.untyped_storage()._cdata: tp
+        self._by_storage = {storage_id(tp.param): tp
                             for tp in self._session.params.values() if not tp.resident}
         self._mode.__enter__()
         self.state = ProbeState.PROBING
@@ -160,17 +160,17 @@ class UseProbe:
         t0 = time.perf_counter()
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and t.layout is torch.strided:
-                tp = self._by_storage.get(t.untyped_storage()._cdata)
+                tp = self._by_storage.get(storage_id(t))
                 if tp is not None and tp.state is not ParamState.DEVICE:
                     self._fold(tp)
         self._session.counters.hook_seconds += time.perf_counter() - t0
 
     def _fold(self, tp: TieredParam) -> None:
         module = self._running[-1]
-        unit = fold_into(self._session, module, self._names[id(module)], [tp])
+        unit = self._session.registry.fold_into(module, self._names[id(module)], [tp])
         self.folded += 1
         # Inside the dispatch handler the mode is off: these copies are not seen.
-        self._session.require(unit)
+        self._session.mover.require(unit)
 
 
 class ModuleHooks:
@@ -181,7 +181,7 @@ class ModuleHooks:
         >>> hooks.remove()                 # doctest: +SKIP
     """
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session) -> None:
         self._session = session
         self._handles: list[Any] = []
         self._forward_handles: dict[int, tuple[Any, ...]] = {}   # id(module) -> its forward hooks
@@ -245,14 +245,14 @@ class ModuleHooks:
     def _enter(self, module: nn.Module) -> None:
         if self._probe is not None:
             self._probe.enter(module)
-        unit = self._session.unit_of.get(id(module))
+        unit = self._session.registry.unit_of.get(id(module))
         if unit is not None:
             self._unwatched(self._session.pre_forward, unit)
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         if self._probe is not None:
             self._probe.leave(module)   # the root's leave ends the probing
-        unit = self._session.unit_of.get(id(module))   # after folds in this forward
+        unit = self._session.registry.unit_of.get(id(module))   # after folds in this forward
         if unit is not None:
             self._unwatched(self._finish_forward, unit, output)
 
@@ -276,8 +276,8 @@ class ModuleHooks:
         if probe is None or probe.state is not ProbeState.DONE:
             return
         if probe.folded:
-            replan(self._session)
-        for key in [k for k in self._forward_handles if k not in self._session.unit_of]:
+            self._session.mover.replan()
+        for key in [k for k in self._forward_handles if k not in self._session.registry.unit_of]:
             for handle in self._forward_handles.pop(key):
                 handle.remove()
         self._probe = None

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tierd.client.keys import ModelKeys
 from tierd.errors import StateError
 
 if TYPE_CHECKING:
@@ -72,27 +73,26 @@ class TieredParameter(nn.Parameter):
 class TieredParam:
     """Bookkeeping for one parameter: its keys, its state, its storage.
 
-    Keys in the daemon (``prefix`` is unique per attach):
-    ``<prefix>/p/<name>`` the value in compute dtype (what is copied in),
-    ``<prefix>/master/<name>`` fp32 master weights when the compute dtype is
-    lower precision (the optimizer updates it, then refreshes ``p``),
-    ``<prefix>/grad/<name>`` the fp32 gradient accumulated across backwards
-    (created the first time a gradient is written to the pool).
+    Its keys (``tierd.client.keys``): ``key`` the value in compute dtype
+    (what is copied in), ``master_key`` the fp32 master weights when the
+    compute dtype is lower precision (the optimizer updates it, then
+    refreshes ``key``; the same key in fp32), ``grad_key`` the fp32 gradient
+    accumulated across backwards (created when first written to the pool).
     """
 
-    def __init__(self, *, name: str, prefix: str, param: TieredParameter,
+    def __init__(self, *, name: str, keys: ModelKeys, param: TieredParameter,
                  orig_dtype: torch.dtype, orig_device: torch.device,
                  resident: bool, session) -> None:
         self.name = name
-        self.session = session   # the attached model's Session that owns it
+        self.session = session   # the AttachSession that owns it
         self.param = param
         self.orig_dtype = orig_dtype
         self.orig_device = orig_device
         self.resident = resident
-        self.key = f"{prefix}/p/{name}"
-        self.grad_key = f"{prefix}/grad/{name}"
+        self.key = keys.param(name)
+        self.grad_key = keys.grad(name)
         self.has_master = param.dtype != torch.float32 and param.requires_grad
-        self.master_key = f"{prefix}/master/{name}" if self.has_master else self.key
+        self.master_key = keys.master(name) if self.has_master else self.key
         self.nbytes = param.numel() * param.element_size()
         # The summed gradient is in the pool under grad_key (False after zero_grad).
         self.grad_in_pool = False
@@ -100,7 +100,7 @@ class TieredParam:
         self.grad_created = False
         # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
         self.grad_norm: torch.Tensor | None = None
-        # Graph task that materialized it in backward (see Session.end_backward).
+        # Graph task that materialized it in backward (see Mover.free_task).
         self.backward_task = -1
         self._inflight: InflightCopy | None = None
         self.state = ParamState.DEVICE if resident else ParamState.HOST
@@ -134,7 +134,6 @@ class TieredParam:
     def finish_swap_in(self, stream: CopyStream) -> None:
         """H2D_INFLIGHT -> DEVICE: the compute stream waits on the copy's event."""
         self._expect(ParamState.H2D_INFLIGHT, action="finish swap-in of")
-        assert self._inflight is not None
         stream.wait(self._inflight)
         self._inflight = None
         self.state = ParamState.DEVICE
@@ -167,7 +166,6 @@ class TieredParam:
     def finish_write_back(self) -> None:
         """D2H_INFLIGHT -> DEVICE once the copy out has completed."""
         self._expect(ParamState.D2H_INFLIGHT, action="finish write-back of")
-        assert self._inflight is not None
         self._inflight.synchronize()
         self._inflight = None
         self.state = ParamState.DEVICE

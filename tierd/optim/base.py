@@ -24,7 +24,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierd.client.checkpoint import step_count_key
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.optim.fused import FusedUpdates
 
@@ -113,7 +112,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
         """Step counts a commit stored ([Note: what a training commit holds] in
         tierd.client.checkpoint); a parameter without one has never stepped."""
-        keys = {tp: step_count_key(session.prefix, tp.name) for tp in tps}
+        keys = {tp: session.keys.step_count(tp.name) for tp in tps}
         stored = [k for k in keys.values() if k in session.resumed_keys]
         if not stored:
             return
@@ -124,7 +123,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def step_counts(self, session) -> dict[str, torch.Tensor]:
         """Every parameter's step count of ``session`` as tensors to store at a commit."""
-        return {step_count_key(session.prefix, tp.name):
+        return {session.keys.step_count(tp.name):
                 torch.tensor(self.state[tp.param].get("step", 0.0), dtype=torch.float64)
                 for tp in self._owned() if tp.session is session}
 
@@ -221,7 +220,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = None
             return None
         norms = [tp.grad_norm for tp in self._all() if tp.grad_in_pool]
-        ranks = next((s.ranks for s in self._by_session(self._all()) if s.ranks), None)
+        ranks = next((s.share.ranks for s in self._by_session(self._all()) if s.share), None)
         if ranks is not None:
             # each owner has the norms of its shard: sum the squares over the node
             local = (torch.stack([n.double() for n in norms]).square().sum().cpu() if norms
@@ -257,7 +256,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         return blocks
 
     def state_key(self, tp: TieredParam, name: str) -> str:
-        return f"{tp.session.prefix}/optim/{name}/{tp.name}"
+        return tp.session.keys.state(name, tp.name)
 
     def _compute_device(self, tp: TieredParam) -> torch.device:
         placement = self.placement or tp.session.config.optimizer_placement
@@ -309,7 +308,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
             if k not in shared and views[k].data_ptr() != t.data_ptr():
                 views[k].copy_(t, non_blocking=on_device)
         if publish:
-            tp.session.publish(publish)
+            tp.session.share.publish(publish)
         if tp.resident:
             tp.session.refresh_resident(tp, work["param"])
         return on_device

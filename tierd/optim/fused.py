@@ -39,7 +39,7 @@ uses (the embedding, the first blocks). Copying their new compute values out
 and straight back in would make the next step wait for every copy out queued
 before them. On CUDA the session keeps those in its first prefetch window
 (within ``gpu_budget_bytes``) on the device instead
-(:meth:`Session.keep_new_value`): between steps only they hold storage.
+(:meth:`tierd.client.mover.Mover.keep_new_value`): between steps only they hold storage.
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
@@ -296,7 +296,7 @@ class FusedUpdates:
             shared = session.leases.shared
             b.work = {k: v.clone() if k in shared else v for k, v in views.items()}
         if session.leases.shared:   # the daemon answers while the copy runs
-            b.reserved = session.reserve_shared(b.tps)
+            b.reserved = session.share.reserve(b.tps)
         b.state = BucketState.FETCHED
         self._fetched_bytes += b.nbytes
 
@@ -345,7 +345,7 @@ class FusedUpdates:
                     session.keep_new_value(tp, new)
         shared = session.leases.shared
         if any(k in shared for k, _ in written):
-            session.publish([(k, t) for k, t in written if k in shared], b.reserved)
+            session.share.publish([(k, t) for k, t in written if k in shared], b.reserved)
             b.reserved = None
             written = [(k, t) for k, t in written if k not in shared]
         elif b.reserved is not None:   # nothing of it updated: give the slots back

@@ -1,0 +1,103 @@
+"""How an attached model uses the tiers: one config, composed of its parts'.
+
+The activation part is :class:`tierd.client.activations.ActivationConfig`;
+the mover's part (:class:`tierd.client.mover.MoverConfig`) is derived from
+the budgets here once the pool size is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierd.client.activations import POLICIES, ActivationConfig
+from tierd.client.mover import MoverConfig
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_PLACEMENTS = ("gpu-stream", "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachConfig:
+    """How an attached model uses the tiers. Every field has a working default.
+
+    Example:
+        >>> AttachConfig(compute_dtype="bf16", gpu_budget_bytes=4 << 30).compute_dtype
+        torch.bfloat16
+    """
+
+    #: Compute device; ``None`` picks the current CUDA device, else the CPU.
+    device: str | torch.device | None = None
+    #: dtype the parameters have on the compute device ("fp32", "bf16",
+    #: "fp16" or a torch dtype). Below fp32, fp32 master weights are kept in
+    #: tierd and the optimizer updates those.
+    compute_dtype: str | torch.dtype = torch.float32
+    #: Most bytes of parameters allowed on the compute device for prefetch
+    #: (the unit running now is always fetched, even above the budget).
+    gpu_budget_bytes: int = 2 << 30
+    #: Bytes of upcoming parameters for which pool leases are requested
+    #: ahead of use (brings NVMe-resident ones into the pool in time).
+    prefetch_bytes: int = 512 << 20
+    #: Parameters smaller than this stay on the compute device all the time.
+    resident_below_bytes: int = 0
+    #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
+    #: (per block on the compute device) or "cpu" (in place in the pool).
+    optimizer_placement: str = "gpu-stream"
+    #: Keep lasting pool leases on the model's keys (compute-dtype params,
+    #: then optimizer states) while they take at most this fraction of the
+    #: pool: no daemon request per use. Above it, keys are leased per use and
+    #: may spill to NVMe. 0 disables holding.
+    hold_fraction: float = 0.5
+    #: Gradients are written to the pool in buckets of about this many bytes.
+    grad_bucket_bytes: int = 32 << 20
+    #: Key prefix in the daemon (a random one when None); must be unique.
+    name: str | None = None
+    #: Tier what autograd saves in forward: an :class:`ActivationConfig`, or
+    #: its policy alone ("offload", "recompute", "auto"); None leaves
+    #: activations alone. See ``tierd.client.activations``.
+    activations: ActivationConfig | str | None = None
+
+    def __post_init__(self) -> None:
+        dtype = self.compute_dtype
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"compute_dtype={dtype!r} is unknown; use one of "
+                                 f"{sorted(_DTYPES)} or a torch dtype")
+            dtype = _DTYPES[dtype]
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype={dtype} is not a float compute dtype; "
+                             "use torch.float32, torch.bfloat16 or torch.float16")
+        object.__setattr__(self, "compute_dtype", dtype)
+        for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
+                  "grad_bucket_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        if not 0.0 <= self.hold_fraction <= 1.0:
+            raise ValueError(f"hold_fraction={self.hold_fraction} must be in [0, 1]")
+        if self.optimizer_placement not in _PLACEMENTS:
+            raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
+                             f"use one of {_PLACEMENTS}")
+        if self.device is not None:
+            object.__setattr__(self, "device", torch.device(self.device))
+        if isinstance(self.activations, str):
+            if self.activations not in POLICIES:
+                raise ValueError(f"activations={self.activations!r}; use one of {POLICIES} "
+                                 "or an ActivationConfig")
+            object.__setattr__(self, "activations", ActivationConfig(policy=self.activations))
+        elif self.activations is not None and not isinstance(self.activations, ActivationConfig):
+            raise ValueError(f"activations={self.activations!r}; use a policy name "
+                             f"{POLICIES[:-1]}, an ActivationConfig or None")
+
+    def mover(self, lease_cap: int) -> MoverConfig:
+        """The mover's part; leases asked ahead stay within ``lease_cap``."""
+        return MoverConfig(gpu_budget_bytes=self.gpu_budget_bytes,
+                           prefetch_bytes=min(self.prefetch_bytes, lease_cap))
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
