@@ -1,8 +1,9 @@
 """The store client: ``tierd.connect()`` and its asyncio twin ``tierd.aconnect()``.
 
-Both speak through the same request procedures (:class:`_Procedures`), written
-as generators that yield requests and receive replies, so the blocking and the
-asyncio clients share every line of logic and differ only in how they wait.
+Every store call is written once, in :class:`_StoreCalls`, as a generator that
+yields requests and receives replies; each client runs those generators its
+own way (:meth:`Client._run` blocks and returns the value, :meth:`AsyncClient._run`
+returns a coroutine), so the two clients differ only in how they wait.
 
 Tensor bytes never travel over the socket: ``put`` reserves pool slots, copies
 into the shared mapping and publishes; ``get`` leases, copies out, releases.
@@ -16,7 +17,6 @@ import threading
 import time
 import weakref
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from tierd import protocol as P
 from tierd.client.control import ControlChannel, dtype_name
+from tierd.client.store import Leased
 from tierd.config import default_socket_path
 from tierd.errors import DaemonUnavailable, TierdError, from_wire
 
@@ -32,17 +33,6 @@ if TYPE_CHECKING:
     import torch
 
 POLL_MS = 10
-
-
-@dataclass(frozen=True)
-class Leased:
-    """A key pinned in the pool. ``tensor`` is a view of the shared pool
-    mapping: read it (or, for a write lease, write it) with no further request.
-    Valid until the key is released."""
-
-    key: str
-    tensor: torch.Tensor
-    version: int
 
 
 def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
@@ -69,10 +59,18 @@ def _check(reply: Any) -> Any:
     return reply
 
 
-class _Procedures:
-    """Request sequences shared by both clients; each yields requests."""
+def _one(req: P.Request, convert=lambda reply: reply) -> Generator:
+    """A single request; its reply (converted) is the result."""
+    return convert((yield req))
+
+
+class _StoreCalls:
+    """The store API, written once for both clients; ``_run`` is theirs."""
 
     control: ControlChannel
+
+    def _run(self, proc: Generator) -> Any:
+        raise NotImplementedError
 
     def _leased(self, reply: P.Placed) -> list[Leased]:
         return [Leased(p.key, self.control.tensor(p), p.version) for p in reply.placements]
@@ -98,6 +96,78 @@ class _Procedures:
         yield P.Release(keys)
         return out
 
+    def put(self, key: str, tensor: torch.Tensor):
+        """Store a copy of ``tensor`` under ``key`` (replacing any older version)."""
+        return self._run(self._put({key: tensor}))
+
+    def put_many(self, items: Mapping[str, torch.Tensor]):
+        return self._run(self._put(dict(items)))
+
+    def get(self, key: str):
+        """A new CPU tensor with the stored bytes; ``KeyError`` if there is none."""
+        return self._run(_one_of(self._get((key,)), key))
+
+    def get_many(self, keys: Iterable[str]):
+        return self._run(self._get(_keys(keys)))
+
+    def prefetch(self, keys: str | Iterable[str]):
+        """Start bringing keys into the pool; returns once the daemon accepted it."""
+        return self._run(_one(P.Prefetch(_keys(keys)), _nothing))
+
+    def evict(self, keys: str | Iterable[str]):
+        """Write keys to NVMe and free their pool slots; returns when done."""
+        return self._run(_one(P.Evict(_keys(keys)), _nothing))
+
+    def delete(self, keys: str | Iterable[str]):
+        return self._run(_one(P.Delete(_keys(keys)), _nothing))
+
+    def keys(self, prefix: str = ""):
+        return self._run(_one(P.Keys(prefix), lambda r: list(r.keys)))
+
+    def drop_job(self):
+        """Delete every tensor of this client's job (other clients of it stay)."""
+        return self._run(_one(P.DropJob(), _nothing))
+
+    def stats(self):
+        """Pool and NVMe sizes and use, tensor count, traffic counters, jobs."""
+        return self._run(_one(P.Stats(), lambda r: r.stats))
+
+    def commit(self, tag: str):
+        """Make every tensor of this client's job durable as one version tagged
+        ``tag``; after a daemon crash and restart the job holds exactly this
+        version. Returns ``{"tag", "seq", "tensors", "bytes", "written_bytes"}``.
+        Only named jobs commit (``connect(job="name")``).
+
+        >>> c = tierd.connect(job="run1"); c.put("w", w)     # doctest: +SKIP
+        >>> c.commit("step-100")["written_bytes"]             # doctest: +SKIP
+        4096
+        """
+        return self._run(_one(P.Commit(tag), lambda r: dict(r.info)))
+
+    def commits(self):
+        """Tags of this job's commits, oldest first; the last is what a restart restores."""
+        return self._run(_one(P.Commits(), lambda r: list(r.tags)))
+
+    def lease(self, keys: Iterable[str], write: bool = False):
+        """Pin keys in the pool (swapping in from NVMe) and return views of them."""
+        return self._run(_one(P.Lease(_keys(keys), write), self._leased))
+
+    def release(self, keys: Iterable[str], written: bool = False):
+        """Release leases; with ``written`` the write-leased bytes become the new version."""
+        return self._run(_one(P.Release(_keys(keys), written), _nothing))
+
+    def abort(self, keys: Iterable[str]):
+        """Give back reserved, unpublished keys."""
+        return self._run(_one(P.Abort(_keys(keys)), _nothing))
+
+
+def _nothing(reply: Any) -> None:
+    return None
+
+
+def _one_of(proc: Generator, key: str) -> Generator:
+    return (yield from proc)[key]
+
 
 class Pending:
     """A request on its way; :meth:`result` waits for and returns its reply."""
@@ -111,7 +181,7 @@ class Pending:
         return self._convert(_check(self._client._wait(self._rid, timeout)))
 
 
-class Client(_Procedures):
+class Client(_StoreCalls):
     """Blocking client; safe to share between threads.
 
     >>> c = tierd.connect()                      # doctest: +SKIP
@@ -176,15 +246,12 @@ class Client(_Procedures):
         if self._replies.pop(rid, None) is not None:
             self._discard.discard(rid)
 
-    def _call(self, req: P.Request) -> Any:
-        return self._submit(req).result()
-
-    def _drive(self, proc: Generator) -> Any:
+    def _run(self, proc: Generator) -> Any:
         try:
             req = next(proc)
             while True:
                 try:
-                    reply = self._call(req)
+                    reply = self._submit(req).result()
                 except TierdError as exc:
                     req = proc.throw(exc)
                 else:
@@ -192,75 +259,15 @@ class Client(_Procedures):
         except StopIteration as stop:
             return stop.value
 
-    # ----------------------------------------------------------- store API
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Store a copy of ``tensor`` under ``key`` (replacing any older version)."""
-        self._drive(self._put({key: tensor}))
-
-    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
-        self._drive(self._put(dict(items)))
-
-    def get(self, key: str) -> torch.Tensor:
-        """A new CPU tensor with the stored bytes; ``KeyError`` if there is none."""
-        return self._drive(self._get((key,)))[key]
-
-    def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        return self._drive(self._get(_keys(keys)))
-
-    def prefetch(self, keys: str | Iterable[str]) -> None:
-        """Start bringing keys into the pool; returns once the daemon accepted it."""
-        self._call(P.Prefetch(_keys(keys)))
-
-    def evict(self, keys: str | Iterable[str]) -> None:
-        """Write keys to NVMe and free their pool slots; returns when done."""
-        self._call(P.Evict(_keys(keys)))
-
-    def delete(self, keys: str | Iterable[str]) -> None:
-        self._call(P.Delete(_keys(keys)))
-
-    def keys(self, prefix: str = "") -> list[str]:
-        return list(self._call(P.Keys(prefix)).keys)
-
     def check_alive(self) -> None:
         """Raise DaemonUnavailable if the daemon has gone; sends no request (one
         non-blocking poll of the control socket), so hot paths may call it."""
         if not self.control.alive():
             raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
 
-    def drop_job(self) -> None:
-        """Delete every tensor of this client's job (other clients of it stay)."""
-        self._call(P.DropJob())
-
-    def stats(self) -> dict:
-        """Pool and NVMe sizes and use, tensor count, traffic counters, jobs."""
-        return self._call(P.Stats()).stats
-
-    def commit(self, tag: str) -> dict:
-        """Make every tensor of this client's job durable as one version tagged
-        ``tag``; after a daemon crash and restart the job holds exactly this
-        version. Returns ``{"tag", "seq", "tensors", "bytes", "written_bytes"}``.
-        Only named jobs commit (``connect(job="name")``).
-
-        >>> c = tierd.connect(job="run1"); c.put("w", w)     # doctest: +SKIP
-        >>> c.commit("step-100")["written_bytes"]             # doctest: +SKIP
-        4096
-        """
-        return dict(self._call(P.Commit(tag)).info)
-
-    def commits(self) -> list[str]:
-        """Tags of this job's commits, oldest first; the last is what a restart restores."""
-        return list(self._call(P.Commits()).tags)
-
-    # ----------------------------------------------------------- lease API
-    def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
-        """Pin keys in the pool (swapping in from NVMe) and return views of them."""
-        return self.lease_async(keys, write).result()
-
+    # ------------------------------------------------ requests left in flight
     def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending:
         return self._submit(P.Lease(_keys(keys), write), self._leased)
-
-    def release(self, keys: Iterable[str], written: bool = False) -> None:
-        self.release_async(keys, written).result()
 
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
         """Release leases; with ``written`` the write-leased bytes become the new version."""
@@ -277,10 +284,6 @@ class Client(_Procedures):
         """Make reserved keys the current versions (older ones are freed once
         nobody leases them)."""
         return self._submit(P.Publish(_keys(keys)))
-
-    def abort(self, keys: Iterable[str]) -> None:
-        """Give back reserved, unpublished keys."""
-        self._call(P.Abort(_keys(keys)))
 
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)
@@ -305,8 +308,8 @@ class Client(_Procedures):
         self.close()
 
 
-class AsyncClient(_Procedures):
-    """The asyncio flavour: the same calls, awaitable.
+class AsyncClient(_StoreCalls):
+    """The asyncio flavour: the same calls (those of :class:`_StoreCalls`), awaitable.
 
     >>> c = await tierd.aconnect()               # doctest: +SKIP
     >>> await c.put("kv/0", torch.ones(2))       # doctest: +SKIP
@@ -364,7 +367,7 @@ class AsyncClient(_Procedures):
         await self._sock.send(P.encode_request(rid, req))
         return _check(await fut)
 
-    async def _drive(self, proc: Generator) -> Any:
+    async def _run(self, proc: Generator) -> Any:
         try:
             req = next(proc)
             while True:
@@ -376,49 +379,6 @@ class AsyncClient(_Procedures):
                     req = proc.send(reply)
         except StopIteration as stop:
             return stop.value
-
-    async def put(self, key: str, tensor: torch.Tensor) -> None:
-        await self._drive(self._put({key: tensor}))
-
-    async def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
-        await self._drive(self._put(dict(items)))
-
-    async def get(self, key: str) -> torch.Tensor:
-        return (await self._drive(self._get((key,))))[key]
-
-    async def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        return await self._drive(self._get(_keys(keys)))
-
-    async def prefetch(self, keys: str | Iterable[str]) -> None:
-        await self._call(P.Prefetch(_keys(keys)))
-
-    async def evict(self, keys: str | Iterable[str]) -> None:
-        await self._call(P.Evict(_keys(keys)))
-
-    async def delete(self, keys: str | Iterable[str]) -> None:
-        await self._call(P.Delete(_keys(keys)))
-
-    async def keys(self, prefix: str = "") -> list[str]:
-        return list((await self._call(P.Keys(prefix))).keys)
-
-    async def drop_job(self) -> None:
-        await self._call(P.DropJob())
-
-    async def stats(self) -> dict:
-        return (await self._call(P.Stats())).stats
-
-    async def commit(self, tag: str) -> dict:
-        """As :meth:`Client.commit`."""
-        return dict((await self._call(P.Commit(tag))).info)
-
-    async def commits(self) -> list[str]:
-        return list((await self._call(P.Commits())).tags)
-
-    async def lease(self, keys: Iterable[str], write: bool = False) -> list[Leased]:
-        return self._leased(await self._call(P.Lease(_keys(keys), write)))
-
-    async def release(self, keys: Iterable[str], written: bool = False) -> None:
-        await self._call(P.Release(_keys(keys), written))
 
     async def close(self) -> None:
         self._reader.cancel()
