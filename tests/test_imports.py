@@ -13,25 +13,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tierd"
 MAX_LINES = 500
 MAX_METHODS = 25
 
-# Known back edges (importer, imported) left out of the graph. Both close the
-# client's attach <-> checkpoint cycle (imports inside functions: checkpoint
-# imports attach, attach imports the package, which imports checkpoint); the
-# client's split removes them: delete the entries then.
-KNOWN_CYCLE_EDGES: frozenset[tuple[str, str]] = frozenset({
-    ("tierd.client.checkpoint", "tierd.client.attach"),
-    ("tierd.client.attach", "tierd"),
-})
+# Known back edges (importer, imported) left out of the graph: none. Add one
+# only with a comment saying why and when it goes.
+KNOWN_CYCLE_EDGES: frozenset[tuple[str, str]] = frozenset()
 
-# Today's oversized modules and classes, in the client (shrinking with its
-# split) and the activation benchmark (moved into the package whole); delete
-# each entry when it fits. Files are paths relative to tierd/, classes
+# Today's oversized modules: the activation benchmark (moved into the package
+# whole); delete each entry when it fits. Files are paths relative to tierd/, classes
 # "path:Class".
 KNOWN_LONG_MODULES: frozenset[str] = frozenset({
-    "client/attached.py", "bench/activations.py",
+    "bench/activations.py",
 })
-KNOWN_LARGE_CLASSES: frozenset[str] = frozenset({
-    "client/attached.py:Session", "client/connection.py:Client", "client/store.py:LocalStore",
-})
+KNOWN_LARGE_CLASSES: frozenset[str] = frozenset()
 
 
 def module_name(path: Path) -> str:

@@ -21,13 +21,13 @@ The rules both follow (the daemon's catalog is the reference):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from tierd.client.keys import random_name
-from tierd.errors import CapacityError, DaemonUnavailable, StateError, UnknownKey
+from tierd.errors import CapacityError, DaemonUnavailable, StateError, TierdError, UnknownKey
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Done:
         """Run ``call`` now; its value or tierd error becomes the reply."""
         try:
             return cls(call())
-        except (StateError, CapacityError, UnknownKey, DaemonUnavailable) as exc:
+        except TierdError as exc:
             return cls(error=exc)
 
 
@@ -101,6 +101,89 @@ class _Entry:
     readers: int = 0
     writer: bool = False
     reserved: torch.Tensor | None = None
+
+
+class _Table:
+    """The lease rules over a LocalStore's entries (the daemon catalog's, in small)."""
+
+    def __init__(self, job: str, pool_bytes: int) -> None:
+        self.job = job
+        self.pool_bytes = pool_bytes
+        self.entries: dict[str, _Entry] = {}
+
+    def entry(self, key: str) -> _Entry:
+        e = self.entries.get(key)
+        if e is None or not e.version:
+            raise UnknownKey(f"no tensor under key {key!r} in job {self.job!r}")
+        return e
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(_nbytes(e.value) + (_nbytes(e.reserved) if e.reserved is not None else 0)
+                   for e in self.entries.values())
+
+    def lease(self, keys: tuple[str, ...], write: bool) -> list[Leased]:
+        if write and len(set(keys)) != len(keys):
+            raise StateError("a key appears twice in one write lease")
+        entries = [self.entry(k) for k in keys]
+        for e, k in zip(entries, keys):
+            if e.writer or (write and e.readers):
+                raise StateError(f"{k}: leased for {'writing' if e.writer else 'reading'} "
+                                 "by another client; release it first")
+        for e in entries:
+            if write:
+                e.writer = True
+            else:
+                e.readers += 1
+        return [Leased(k, e.value, e.version) for k, e in zip(keys, entries)]
+
+    def release(self, keys: tuple[str, ...], written: bool) -> None:
+        entries = {k: self.entries.get(k) for k in keys}
+        not_held = [k for k, e in entries.items() if e is None or not (e.writer or e.readers)]
+        if not_held:
+            raise StateError(f"release of keys this client does not lease: {not_held[:5]}")
+        if written and any(not e.writer for e in entries.values()):
+            raise StateError("released as written, but these leases are read-only: "
+                             f"{[k for k, e in entries.items() if not e.writer][:5]}")
+        for e in entries.values():
+            if e.writer:
+                e.writer = False
+                e.version += written
+            else:
+                e.readers -= 1
+
+    def reserve(self, like: dict[str, torch.Tensor]) -> list[Leased]:
+        need = sum(_nbytes(t) for t in like.values())
+        if self.used_bytes + need > self.pool_bytes:
+            raise CapacityError(f"the local store holds {self.used_bytes} of "
+                                f"{self.pool_bytes} bytes; {need} more do not fit")
+        out = []
+        for k, t in like.items():
+            e = self.entries.get(k)
+            if e is not None and e.reserved is not None:
+                raise StateError(f"{k}: already reserved by this client; publish or abort it")
+            slot = torch.empty(t.shape, dtype=t.dtype)
+            if e is None:   # a key first seen here exists once published
+                e = self.entries[k] = _Entry(value=torch.empty(0, dtype=t.dtype), version=0)
+            e.reserved = slot
+            out.append(Leased(k, slot, e.version + 1))
+        return out
+
+    def publish(self, keys: tuple[str, ...]) -> None:
+        missing = [k for k in keys if k not in self.entries or self.entries[k].reserved is None]
+        if missing:
+            raise StateError(f"publish of keys this client has not reserved: {missing[:5]}")
+        for k in keys:
+            e = self.entries[k]
+            e.value, e.reserved, e.version = e.reserved, None, e.version + 1
+
+    def abort(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.reserved is not None:
+                e.reserved = None
+                if e.version == 0:
+                    del self.entries[k]
 
 
 @dataclass
@@ -122,117 +205,44 @@ class LocalStore:
 
     job: str | None = None
     pool_bytes: int = 1 << 30
-    _entries: dict[str, _Entry] = field(default_factory=dict)
-    _commits: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
-    _closed: bool = False
     requests: int = 0   # calls made, as the daemon would count requests
 
     def __post_init__(self) -> None:
         self.ephemeral = self.job is None
         if self.job is None:
             self.job = f"local-{random_name()}"
-
-    # ------------------------------------------------------------ helpers
-    def _check(self) -> None:
-        self.requests += 1
-        if self._closed:
-            raise DaemonUnavailable("this local store is closed")
-
-    def _entry(self, key: str) -> _Entry:
-        e = self._entries.get(key)
-        if e is None or not e.version:
-            raise UnknownKey(f"no tensor under key {key!r} in job {self.job!r}")
-        return e
+        self._table = _Table(self.job, self.pool_bytes)
+        self._commits: list[tuple[str, dict[str, torch.Tensor]]] = []
+        self._closed = False
 
     @property
     def used_bytes(self) -> int:
-        return sum(_nbytes(e.value) + (_nbytes(e.reserved) if e.reserved is not None else 0)
-                   for e in self._entries.values())
+        return self._table.used_bytes
 
-    # ------------------------------------------------------------ leases
+    def _call(self, fn: Callable, *args: Any) -> Done:
+        """One request: counted, refused once closed, its error kept for ``result()``."""
+        self.requests += 1
+        if self._closed:
+            return Done(error=DaemonUnavailable("this local store is closed"))
+        return Done.of(lambda: fn(*args))
+
     def lease_async(self, keys: Iterable[str], write: bool = False) -> Done:
-        return Done.of(lambda: self._lease(tuple(keys), write))
-
-    def _lease(self, keys: tuple[str, ...], write: bool) -> list[Leased]:
-        self._check()
-        if write and len(set(keys)) != len(keys):
-            raise StateError("a key appears twice in one write lease")
-        entries = [self._entry(k) for k in keys]
-        for e, k in zip(entries, keys):
-            if e.writer or (write and e.readers):
-                raise StateError(f"{k}: leased for {'writing' if e.writer else 'reading'} "
-                                 "by another client; release it first")
-        for e in entries:
-            if write:
-                e.writer = True
-            else:
-                e.readers += 1
-        return [Leased(k, e.value, e.version) for k, e in zip(keys, entries)]
+        return self._call(self._table.lease, tuple(keys), write)
 
     def release_async(self, keys: Iterable[str], written: bool = False) -> Done:
-        return Done.of(lambda: self._release(tuple(keys), written))
+        return self._call(self._table.release, tuple(keys), written)
 
     def release(self, keys: Iterable[str], written: bool = False) -> None:
         self.release_async(keys, written).result()
 
-    def _release(self, keys: tuple[str, ...], written: bool) -> None:
-        self._check()
-        entries = {k: self._entries.get(k) for k in keys}
-        not_held = [k for k, e in entries.items() if e is None or not (e.writer or e.readers)]
-        if not_held:
-            raise StateError(f"release of keys this client does not lease: {not_held[:5]}")
-        if written and any(not e.writer for e in entries.values()):
-            raise StateError("released as written, but these leases are read-only: "
-                             f"{[k for k, e in entries.items() if not e.writer][:5]}")
-        for e in entries.values():
-            if e.writer:
-                e.writer = False
-                e.version += written
-            else:
-                e.readers -= 1
-
-    # ------------------------------------------------------------ versions
     def reserve_async(self, like: Mapping[str, torch.Tensor]) -> Done:
-        return Done.of(lambda: self._reserve(dict(like)))
-
-    def _reserve(self, like: dict[str, torch.Tensor]) -> list[Leased]:
-        self._check()
-        need = sum(_nbytes(t) for t in like.values())
-        if self.used_bytes + need > self.pool_bytes:
-            raise CapacityError(f"the local store holds {self.used_bytes} of "
-                                f"{self.pool_bytes} bytes; {need} more do not fit")
-        out = []
-        for k, t in like.items():
-            e = self._entries.get(k)
-            if e is not None and e.reserved is not None:
-                raise StateError(f"{k}: already reserved by this client; publish or abort it")
-            slot = torch.empty(t.shape, dtype=t.dtype)
-            if e is None:   # a key first seen here exists once published
-                e = self._entries[k] = _Entry(value=torch.empty(0, dtype=t.dtype), version=0)
-            e.reserved = slot
-            out.append(Leased(k, slot, e.version + 1))
-        return out
+        return self._call(self._table.reserve, dict(like))
 
     def publish_async(self, keys: Iterable[str]) -> Done:
-        return Done.of(lambda: self._publish(tuple(keys)))
-
-    def _publish(self, keys: tuple[str, ...]) -> None:
-        self._check()
-        missing = [k for k in keys if k not in self._entries or self._entries[k].reserved is None]
-        if missing:
-            raise StateError(f"publish of keys this client has not reserved: {missing[:5]}")
-        for k in keys:
-            e = self._entries[k]
-            e.value, e.reserved, e.version = e.reserved, None, e.version + 1
+        return self._call(self._table.publish, tuple(keys))
 
     def abort(self, keys: Iterable[str]) -> None:
-        self._check()
-        for k in keys:
-            e = self._entries.get(k)
-            if e is not None and e.reserved is not None:
-                e.reserved = None
-                if e.version == 0:
-                    del self._entries[k]
+        self._call(self._table.abort, tuple(keys)).result()
 
     # ------------------------------------------------------------ store API
     def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
@@ -255,43 +265,48 @@ class LocalStore:
         return self.get_many((key,))[key]
 
     def delete(self, keys: str | Iterable[str]) -> None:
-        self._check()
-        for k in (keys,) if isinstance(keys, str) else tuple(keys):
-            e = self._entries.get(k)
+        self._call(self._delete, (keys,) if isinstance(keys, str) else tuple(keys)).result()
+
+    def _delete(self, keys: tuple[str, ...]) -> None:
+        for k in keys:
+            e = self._table.entries.get(k)
             if e is not None and e.writer:
                 raise StateError(f"{k}: cannot delete while write-leased")
-            self._entries.pop(k, None)
+            self._table.entries.pop(k, None)
 
     def keys(self, prefix: str = "") -> list[str]:
-        self._check()
-        return sorted(k for k, e in self._entries.items() if k.startswith(prefix) and e.version)
+        entries = self._table.entries
+        return self._call(lambda: sorted(k for k, e in entries.items()
+                                         if k.startswith(prefix) and e.version)).result()
 
     def stats(self) -> dict:
-        self._check()
-        return {"pool_bytes": self.pool_bytes, "pool_used": self.used_bytes,
-                "tensors": len(self._entries),
-                "jobs": {self.job: {"ephemeral": self.ephemeral}}}
+        return self._call(lambda: {
+            "pool_bytes": self.pool_bytes, "pool_used": self.used_bytes,
+            "tensors": len(self._table.entries),
+            "jobs": {self.job: {"ephemeral": self.ephemeral}}}).result()
 
     def commit(self, tag: str) -> dict:
-        self._check()
+        return self._call(self._commit, tag).result()
+
+    def _commit(self, tag: str) -> dict:
         if self.ephemeral:
             raise StateError(f"job {self.job!r} is a default job, which is never committed")
-        leased = [k for k, e in self._entries.items() if e.writer]
+        entries = self._table.entries
+        leased = [k for k, e in entries.items() if e.writer]
         if leased:
             raise StateError(f"cannot commit while keys are write-leased: {leased[:5]}")
-        snapshot = {k: e.value.clone() for k, e in self._entries.items() if e.version}
+        snapshot = {k: e.value.clone() for k, e in entries.items() if e.version}
         self._commits.append((tag, snapshot))
         return {"tag": tag, "seq": len(self._commits), "tensors": len(snapshot),
                 "bytes": sum(_nbytes(t) for t in snapshot.values())}
 
     def commits(self) -> list[str]:
-        self._check()
-        return [tag for tag, _ in self._commits]
+        return self._call(lambda: [tag for tag, _ in self._commits]).result()
 
     def restart(self) -> None:
         """What a daemon restart leaves: the last commit, no leases, no reservations."""
         last = self._commits[-1][1] if self._commits else {}
-        self._entries = {k: _Entry(value=v.clone()) for k, v in last.items()}
+        self._table.entries = {k: _Entry(value=v.clone()) for k, v in last.items()}
 
     def check_alive(self) -> None:
         if self._closed:
