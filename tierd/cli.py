@@ -7,7 +7,7 @@ dataclass defaults (:mod:`tierd.config`).
 
 The commands that talk to a running daemon (``status``, ``top``, ``health``,
 ``drop-job``) never import torch: a probe runs every few seconds and torch
-takes a second to import. Only ``demo`` and ``import`` need it.
+takes a second to import. Only ``demo``, ``bench`` and ``import`` need it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierd import __version__
 from tierd import config as C
 from tierd.errors import TierdError
 
@@ -307,6 +308,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from tierd.bench import add_arguments
+    add_arguments(p)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tierd.bench.run import cmd_bench as run_bench
+    return run_bench(args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "run the node daemon (pool + NVMe tier) until SIGTERM",
             _serve_arguments, cmd_serve),
@@ -324,6 +335,8 @@ COMMANDS: tuple[Command, ...] = (
             _import_arguments, cmd_import),
     Command("demo", "fine-tune a small GPT-2 with every tensor in tierd",
             _demo_arguments, cmd_demo),
+    Command("bench", "measure tierd against this machine's limits and the peers found here",
+            _bench_arguments, cmd_bench),
 )
 
 
@@ -336,6 +349,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentParser:
     parser = Parser(prog="tierd", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"tierd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 title="commands", parser_class=Parser)
     for cmd in commands:

@@ -1,6 +1,9 @@
-"""The benchmark suite runs end to end (``--quick``) and writes its JSON.
+"""``tierd bench`` from the source tree: ``--only`` picks sections, a bad
+section name is refused before anything runs, a missing peer is one line.
 
-Checks the shape of the output, never a timing: figures are for people.
+The whole ``--quick`` suite runs from an installed wheel in
+tests/test_package.py. Checks the shape of the output, never a timing:
+figures are for people.
 """
 
 from __future__ import annotations
@@ -9,24 +12,49 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, subprocess_env
+from tierd.bench import report, run, training
+from tierd.cli import main
 
-SECTIONS = {"limits", "dataplane", "training", "forward", "control", "multijob"}
 
-
-def test_quick_run_writes_every_section(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tierd.bench.run", "--quick", "--out", str(tmp_path),
-                           "--nvme", str(tmp_path / "nvme")],
+def test_only_runs_the_named_sections(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tierd", "bench", "--quick", "--only", "1",
+                           "--out", str(tmp_path), "--nvme", str(tmp_path / "nvme")],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = list(tmp_path.glob("*.json"))
-    assert len(files) == 1, files
-    results = json.loads(files[0].read_text())
-    assert set(results) >= {"meta", "sections"}
-    assert set(results["sections"]) == SECTIONS
-    for name, section in results["sections"].items():
-        assert section["status"] in ("ok", "skipped", "timeout"), (name, section)
-        assert isinstance(section["rows"], list)
-    assert results["sections"]["limits"]["rows"]
-    assert results["sections"]["dataplane"]["rows"]
+    (path,) = tmp_path.glob("*-quick.json")
+    sections = json.loads(path.read_text())["sections"]
+    assert list(sections) == list(run.SECTIONS)
+    assert sections["limits"]["status"] == "ok" and sections["limits"]["rows"]
+    for name in list(run.SECTIONS)[1:]:
+        assert sections[name] == {"title": run.SECTIONS[name][0], "status": "skipped",
+                                  "reason": "not selected (--only)", "rows": []}
+    assert "] limits: ok" in proc.stderr
+
+
+def test_an_unknown_section_is_refused_with_the_list_of_sections(tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--only", "limits,warp", "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown section 'warp'" in err
+    for i, name in enumerate(run.SECTIONS, 1):
+        assert f"{i} {name}" in err
+    assert not out.exists()   # refused before anything was measured or written
+
+
+def test_a_missing_peer_is_one_table_line_saying_why(monkeypatch):
+    real = training.importlib.util.find_spec
+    monkeypatch.setattr(training.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+    results, rows = training.measured(ctx=None, names=("accelerate",))   # starts no worker
+    assert results == {}
+    text = report.table({"sections": {"forward": {"title": "4 forward only", "status": "ok",
+                                                  "rows": rows}}})
+    lines = text.splitlines()[1:]
+    assert len(lines) == 1
+    assert "accelerate cpu_offload" in lines[0] and "accelerate is not installed" in lines[0]

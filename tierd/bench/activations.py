@@ -71,7 +71,7 @@ import torch  # noqa: E402
 
 import tierd  # noqa: E402
 from tierd.backends.hostpool import available_memory  # noqa: E402
-from tierd.bench.common import DEFAULT_OUT  # noqa: E402
+from tierd.bench import DEFAULT_OUT  # noqa: E402
 from tierd.client.activations import tier_activations  # noqa: E402
 from tierd.errors import TierdError  # noqa: E402
 

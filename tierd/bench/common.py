@@ -25,8 +25,6 @@ from tierd.config import ServeConfig, format_size
 #: the directory that holds the ``tierd`` package being measured: a source tree,
 #: or site-packages once installed. Child processes import tierd from it too.
 ROOT = Path(__file__).resolve().parents[2]
-#: where results go without ``--out``: the current directory, never the package
-DEFAULT_OUT = Path("tierd-bench-results")
 GB = 1e9
 
 #: the daemon's NVMe thread count and chunk size, read from the daemon's own code

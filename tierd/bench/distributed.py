@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tierd.bench.common import DEFAULT_OUT, subprocess_env
+from tierd.bench import DEFAULT_OUT
+from tierd.bench.common import subprocess_env
 
 LR = 1e-4
 

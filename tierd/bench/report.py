@@ -65,7 +65,8 @@ def table(results: dict) -> str:
         lines.append(head)
         for r in sec.get("rows", []):
             lines.append(f"  {r['what']:<52} {figure(r):<62} {ratio_text(r) or control_text(r)}")
-            lines.append(f"      {r['config']}")
+            if "skipped" not in r:   # a peer that cannot run here: one line, why
+                lines.append(f"      {r['config']}")
     bounds = [(r["what"], r["bound"]) for s in results["sections"].values()
               for r in s.get("rows", []) if r.get("bound")]
     if bounds:

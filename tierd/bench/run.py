@@ -1,4 +1,5 @@
-"""The benchmark suite: ``python -m tierd.bench.run [--quick] [--out DIR] [--only a,b]``.
+"""The benchmark suite: ``tierd bench [--quick] [--out DIR] [--only a,b]``
+(also ``python -m tierd.bench.run``).
 
 Measures the limits (pinned copies, raw O_DIRECT), tierd's data plane, the
 training step and forward pass against the all-on-GPU reference and the peers
@@ -30,11 +31,13 @@ from pathlib import Path
 
 import torch
 
-from tierd.bench import dataplane, limits, multijob, report, training
-from tierd.bench.common import (DEFAULT_OUT, FULL, QUICK, ROOT, Context, SectionTimeout, Skip,
-                                time_limit)
+import tierd
+from tierd.bench import (SECTION_NAMES, add_arguments, dataplane, limits, multijob, report,
+                         training)
+from tierd.bench.common import FULL, QUICK, ROOT, Context, SectionTimeout, Skip, time_limit
+from tierd.bench.progress import Progress
 
-SECTIONS = {   # name: (title, function, share of the time budget it may take)
+_MEASURE = {   # name: (title, function, share of the time budget it may take)
     "limits": ("1 limits", limits.run, 0.15),
     "dataplane": ("2 tierd data plane", dataplane.run, 0.2),
     "training": ("3 training step", training.train_rows, 0.75),
@@ -42,34 +45,14 @@ SECTIONS = {   # name: (title, function, share of the time budget it may take)
     "control": ("5 control plane share", training.control_rows, 0.35),
     "multijob": ("6 multi-job", multijob.run, 0.5),
 }
+SECTIONS = {name: _MEASURE[name] for name in SECTION_NAMES}   # in --only's order
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m tierd.bench.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (CPU: under a minute)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"where the JSON, PNG and Markdown go (default ./{DEFAULT_OUT})")
-    p.add_argument("--only", default="", help="comma-separated sections, e.g. limits,3")
-    p.add_argument("--nvme", type=Path, default=None,
-                   help="directory for the disk tests and the daemon's NVMe file "
-                        "(default: a temp dir under ~/.cache/tierd)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting work after this many seconds (default 50 quick, 470 full)")
+    p = argparse.ArgumentParser(prog="python -m tierd.bench.run",
+                                description=__doc__.split("\n\n")[0])
+    add_arguments(p)
     return p.parse_args(argv)
-
-
-def selected(only: str) -> list[str]:
-    names = list(SECTIONS)
-    if not only:
-        return names
-    out = []
-    for item in only.split(","):
-        item = item.strip()
-        name = names[int(item) - 1] if item.isdigit() and 0 < int(item) <= len(names) else item
-        if name not in SECTIONS:
-            raise SystemExit(f"--only: unknown section {item!r}; use {', '.join(names)} or 1-6")
-        out.append(name)
-    return [n for n in names if n in out]
 
 
 def device_name() -> str:
@@ -98,7 +81,21 @@ def slug(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse(argv), "python -m tierd.bench.run " + " ".join(argv))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``tierd bench``'s body (``tierd.cli`` parses, this measures)."""
+    return run(args, "tierd " + " ".join(sys.argv[1:]))
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Measure the selected sections, print the table, write JSON, Markdown, PNG."""
+    try:   # before anything is measured: a bad --out must not waste the run
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"--out {args.out}: cannot write results there ({exc})") from None
     sizes = QUICK if args.quick else FULL
     if sizes.quick and not torch.cuda.is_available():   # the CI smoke run: one batch size
         sizes = dataclasses.replace(sizes, batches=sizes.batches[:1], train_steps=2)
@@ -107,25 +104,26 @@ def main(argv=None) -> int:
     base = args.nvme or cache_dir()
     base.mkdir(parents=True, exist_ok=True)
     nvme_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=base))
-    names = selected(args.only)
+    names = list(args.only)
     ctx = Context(sizes=sizes, out=args.out, nvme_dir=nvme_dir,
                   deadline=time.monotonic() + budget, cuda=torch.cuda.is_available(),
                   device_name=device_name(), selected=tuple(names))
     today = datetime.date.today().isoformat()
     results = {"meta": {
-        "device": ctx.device_name, "date": today,
-        "command": "python -m tierd.bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "quick": sizes.quick, "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "host": platform.node(), "nvme_dir": str(nvme_dir),
-        "commit": git_commit(),
+        "device": ctx.device_name, "date": today, "command": command.strip(),
+        "quick": sizes.quick, "tierd": tierd.__version__, "torch": torch.__version__,
+        "python": platform.python_version(), "cpus": os.cpu_count(), "host": platform.node(),
+        "nvme_dir": str(nvme_dir), "commit": git_commit(),
         "sizes": {k: v for k, v in sizes.__dict__.items()}}, "sections": {}}
     started = time.monotonic()
+    progress = Progress(names)
     try:
         for name in names:
+            progress.start(name)
             results["sections"][name] = run_section(ctx, name, budget)
-            print(f"[{time.monotonic() - started:6.1f} s] {name}: "
-                  f"{results['sections'][name]['status']}", file=sys.stderr, flush=True)
+            progress.done(name, status_text(results["sections"][name]))
     finally:
+        progress.close()
         ctx.stop()
         shutil.rmtree(nvme_dir, ignore_errors=True)
     for name in SECTIONS:
@@ -135,6 +133,10 @@ def main(argv=None) -> int:
     results["meta"]["elapsed_s"] = time.monotonic() - started
     write(results, args.out, slug(ctx.device_name) + "-" + today + ("-quick" if args.quick else ""))
     return 0
+
+
+def status_text(sec: dict) -> str:
+    return sec["status"] + (f" ({sec['reason']})" if sec.get("reason") else "")
 
 
 def run_section(ctx: Context, name: str, budget: float) -> dict:

@@ -28,6 +28,32 @@ def need(ctx: Context, *modules: str, cuda: bool = True) -> None:
             raise Skip(f"needs the {m} package")
 
 
+def peer_missing(name: str) -> str | None:
+    """Why peer ``name`` (fsdp2, accelerate) cannot run here, or None if it can."""
+    if name == "accelerate" and importlib.util.find_spec("accelerate") is None:
+        return "accelerate is not installed (pip install accelerate, or 'tierd[bench]')"
+    if name == "fsdp2":
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: F401
+        except ImportError:
+            import torch
+            return (f"FSDP2 (fully_shard, CPUOffloadPolicy) is not in torch {torch.__version__} "
+                    "(it needs torch >= 2.6 with torch.distributed)")
+    return None
+
+
+def measured(ctx: Context, names: tuple[str, ...]) -> tuple[dict, list[dict]]:
+    """Each system's worker result, and a skipped row for each peer that cannot run here."""
+    results, skipped = {}, []
+    for name in names:
+        why = peer_missing(name)
+        if why is None:
+            results[name] = worker(ctx, name)
+        else:
+            skipped.append(row(SYSTEMS[name], "not measured", skipped=why))
+    return results, skipped
+
+
 def gpu_budget(ctx: Context) -> int:
     return 256 << 10 if "tiny" in ctx.model else 1 << 30
 
@@ -83,8 +109,7 @@ def _error_row(what: str, result: dict) -> dict:
 
 def train_rows(ctx: Context) -> list[dict]:
     need(ctx, "transformers")
-    results = {name: worker(ctx, name) for name in ("gpu", "tierd", "fsdp2")}
-    rows = []
+    results, rows = measured(ctx, ("gpu", "tierd", "fsdp2"))
     for b in ctx.sizes.batches:
         ref = results["gpu"].get("train", {}).get(str(b))
         for name, res in results.items():
@@ -114,14 +139,13 @@ def train_rows(ctx: Context) -> list[dict]:
 
 
 def forward_rows(ctx: Context) -> list[dict]:
-    need(ctx, "transformers", "accelerate")
+    need(ctx, "transformers")
     b = ctx.sizes.batches[0]
-    results = {name: worker(ctx, name) for name in ("gpu", "tierd", "accelerate")}
+    results, rows = measured(ctx, ("gpu", "tierd", "accelerate"))
     ref = results["gpu"].get("forward")
     cfgs = {"gpu": "model.to(bf16), all on GPU",
             "tierd": "bf16 weights streamed from the pool (same attached model as training)",
             "accelerate": "model.to(bf16) on CPU, accelerate.cpu_offload(execution_device=cuda)"}
-    rows = []
     for name, res in results.items():
         what = f"forward B={b}: {SYSTEMS[name]}"
         if "error" in res or "forward" not in res:
