@@ -335,7 +335,7 @@ COMMANDS: tuple[Command, ...] = (
             _import_arguments, cmd_import),
     Command("demo", "fine-tune a small GPT-2 with every tensor in tierd",
             _demo_arguments, cmd_demo),
-    Command("bench", "measure tierd against this machine's limits and the peers found here",
+    Command("bench", "measure tierd against this machine's limits and the peers",
             _bench_arguments, cmd_bench),
 )
 
