@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tierd.client.keys import random_name
 from tierd.errors import CapacityError, DaemonUnavailable, StateError, TierdError, UnknownKey
+
+if TYPE_CHECKING:   # the socket client imports Leased from here; `tierd status` needs no torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class _Table:
         if self.used_bytes + need > self.pool_bytes:
             raise CapacityError(f"the local store holds {self.used_bytes} of "
                                 f"{self.pool_bytes} bytes; {need} more do not fit")
+        import torch
         out = []
         for k, t in like.items():
             e = self.entries.get(k)
