@@ -58,3 +58,14 @@ def test_a_missing_peer_is_one_table_line_saying_why(monkeypatch):
     lines = text.splitlines()[1:]
     assert len(lines) == 1
     assert "accelerate cpu_offload" in lines[0] and "accelerate is not installed" in lines[0]
+
+
+def test_an_out_that_cannot_hold_results_is_refused_before_measuring(tmp_path, monkeypatch):
+    taken = tmp_path / "results"
+    taken.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--quick", "--out", str(taken)])
+    assert f"--out {taken}: cannot write results there" in str(exc.value.code)
+    assert taken.read_text() == "not a directory"
+    assert not (tmp_path / "cache").exists()   # no daemon or NVMe dir was started
