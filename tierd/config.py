@@ -227,6 +227,9 @@ class ServeConfig:
     """Requests in flight per client before it gets a Busy reply."""
     max_requests: int = 4096
     """Requests in flight in total before clients get Busy replies."""
+    max_sessions_per_uid: int = 1024
+    """Client sessions (connections) one uid may hold open at once; more are
+    refused with Busy, so one user cannot take every descriptor of the daemon."""
     allow_root_join: bool = True
     """Whether root may join jobs created by other users."""
     default_pool_quota: Size = 0
@@ -258,7 +261,8 @@ class ServeConfig:
         for name in ("pool", "nvme_size", "segment_size"):
             if getattr(self, name) < 4096:
                 raise ValueError(f"{name} = {getattr(self, name)} B is below one page (4096 B)")
-        for name in ("io_threads", "max_requests_per_client", "max_requests"):
+        for name in ("io_threads", "max_requests_per_client", "max_requests",
+                     "max_sessions_per_uid"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}; it must be at least 1")
 

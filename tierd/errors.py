@@ -63,6 +63,13 @@ class RankFailed(TierdError):
     code = "rank"
 
 
+class InternalError(TierdError):
+    """A bug in the daemon failed this one request; the daemon logged the
+    traceback and goes on serving. Report it with the daemon's log."""
+
+    code = "internal"
+
+
 class UnknownKey(TierdError, KeyError):
     """No tensor is stored under this key (also a ``KeyError``)."""
 
@@ -74,7 +81,8 @@ class UnknownKey(TierdError, KeyError):
 
 _BY_CODE = {cls.code: cls for cls in (TierdError, CapacityError, ProtocolError,
                                        IntegrityError, DaemonUnavailable, Busy,
-                                       TierIOError, StateError, RankFailed, UnknownKey)}
+                                       TierIOError, StateError, RankFailed, InternalError,
+                                       UnknownKey)}
 
 
 def to_wire(exc: TierdError) -> tuple[str, str]:

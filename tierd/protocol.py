@@ -22,6 +22,7 @@ never travel in frames (they live in the shared pool).
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,6 +37,12 @@ MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024
 MAX_DIMS = 16
 MAX_TAG_LENGTH = 256
+MAX_JOB_LENGTH = 128
+# The kernel passes at most SCM_MAX_FD (253) descriptors in one message.
+MAX_SEGMENTS_PER_MESSAGE = 253
+# Job names the daemon gives sessions' own jobs; a client may not name one.
+RESERVED_JOB_PREFIXES = ("pid-", "session-")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]*")
 
 # dtype names on the wire; the client maps them to torch dtypes.
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
@@ -314,7 +321,13 @@ def _fields(msg: Any) -> dict:
 
 
 def encode_request(req_id: int, req: Request) -> bytes:
-    return msgpack.packb({"v": VERSION, "id": req_id, "op": req.op, "body": _fields(req)})
+    """The frame of a request; ProtocolError (nothing sent) when it is larger
+    than the daemon accepts, which would drop the connection instead."""
+    frame = msgpack.packb({"v": VERSION, "id": req_id, "op": req.op, "body": _fields(req)})
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a {req.op} request of {len(frame)} B exceeds the daemon's limit "
+                            f"of {MAX_FRAME_BYTES} B per frame; split it into smaller batches")
+    return frame
 
 
 def encode_reply(req_id: int, reply: Reply) -> bytes:
@@ -356,7 +369,8 @@ def request_id(frame: bytes) -> int:
 def decode_request(frame: bytes) -> tuple[int, Request]:
     msg = _unpack(frame)
     req_id = _int(msg.get("id"), "id", 0, (1 << 63) - 1)
-    cls = REQUESTS.get(msg.get("op"))
+    op = msg.get("op")
+    cls = REQUESTS.get(op) if type(op) is str else None
     if cls is None:
         raise _fail(f"unknown op {msg.get('op')!r:.40}; known: {', '.join(REQUESTS)}")
     body = msg.get("body", {})
@@ -414,3 +428,42 @@ def decode_ctl(data: bytes) -> dict:
     if type(msg) is not dict:
         raise _fail("control message must be a map")
     return msg
+
+
+def job_name(v: Any) -> str:
+    """A job name a client may use, or ProtocolError naming the rule.
+
+    Names reach file names and kernel objects, so they are short ASCII words:
+    a letter or digit, then letters, digits and ``._:@+=/-``, at most
+    MAX_JOB_LENGTH characters. ``pid-...`` and ``session-...`` are the
+    daemon's names for sessions' own jobs and can be neither joined nor claimed.
+    """
+    if type(v) is not str or not 0 < len(v) <= MAX_JOB_LENGTH or not _JOB_NAME.fullmatch(v):
+        raise ProtocolError(
+            f"job name {v!r:.80} is not allowed: use 1-{MAX_JOB_LENGTH} characters, a letter "
+            f"or digit first, then letters, digits and ._:@+=/- (e.g. 'run1')")
+    if v.startswith(RESERVED_JOB_PREFIXES):
+        raise ProtocolError(
+            f"job name {v!r} is reserved ({' and '.join(p + '...' for p in RESERVED_JOB_PREFIXES)}"
+            f" name sessions' own jobs, which only their session can use); pick another name")
+    return v
+
+
+def decode_hello(msg: dict) -> str | None:
+    """The job a client's hello asks for (None: a job of the session's own)."""
+    if msg.get("v") != VERSION or msg.get("op") != "hello":
+        raise ProtocolError(f"bad hello; this daemon speaks protocol {VERSION}: "
+                            f"{{'v': {VERSION}, 'op': 'hello', 'job': name or None}}")
+    job = msg.get("job")
+    return None if job is None else job_name(job)
+
+
+def decode_segments(msg: dict) -> list[int]:
+    """The segment ids a control message asks for (distinct, in order)."""
+    ids = msg.get("segments")
+    if type(ids) is not list or not all(type(i) is int and 0 < i < 1 << 62 for i in ids):
+        raise ProtocolError("expected {'segments': [segment ids]}")
+    if len(ids) > MAX_SEGMENTS_PER_MESSAGE:
+        raise ProtocolError(f"{len(ids)} segments asked in one message; the kernel passes at "
+                            f"most {MAX_SEGMENTS_PER_MESSAGE} descriptors at once: ask in batches")
+    return list(dict.fromkeys(ids))

@@ -8,6 +8,7 @@ kill -9 / restart cycle costs a fraction of a second.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,13 +21,14 @@ from tierd.errors import DaemonUnavailable
 from tests.conftest import ROOT, subprocess_env
 
 LAUNCHER = """
-import logging, sys, types
+import json, logging, sys, types
 pkg = types.ModuleType("tierd"); pkg.__path__ = [sys.argv[1]]; sys.modules["tierd"] = pkg
 from tierd.config import ServeConfig
 from tierd.server.daemon import serve
 logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 serve(ServeConfig(nvme=sys.argv[2], socket=sys.argv[3], pool=sys.argv[4],
-                  nvme_size=sys.argv[5], segment_size="4MiB", io_threads=4))
+                  nvme_size=sys.argv[5], **{"segment_size": "4MiB", "io_threads": 4,
+                                            **json.loads(sys.argv[6])}))
 """
 
 
@@ -62,15 +64,24 @@ class Daemon:
         return self.log.read_text(errors="replace")
 
 
-def start(workdir: Path, pool: str = "16MiB", nvme_size: str = "64MiB") -> Daemon:
-    """A daemon on ``workdir/nvme`` (kept across restarts), answering when returned."""
+def launch(workdir: Path, pool: str = "16MiB", nvme_size: str = "64MiB",
+           wrapper: tuple[str, ...] = (), preexec_fn=None, **config) -> Daemon:
+    """Start a daemon on ``workdir/nvme``; ``config`` adds ServeConfig fields,
+    ``wrapper`` a command it runs under (``unshare ...``). Does not wait."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock, nvme, log = workdir / "tierd.sock", workdir / "nvme", workdir / "daemon.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ROOT / "tierd"), str(nvme),
-                                 str(sock), pool, nvme_size],
-                                stdout=out, stderr=subprocess.STDOUT, env=subprocess_env())
-    d = Daemon(proc, sock, nvme, log)
+        proc = subprocess.Popen([*wrapper, sys.executable, "-c", LAUNCHER, str(ROOT / "tierd"),
+                                 str(nvme), str(sock), pool, nvme_size, json.dumps(config)],
+                                stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(),
+                                preexec_fn=preexec_fn)
+    return Daemon(proc, sock, nvme, log)
+
+
+def start(workdir: Path, pool: str = "16MiB", nvme_size: str = "64MiB", **kwargs) -> Daemon:
+    """A daemon on ``workdir/nvme`` (kept across restarts), answering when returned."""
+    d = launch(workdir, pool, nvme_size, **kwargs)
+    proc, sock = d.process, d.socket
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -111,7 +111,7 @@ def test_damage_found_after_a_restart_is_an_integrity_error(committed, tmp_path)
     d.stop()
 
 
-def test_a_damaged_manifest_stops_the_start_with_the_fix(committed, tmp_path):
+def test_a_damaged_manifest_is_quarantined_and_the_daemon_starts(committed, tmp_path):
     d, c = committed
     c.close()
     d.kill()
@@ -119,5 +119,12 @@ def test_a_damaged_manifest_stops_the_start_with_the_fix(committed, tmp_path):
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(RuntimeError, match="manifest .* is damaged.*move it"):
-        harness.start(tmp_path)
+    d = harness.start(tmp_path)
+    try:
+        with d.connect(job=JOB) as c2:
+            assert c2.keys() == []           # never a wrong byte: the job is not restored
+            (q,) = c2.stats()["quarantined"]
+        assert "is damaged" in q["reason"] and not path.exists()
+        assert os.path.exists(q["file"])     # the file is kept aside to inspect
+    finally:
+        d.stop()

@@ -111,7 +111,7 @@ def test_ephemeral_job_ends_with_its_last_session(catalog):
     assert catalog.stored_bytes == MiB + 4096    # the data and its NVMe record header
     catalog.close_session(1)
     assert catalog.pool.used_bytes == 0 and catalog.stored_bytes == 0
-    assert "pid-10" not in catalog.jobs
+    assert "session-1" not in catalog.jobs
 
 
 def test_another_user_cannot_join_a_job(catalog):

@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 from dataclasses import dataclass, field
 
 from tierd.backends.extents import PAGE, ExtentAllocator, align_up
 from tierd.errors import CapacityError
 
 log = logging.getLogger(__name__)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+=/-]")
 
 
 def available_memory() -> int:
@@ -145,7 +148,15 @@ class HostPool:
             self.drop_segment(seg)
 
     def _create(self, job: str, size: int) -> Segment:
-        fd = os.memfd_create(f"tierd-{job}", os.MFD_CLOEXEC)
+        # The name only labels /proc/<pid>/fd links; a job name (perhaps from an
+        # old manifest) is reduced to safe characters and cut short, as the
+        # kernel refuses NUL and names over 249 bytes.
+        label = _UNSAFE.sub("_", job)[:64]
+        try:
+            fd = os.memfd_create(f"tierd-{label}", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise CapacityError(f"cannot create a pool segment: {exc.strerror}; the daemon "
+                                f"may be out of file descriptors (raise ulimit -n)") from None
         try:
             os.ftruncate(fd, size)
             # Allocate every page now (prefault), so a full machine fails here

@@ -28,6 +28,7 @@ replaced it (see the Note on commits in :mod:`tierd.server.commits`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import zlib
@@ -38,10 +39,14 @@ import msgpack
 
 from tierd.backends.nvme import Failpoints
 from tierd.errors import IntegrityError, TierIOError
+from tierd.protocol import DTYPES
 
 FORMAT = 1
 HISTORY = 100
 SUFFIX = ".commit"
+QUARANTINE = "quarantine"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,43 @@ class Manifest:
 
     @classmethod
     def from_body(cls, body: bytes) -> "Manifest":
+        """Parse and check a manifest body; ValueError names what is wrong."""
         m = msgpack.unpackb(body)
+        if type(m) is not dict:
+            raise ValueError("the body is not a map")
         if m.get("format") != FORMAT:
             raise ValueError(f"manifest format {m.get('format')!r}, this daemon reads {FORMAT}")
-        return cls(m["job"], m["owner_uid"], m["seq"], m["tag"], m["created"],
-                   tuple((h[0], h[1], h[2]) for h in m["history"]),
-                   tuple(CommittedTensor(t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6])
-                         for t in m["tensors"]))
+        _want(m, "job", str)
+        _want(m, "tag", str)
+        for name in ("owner_uid", "seq"):
+            _want(m, name, int)
+        _want(m, "created", (int, float))
+        history = tuple(_history(h) for h in _want(m, "history", list))
+        tensors = tuple(_tensor(t) for t in _want(m, "tensors", list))
+        return cls(m["job"], m["owner_uid"], m["seq"], m["tag"], m["created"], history, tensors)
+
+
+def _want(m: dict, name: str, types):
+    v = m.get(name)
+    if not isinstance(v, types) or isinstance(v, bool):
+        raise ValueError(f"field {name!r} is {type(v).__name__}, not {types}")
+    return v
+
+
+def _history(h) -> tuple[str, int, float]:
+    if (type(h) is not list or len(h) != 3 or type(h[0]) is not str or type(h[1]) is not int
+            or type(h[2]) not in (int, float)):
+        raise ValueError(f"history entry {h!r:.80} is not [tag, seq, created]")
+    return h[0], h[1], h[2]
+
+
+def _tensor(t) -> "CommittedTensor":
+    if (type(t) is not list or len(t) != 7 or type(t[0]) is not str or t[1] not in DTYPES
+            or type(t[2]) is not list or not all(type(d) is int and d >= 0 for d in t[2])
+            or not all(type(v) is int and v >= 0 for v in t[3:])):
+        raise ValueError(f"tensor entry {t!r:.80} is not "
+                         f"[key, dtype, shape, nbytes, version, offset, extent_len]")
+    return CommittedTensor(t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6])
 
 
 def next_manifest(previous: "Manifest | None", job: str, owner_uid: int, tag: str,
@@ -161,14 +196,72 @@ class ManifestStore:
                                  f"manifest belongs at {self.path(manifest.job)}; move it")
         return manifest
 
-    def load_all(self) -> list[Manifest]:
-        """Every job's manifest; removes leftover ``.tmp`` files of torn commits."""
+    def load_all(self, data_size: int | None = None) -> list[Manifest]:
+        """Every job's manifest; removes leftover ``.tmp`` files of torn commits.
+
+        A damaged manifest (unreadable, wrong structure, records outside the
+        data file of ``data_size`` bytes or overlapping another job's) is
+        moved aside (see :meth:`quarantine`) and the other jobs load.
+        """
         if not self.directory.is_dir():
             return []
         for tmp in self.directory.glob("*.tmp"):
             tmp.unlink()
-        return [self.load(p) for p in sorted(self.directory.glob(f"*{SUFFIX}"))]
+        good: list[Manifest] = []
+        taken: list[tuple[int, int, str]] = []
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                m = self.load(path)
+                if data_size is not None:
+                    taken += _check_extents(m, data_size, taken)
+            except IntegrityError as exc:
+                self.quarantine(path, str(exc))
+                continue
+            good.append(m)
+        return good
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move a manifest into ``manifests/quarantine/`` with a ``.reason``
+        file beside it; its job is not restored, the file is kept to inspect."""
+        aside = self.directory / QUARANTINE
+        aside.mkdir(exist_ok=True)
+        dest = aside / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}"
+        os.rename(path, dest)
+        dest.with_name(dest.name + ".reason").write_text(reason + "\n")
+        self._sync_dir()
+        log.error("quarantined commit manifest %s as %s: %s", path, dest, reason)
+
+    def quarantined(self) -> list[dict]:
+        """The manifests moved aside, oldest first: ``file`` and ``reason``."""
+        aside = self.directory / QUARANTINE
+        if not aside.is_dir():
+            return []
+        out = []
+        for p in sorted(aside.iterdir()):
+            if p.suffix != ".reason":
+                why = p.with_name(p.name + ".reason")
+                out.append({"file": str(p),
+                            "reason": why.read_text().strip() if why.exists() else "unknown"})
+        return out
 
     def find(self, job: str) -> Manifest | None:
         path = self.path(job)
         return self.load(path) if path.exists() else None
+
+
+def _check_extents(m: Manifest, data_size: int,
+                   taken: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The manifest's record extents, or IntegrityError when one lies outside
+    the data file or overlaps another (of this job or one loaded before)."""
+    mine = sorted((t.offset, t.offset + t.extent_len, t.key) for t in m.tensors)
+    for start, end, key in mine:
+        if end > data_size or end <= start:
+            raise IntegrityError(
+                f"commit manifest of job {m.job!r} puts {key!r} at [{start}, {end}), outside "
+                f"the {data_size} B data file; if --nvme-size shrank, restart with the old size")
+    everything = sorted(taken + [(a, b, m.job) for a, b, _ in mine])
+    for (a0, a1, j0), (b0, b1, j1) in zip(everything, everything[1:]):
+        if b0 < a1 and m.job in (j0, j1):
+            raise IntegrityError(f"commit manifest of job {m.job!r} names records overlapping "
+                                 f"those of job {j0 if j1 == m.job else j1!r} at {b0}")
+    return [(a, b, m.job) for a, b, _ in mine]

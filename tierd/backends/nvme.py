@@ -41,7 +41,7 @@ class Failpoints:
     >>> store = NvmeStore(Path("/tmp/x"), 1 << 20, failpoints=fp)   # doctest: +SKIP
 
     Operations: ``write``, ``read``, ``sync`` (data file fsync), ``manifest``
-    (writing a commit manifest). ``after`` lets that many calls pass first.
+    (writing a commit manifest), ``preallocate`` (the data file at start). ``after`` lets that many calls pass first.
     """
 
     def __init__(self) -> None:
@@ -83,26 +83,48 @@ class NvmeStore:
         self.failpoints = failpoints or Failpoints()
         self._lock_fd = self._lock()
         path = self.directory / DATA_FILE
-        self.direct = True
+        try:
+            self.fd, self.direct = self._open(path)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise TierIOError(f"cannot open NVMe file {path}: {exc.strerror}") from None
+        self.path = path
+        self._preallocate()
+        self.extents = ExtentAllocator(self.size)
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        """(fd, direct): O_DIRECT where the filesystem takes it."""
+        self._created = not path.exists()
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         try:
-            self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            log.warning("%s refuses O_DIRECT; using buffered I/O (slower, uses page cache)",
-                        self.directory)
-            self.direct = False
-            self.fd = os.open(path, flags, 0o600)
+        log.warning("%s refuses O_DIRECT; using buffered I/O (slower, uses page cache)",
+                    self.directory)
+        return os.open(path, flags, 0o600), False
+
+    def _preallocate(self) -> None:
+        """Reserve every block of the file now, so a full disk fails here and
+        not in the middle of training. On failure the file is put back as it
+        was (removed if this call created it, else cut back to its old size):
+        a partial preallocation must not leave the disk full."""
+        old_size = os.fstat(self.fd).st_size
         try:
+            self.failpoints.check("preallocate")
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
-            os.close(self.fd)
-            os.close(self._lock_fd)
-            raise CapacityError(f"cannot preallocate {self.size} B of NVMe file {path}: "
+            try:
+                if self._created:
+                    self.path.unlink(missing_ok=True)
+                else:
+                    os.ftruncate(self.fd, old_size)
+            finally:
+                os.close(self.fd)
+                os.close(self._lock_fd)
+            raise CapacityError(f"cannot preallocate {self.size} B of NVMe file {self.path}: "
                                 f"{exc.strerror}; lower --nvme-size or free disk space") from None
-        self.extents = ExtentAllocator(self.size)
-        self.path = path
 
     def _lock(self) -> int:
         fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

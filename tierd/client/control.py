@@ -147,25 +147,9 @@ class ControlChannel:
     def map(self, ids: list[int]) -> None:
         new = []
         with self.lock:
-            want = [i for i in ids if i not in self.views]
-            if not want:
-                return
-            try:
-                self._send({"segments": want})
-                reply, fds = self._recv()
-            except (OSError, EOFError) as exc:
-                self.dead = True
-                raise DaemonUnavailable(f"lost the tierd daemon at {self.path}: {exc}") from None
-            try:
-                for (sid, size), fd in zip(reply.get("segments", []), fds):
-                    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                    self.mmaps[sid] = mm
-                    import torch
-                    self.views[sid] = torch.frombuffer(mm, dtype=torch.uint8)
-                    new.append((sid, self.views[sid]))
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            want = list(dict.fromkeys(i for i in ids if i not in self.views))
+            for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE):
+                new += self._map_batch(want[start:start + P.MAX_SEGMENTS_PER_MESSAGE])
             missing = set(want) - self.views.keys()
             listeners = list(self._listeners)
         for sid, view in new:
@@ -173,6 +157,35 @@ class ControlChannel:
                 cb(sid, view)
         if missing:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
+
+    def _map_batch(self, want: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
+        descriptors in one message); called with the lock held."""
+        try:
+            self._send({"segments": want})
+            reply, fds = self._recv()
+        except (OSError, EOFError) as exc:
+            self.dead = True
+            raise DaemonUnavailable(f"lost the tierd daemon at {self.path}: {exc}") from None
+        new = []
+        try:
+            if not reply.get("ok", True):
+                raise from_wire(*reply.get("error", ["tierd", "segments refused"]))
+            for (sid, size), fd in zip(reply.get("segments", []), fds):
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self.mmaps[sid] = mm
+                # [Note: mapping lifetime] The tensor holds a memoryview of the
+                # mapping, an export that keeps ``mm.close()`` from unmapping it:
+                # a view of a lease taken from it stays valid after close()
+                # while anything references it (no segfault), and the pages go
+                # when the last tensor over them does.
+                import torch
+                self.views[sid] = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+                new.append((sid, self.views[sid]))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return new
 
     def close(self) -> None:
         for sid, view in self.views.items():
@@ -183,6 +196,7 @@ class ControlChannel:
             try:
                 mm.close()
             except BufferError:
-                pass  # a caller still holds a view; the mapping goes with it
+                pass  # a tensor still uses it; see the Note on mapping lifetime
         self.mmaps.clear()
         self.ctl.close()
+        self.dead = True

@@ -70,7 +70,8 @@ class Catalog:
 
     # ------------------------------------------------------------ sessions
     def open_session(self, sid: int, job: str | None, pid: int, uid: int) -> Session:
-        name = job if job is not None else f"pid-{pid}"
+        # See the Note on default jobs in tierd.server.sessions: never a pid.
+        name = job if job is not None else f"session-{sid}"
         j = self.jobs.get(name)
         if j is None:
             pool_quota, nvme_quota = self.quotas(name)

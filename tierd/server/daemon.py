@@ -11,10 +11,8 @@ import asyncio
 import itertools
 import logging
 import os
-import secrets
 import signal
 import socket
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,11 +23,15 @@ import zmq.asyncio
 from tierd import protocol as P
 from tierd.backends.hostpool import HostPool, available_memory
 from tierd.backends.manifest import Manifest, ManifestStore
-from tierd.backends.nvme import NvmeStore
+from tierd.backends.nvme import LOCK_FILE, NvmeStore
 from tierd.config import ServeConfig, format_size
-from tierd.errors import Busy, CapacityError, DaemonUnavailable, ProtocolError, TierdError
+from tierd.errors import (Busy, CapacityError, DaemonUnavailable, InternalError, ProtocolError,
+                          TierdError)
+from tierd.server import sockets
 from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
 from tierd.server.metrics import Metrics, serve_metrics
+from tierd.server.sessions import ControlSessions
+from tierd.server.sockets import ctl_path
 from tierd.server.transfers import RecordTransfers
 
 log = logging.getLogger("tierd.daemon")
@@ -38,64 +40,31 @@ MAX_RETRIES = 10_000
 DRAIN_SECONDS = 3.0
 
 
-def ctl_path(sock: Path) -> Path:
-    return sock.with_name(sock.name + ".ctl")
-
-
-def check_socket_free(sock: Path) -> None:
-    """Refuse a socket path a live daemon answers on; remove a stale one."""
-    ctl = ctl_path(sock)
-    if ctl.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(ctl))
-        except OSError:
-            pass  # stale: left by a daemon that died
-        else:
-            raise TierdError(f"socket {sock} is in use by a live daemon; stop it or pass "
-                             f"another --socket")
-        finally:
-            probe.close()
-    for p in (sock, ctl):
-        p.unlink(missing_ok=True)
-
-
-def prepare_socket_dir(sock: Path) -> None:
-    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if sock.parent.stat().st_uid == os.getuid():
-        os.chmod(sock.parent, 0o700)
-
-
 class Daemon:
     """``tierd serve``: construct, then ``await run()`` until stopped."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.stopping = asyncio.Event()
+        self.failure: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
         self._io: dict[Transfer, asyncio.Future] = {}
-        self._tokens: dict[bytes, Session] = {}
         self._inflight: dict[int, int] = {}
-        self._next_session = 1
         self._commit_locks: dict[str, asyncio.Lock] = {}
+        self._inodes: dict[Path, int | None] = {}
         self.metrics = Metrics()
 
     # ---------------------------------------------------------- lifecycle
     def open(self) -> None:
         """Check the arguments and take the resources; raises TierdError."""
         cfg = self.config
+        sockets.set_not_dumpable()
         if cfg.pool > available_memory():
             raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
                                 f"({format_size(available_memory())}); lower it")
-        try:
-            cfg.nvme.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TierdError(f"--nvme {cfg.nvme} cannot be created: {exc.strerror}") from None
-        if not os.access(cfg.nvme, os.W_OK | os.X_OK):
-            raise TierdError(f"--nvme {cfg.nvme} is not writable by uid {os.getuid()}")
-        prepare_socket_dir(cfg.socket)
-        check_socket_free(cfg.socket)
-        self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size)
+        sockets.prepare_socket_dir(cfg.socket)
+        sockets.claim_socket_paths(cfg.socket)
+        self.nvme = self._open_nvme()
         self.manifests = ManifestStore(cfg.nvme)
         # A job's memory is never handed to another job while it holds one
         # tensor in the segment, so a segment as large as a small pool would
@@ -104,7 +73,7 @@ class Daemon:
         self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas,
                                self.manifests)
         try:
-            for line in self.catalog.recover(self.manifests.load_all()):
+            for line in self.catalog.recover(self.manifests.load_all(self.nvme.size)):
                 log.info("%s", line)
         except TierdError:
             self.pool.close()
@@ -117,15 +86,40 @@ class Daemon:
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(f"ipc://{cfg.socket}")
-        self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.ctl.bind(str(ctl_path(cfg.socket)))
-        self.ctl.listen(128)
-        self.ctl.setblocking(False)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(ctl_path(cfg.socket)))
+        listener.listen(128)
+        listener.setblocking(False)
+        self._inodes = {p: sockets.inode_of(p) for p in (cfg.socket, ctl_path(cfg.socket))}
+        self.sessions = ControlSessions(listener, cfg, self.catalog, self.pool, self.metrics,
+                                        self._spawn)
         log.info("tierd serving at %s: pool %s, NVMe %s in %s (%s)", cfg.socket,
                  format_size(self.pool.budget), format_size(self.nvme.size), cfg.nvme,
                  "O_DIRECT" if self.nvme.direct else "buffered I/O")
 
-    async def run(self) -> None:
+    def _open_nvme(self) -> NvmeStore:
+        """The NVMe store; what this call created is removed again if it fails."""
+        nvme = self.config.nvme
+        created = not nvme.exists()
+        try:
+            nvme.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierdError(f"--nvme {nvme} cannot be created: {exc.strerror}") from None
+        if not os.access(nvme, os.W_OK | os.X_OK):
+            raise TierdError(f"--nvme {nvme} is not writable by uid {os.getuid()}")
+        try:
+            return NvmeStore(nvme, self.config.nvme_size)
+        except TierdError:
+            if created:
+                (nvme / LOCK_FILE).unlink(missing_ok=True)
+                try:
+                    nvme.rmdir()
+                except OSError:
+                    pass  # something else appeared there meanwhile: keep it
+            raise
+
+    async def run(self) -> int:
+        """Serve until stopped; 0 after a signal, 1 when an internal error stopped it."""
         self.open()
         from tierd.server import notify  # both sockets listen: tell systemd (Type=notify)
         notify.ready(f"serving at {self.config.socket}")
@@ -133,7 +127,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         try:
-            self._spawn(self._accept_loop())
+            self._spawn(self.sessions.accept_loop())
             self._spawn(self._router_loop())
             if self.config.metrics_port is not None:
                 self._spawn(serve_metrics(self.config.metrics_host, self.config.metrics_port,
@@ -142,6 +136,7 @@ class Daemon:
             log.info("tierd stopping")
         finally:
             await self._shutdown()
+        return 1 if self.failure is not None else 0
 
     async def _shutdown(self) -> None:
         io = [f for f in self._io.values() if not f.done()]
@@ -154,9 +149,9 @@ class Daemon:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.router.close(linger=0)
         self.zctx.term()
-        self.ctl.close()
-        for p in (self.config.socket, ctl_path(self.config.socket)):
-            p.unlink(missing_ok=True)
+        self.sessions.close()
+        for path, inode in self._inodes.items():
+            sockets.remove_if_ours(path, inode)
         self.pool.close()
         self.nvme.close(remove=not self.manifests.any())
         log.info("tierd stopped")
@@ -170,61 +165,12 @@ class Daemon:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("internal error; stopping", exc_info=task.exception())
+            # Requests and sessions catch their own errors; a task that still
+            # dies is one of the daemon's loops, without which it cannot serve.
+            log.error("internal error in %s; stopping", task.get_coro().__qualname__,
+                      exc_info=task.exception())
+            self.failure = task.exception()
             self.stopping.set()
-
-    # ---------------------------------------------------- control socket
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self.ctl)
-            self._spawn(self._serve_ctl(conn))
-
-    async def _serve_ctl(self, conn: socket.socket) -> None:
-        """One client session: handshake, segment fds on demand, EOF ends it."""
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        session = token = None
-        pidfd = _watch_process(pid, conn)
-        try:
-            hello = await _recv_ctl(conn)
-            job = hello.get("job")
-            if hello.get("v") != P.VERSION or hello.get("op") != "hello" or not (
-                    job is None or (type(job) is str and 0 < len(job) <= 256)):
-                raise ProtocolError(f"bad hello; this daemon speaks protocol {P.VERSION}")
-            sid = self._next_session
-            self._next_session += 1
-            session = self.catalog.open_session(sid, job, pid, uid)
-            # A ZeroMQ routing id may not start with a zero byte.
-            token = bytes([1 + secrets.randbelow(255)]) + secrets.token_bytes(15)
-            self._tokens[token] = session
-            await _send_ctl(conn, {"ok": True, "token": token, "session": sid, "job": session.job})
-            while True:
-                msg = await _recv_ctl(conn)
-                ids = msg.get("segments")
-                if type(ids) is not list:
-                    raise ProtocolError("expected {'segments': [ids]}")
-                segs = [self.pool.segments.get(i) if type(i) is int else None for i in ids]
-                segs = [s for s in segs if s is not None and s.job == session.job]
-                await _send_ctl(conn, {"ok": True, "segments": [[s.id, s.size] for s in segs]},
-                                fds=[s.fd for s in segs])
-        except (ConnectionError, asyncio.IncompleteReadError, EOFError):
-            pass
-        except TierdError as exc:
-            try:
-                await _send_ctl(conn, {"ok": False, "error": [exc.code, str(exc)]})
-            except OSError:
-                pass
-        finally:
-            if pidfd is not None:
-                asyncio.get_running_loop().remove_reader(pidfd)
-                os.close(pidfd)
-            conn.close()
-            if token is not None:
-                del self._tokens[token]
-            if session is not None:
-                self.catalog.close_session(session.id)
-                log.debug("session %d (pid %d) ended", session.id, pid)
 
     # ---------------------------------------------------------- requests
     async def _router_loop(self) -> None:
@@ -235,28 +181,37 @@ class Daemon:
                 # flooding client would starve everyone's handshakes and I/O.
                 await asyncio.sleep(0)
             frames = await self.router.recv_multipart()
-            if len(frames) != 2:
-                continue  # not from a DEALER speaking our protocol
-            ident, frame = frames
-            session = self._tokens.get(ident)
-            if session is None:
-                self._reply_error(ident, P.request_id(frame), DaemonUnavailable(
-                    "this connection has no session (the daemon restarted?); connect again "
-                    "with tierd.connect()"))
-                continue
             try:
-                rid, req = P.decode_request(frame)
-            except ProtocolError as exc:
-                self._reply_error(ident, P.request_id(frame), exc)
-                continue
-            total = sum(self._inflight.values())
-            if (self._inflight.get(session.id, 0) >= self.config.max_requests_per_client
-                    or total >= self.config.max_requests):
-                self._reply_error(ident, rid, Busy(
-                    f"{self._inflight.get(session.id, 0)} requests of this client and {total} "
-                    f"in all are in flight; wait for replies before sending more"))
-                continue
-            self._serve(ident, session, rid, req)
+                self._route(frames)
+            except Exception as exc:  # a bug: answer, log, keep serving the others
+                log.exception("internal error routing a request")
+                if len(frames) == 2:
+                    self._reply_error(frames[0], P.request_id(frames[1]), InternalError(
+                        f"internal error in the daemon: {exc!r}"))
+
+    def _route(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            return  # not from a DEALER speaking our protocol
+        ident, frame = frames
+        session = self.sessions.tokens.get(ident)
+        if session is None:
+            self._reply_error(ident, P.request_id(frame), DaemonUnavailable(
+                "this connection has no session (the daemon restarted?); connect again "
+                "with tierd.connect()"))
+            return
+        try:
+            rid, req = P.decode_request(frame)
+        except ProtocolError as exc:
+            self._reply_error(ident, P.request_id(frame), exc)
+            return
+        total = sum(self._inflight.values())
+        if (self._inflight.get(session.id, 0) >= self.config.max_requests_per_client
+                or total >= self.config.max_requests):
+            self._reply_error(ident, rid, Busy(
+                f"{self._inflight.get(session.id, 0)} requests of this client and {total} "
+                f"in all are in flight; wait for replies before sending more"))
+            return
+        self._serve(ident, session, rid, req)
 
     def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
         """Answer at once when the catalog can; else finish in a tracked task."""
@@ -273,7 +228,7 @@ class Daemon:
             return
         except Exception as exc:  # a bug: answer, log, keep serving the others
             log.exception("internal error serving %s", type(req).__name__)
-            self._reply_error(ident, rid, TierdError(f"internal error in the daemon: {exc!r}"))
+            self._reply_error(ident, rid, InternalError(f"internal error in the daemon: {exc!r}"))
             return
         if isinstance(result, Blocked):
             self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
@@ -297,6 +252,9 @@ class Daemon:
             raise CapacityError(f"no room after {MAX_RETRIES} rounds of eviction")
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
+        except Exception as exc:  # a bug: answer, log, keep serving the others
+            log.exception("internal error serving %s", type(req).__name__)
+            self._reply_error(ident, rid, InternalError(f"internal error in the daemon: {exc!r}"))
         finally:
             self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
             self._done_inflight(session)
@@ -315,7 +273,7 @@ class Daemon:
             self._reply_error(ident, rid, exc)
         except Exception as exc:  # a bug: answer, log, keep serving the others
             log.exception("internal error committing job %r", session.job)
-            self._reply_error(ident, rid, TierdError(f"internal error in the daemon: {exc!r}"))
+            self._reply_error(ident, rid, InternalError(f"internal error in the daemon: {exc!r}"))
         finally:
             self.metrics.observe("commit", time.perf_counter() - start)
             self._done_inflight(session)
@@ -377,7 +335,7 @@ class Daemon:
                 case P.Keys(prefix):
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
-                    return P.StatsReply(c.stats())
+                    return P.StatsReply({**c.stats(), "quarantined": self.manifests.quarantined()})
                 case P.Commits():
                     return P.TagList(tuple(c.commit_tags(s)))
 
@@ -423,6 +381,9 @@ class Daemon:
         except TierdError as exc:
             error = exc
             log.error("%s", exc)
+        except Exception as exc:  # a bug: this transfer fails, the others go on
+            log.exception("internal error in an NVMe transfer of %r", t.entry.key)
+            error = InternalError(f"internal error in the daemon's NVMe transfer: {exc!r}")
         finally:
             view.release()
             self.catalog.finish(t, error)
@@ -430,63 +391,16 @@ class Daemon:
             self._run_started()
 
 
-def _watch_process(pid: int, conn: socket.socket) -> int | None:
-    """End the session when the client process exits, even if a child it forked
-    still holds the control socket open: a pidfd becomes readable at exit and
-    we then shut the socket down, which ends ``_serve_ctl``'s read with EOF."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return None  # no pidfd (old kernel, other pid namespace): the socket's EOF ends it
-    asyncio.get_running_loop().add_reader(pidfd, _shut, conn)
-    return pidfd
-
-
-def _shut(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-async def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await loop.sock_recv(conn, n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
-
-
-async def _recv_ctl(conn: socket.socket) -> dict:
-    (n,) = P.CTL_HEADER.unpack(await _recv_exact(conn, P.CTL_HEADER.size))
-    if n > P.MAX_CTL_BYTES:
-        raise ProtocolError(f"control message of {n} B is too large")
-    return P.decode_ctl(await _recv_exact(conn, n))
-
-
-async def _send_ctl(conn: socket.socket, msg: dict, fds: list[int] = ()) -> None:
-    data = P.encode_ctl(msg)
-    if not fds:
-        await asyncio.get_running_loop().sock_sendall(conn, data)
-        return
-    while True:
-        try:
-            sent = socket.send_fds(conn, [data], list(fds))
-            break
-        except BlockingIOError:
-            await asyncio.sleep(0.001)
-    if sent < len(data):
-        await asyncio.get_running_loop().sock_sendall(conn, data[sent:])
-
-
 def serve(config: ServeConfig) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT (uvloop when present)."""
+    """Run the daemon in this process until SIGTERM/SIGINT (uvloop when present).
+
+    Raises SystemExit(1) when it stopped for any other reason (an internal
+    error, logged), so a supervisor (systemd ``Restart=on-failure``) restarts it."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(Daemon(config).run())
+        code = asyncio.run(Daemon(config).run())
     else:
-        uvloop.run(Daemon(config).run())
+        code = uvloop.run(Daemon(config).run())
+    if code:
+        raise SystemExit(code)
