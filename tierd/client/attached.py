@@ -43,6 +43,7 @@ from tierd.client.attach_config import AttachConfig
 from tierd.client.backward import BackwardTracker
 from tierd.client.copy_stream import CopyStream, register_pool
 from tierd.client.distributed import Ranks
+from tierd.client.grad_view import GradViews
 from tierd.client.grads import GradBucket
 from tierd.client.hooks import ModuleHooks
 from tierd.client.keys import ModelKeys
@@ -114,6 +115,7 @@ class AttachSession:
         self.lease_cap = max(1, self.pool_bytes // 4)
         self.grads = GradBucket(client, self.leases, self.copy, self.releases,
                                 min(config.grad_bucket_bytes, self.lease_cap))
+        self.grad_views = GradViews(self)   # p.grad as users see it
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         register_pool(client, self.device)
         self.registry = ParamRegistry(model, self, store=client, stored=resumed.keys,
@@ -170,6 +172,7 @@ class AttachSession:
         # Held leases mean a step may send no request at all: ask the kernel
         # (one poll of the control socket) so a dead daemon is seen every step.
         self.client.check_alive()
+        self.grad_views.hide()   # autograd must not accumulate into p.grad views
         self.counters.steps += 1
         self.settle(synchronize=False)
         self.mover.begin_step()
@@ -208,6 +211,7 @@ class AttachSession:
             self.grads.add(tp, grad)
 
     def _begin_backward(self) -> None:
+        self.grad_views.hide()
         for opt in self.optimizers:
             opt.begin_backward()
 
@@ -223,6 +227,8 @@ class AttachSession:
             self.counters.backwards += 1
             for opt in self.optimizers:
                 opt.end_backward()
+            self.grad_views.show([tp for tp in self.params.values() if tp.grad_in_pool],
+                                 [tp for opt in self.optimizers for tp in opt.consumed()])
             self.settle(synchronize=False)
         self.counters.hook_seconds += time.perf_counter() - t0
 
@@ -260,7 +266,9 @@ class AttachSession:
         read of a key waits for its last write on the device (the copy
         stream's write events), and reads by the host settle first."""
         self.grads.flush()
-        for tp in self.params.values() if tps is None else tps:
+        tps = list(self.params.values()) if tps is None else tps
+        self.grad_views.drop(tps)
+        for tp in tps:
             tp.grad_in_pool = False
             tp.grad_norm = None
 

@@ -26,7 +26,7 @@ class AdamW(StreamedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
                  placement: str | None = None, fused: bool | None = None,
-                 accumulation_steps: int = 1, prefetch_bytes: int | None = None) -> None:
+                 accumulation_steps: int | None = None, prefetch_bytes: int | None = None) -> None:
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if eps < 0:

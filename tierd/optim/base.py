@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.optim.fused import FusedUpdates
 
@@ -38,18 +39,25 @@ class StreamedOptimizer(torch.optim.Optimizer):
     the pool). ``placement`` overrides the attach config's ``optimizer_placement``.
 
     ``fused`` (default: whenever there is no clipping and the placement is
-    "gpu-stream") updates inside backward. Contract: ``step()`` follows every
-    ``accumulation_steps``-th backward, and ``zero_grad()`` follows ``step()``
-    (the usual loop); breaking it raises StateError rather than training wrong.
+    "gpu-stream") updates inside backward. The window (backwards per step) is
+    ``accumulation_steps``, or by default the length of the first window; a
+    shorter window (the last of an epoch) is updated in ``step()``. Contract:
+    no window is longer than that, and gradients are zeroed after ``step()``
+    (``opt.zero_grad()`` or ``model.zero_grad()``); breaking it raises
+    StateError rather than training wrong. A loop that changes gradients
+    through ``p.grad`` (``torch.nn.utils.clip_grad_norm_``) from its first
+    step on gets torch's result: tierd then updates in ``step()`` (see
+    [Note: gradients users touch] in ``tierd.client.grad_view``).
     ``prefetch_bytes`` bounds the fp32 state kept in flight on the device
     (default: the attach config's ``gpu_budget_bytes``; at most a quarter of
     the pool, at least one unit).
 
     Example:
-        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, accumulation_steps=4)  # doctest: +SKIP
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4)                        # doctest: +SKIP
         >>> for i, batch in enumerate(loader):                                          # doctest: +SKIP
         ...     (model(**batch).loss / 4).backward()
         ...     if (i + 1) % 4 == 0:
+        ...         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         ...         opt.step(); opt.zero_grad()
     """
 
@@ -58,7 +66,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
                  block_bytes: int = 64 << 20, placement: str | None = None,
-                 fused: bool | None = None, accumulation_steps: int = 1,
+                 fused: bool | None = None, accumulation_steps: int | None = None,
                  prefetch_bytes: int | None = None) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -72,8 +80,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
         if placement not in (None, "gpu-stream", "cpu"):
             raise ValueError(f"placement={placement!r}; use 'gpu-stream', 'cpu' or None")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
+        if accumulation_steps is not None and accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1 "
+                             "(or None: learned from the first window)")
         if fused and max_grad_norm is not None:
             raise ValueError("fused=True cannot clip by the global norm before every "
                              "gradient exists; leave fused=None (deferred when clipping)")
@@ -156,13 +165,19 @@ class StreamedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sessions = self._by_session(self._all())
+        for session in sessions:
+            session.grad_views.sync()   # a gradient whose p.grad was set to None is gone
         if any(f.updated for f in self._fused):
             for f in self._fused:
                 f.after_step()
             self.needs_zero_grad = True
             self._finish_update()
             return loss
-        for session in self._by_session(self._all()):
+        # gradients changed through p.grad (clip_grad_norm_): the update must
+        # stay in step() from now on ([Note: gradients users touch])
+        touched = any(session.grad_views.any_ops() for session in sessions)
+        for session in sessions:
             session.settle()
         coef = self._clip_coef()
         for group in self.param_groups:
@@ -171,8 +186,18 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 self._step_block(group, block, coef)
         for f in self._fused:
             f.after_step()
+        if touched:
+            self._stop_fusing()
         self._finish_update()
         return loss
+
+    def _stop_fusing(self) -> None:
+        """Update in ``step()`` (deferred) from now on: the loop changes gradients
+        between backward and step, which a fused update would run before."""
+        for f in self._fused:
+            f.settle()
+            f.session.optimizers.remove(f)
+        self._fused = []
 
     def _finish_update(self) -> None:
         """Under torch.distributed, every rank's next forward must see the
@@ -204,8 +229,11 @@ class StreamedOptimizer(torch.optim.Optimizer):
         return [p.tiered for g in self.param_groups for p in g["params"]]
 
     def _owned(self) -> list[TieredParam]:
-        """The parameters whose state this rank keeps (all without torch.distributed)."""
-        return [tp for tp in dict.fromkeys(self._all()) if tp.session.owns(tp)]
+        """The parameters whose state this rank keeps (all without torch.distributed);
+        frozen ones (``requires_grad=False``) never get a gradient, so, as in
+        torch, they get no state (and no fused bucket)."""
+        return [tp for tp in dict.fromkeys(self._all())
+                if tp.param.requires_grad and tp.session.owns(tp)]
 
     @staticmethod
     def _by_session(tps: list[TieredParam]) -> dict[Any, list[TieredParam]]:
@@ -295,11 +323,16 @@ class StreamedOptimizer(torch.optim.Optimizer):
         work = {n: (views[k].to(device, non_blocking=True) if on_device
                     else views[k].clone() if k in shared else views[k])
                 for n, k in names.items()}
+        ops = tp.session.grad_views.ops(tp)
+        if ops:   # the loop's in-place changes of p.grad, replayed in order
+            replay(ops, work["grad"])
+            tp.session.grad_views.applied(tp, work["grad"])
         if coef is not None:
             work["grad"].mul_(coef.to(work["grad"].device))
         self.update_param(group, tp, work["param"], work["grad"],
                           {n: work[n] for n in self.state_names})
-        written = ["param", *self.state_names] + (["grad"] if coef is not None else [])
+        changed = coef is not None or bool(ops)   # p.grad keeps the changed gradient
+        written = ["param", *self.state_names] + (["grad"] if changed else [])
         new = [(names[n], work[n]) for n in written]
         if tp.has_master:
             new.append((tp.key, work["param"].to(tp.param.dtype)))

@@ -111,6 +111,9 @@ class FusedUpdates:
         self.order = list(range(len(self.buckets)))[::-1]  # reverse forward order
         self.expected: dict[TieredParam, int] = {}
         self.learned = False
+        # backwards per window: the optimizer's accumulation_steps, or those of
+        # the first window (counted until its step())
+        self.window: int | None = opt.accumulation_steps
         self.backwards = 0           # outermost backwards ended since step()
         self.active = False          # this backward updates (ends the window)
         self.updated = False         # a fused update ran since the last step()
@@ -146,15 +149,18 @@ class FusedUpdates:
         """The outermost backward starts: decide whether it updates."""
         if self.updated:
             raise StateError(
-                "backward ran again after a fused optimizer update but before "
-                "opt.step(); if you accumulate gradients, pass accumulation_steps=N "
-                "to the tierd optimizer (or fused=False)")
+                f"backward ran again after a fused optimizer update but before opt.step(): "
+                f"this window is longer than {self.window} backwards (learned from the "
+                "first window, or given); pass accumulation_steps=N (the longest window) "
+                "to the tierd optimizer, or fused=False")
         if self.opt.needs_zero_grad:
-            raise StateError(
-                "backward ran after opt.step() without opt.zero_grad(): tierd's fused "
-                "optimizer consumes gradients inside backward; call opt.zero_grad() "
-                "after step(), or pass fused=False to keep accumulating across steps")
-        self.active = self.learned and self.backwards + 1 == self.opt.accumulation_steps
+            if self.session.grad_views.has_gradient(self.bucket_of):
+                raise StateError(
+                    "backward ran after opt.step() without opt.zero_grad(): tierd's fused "
+                    "optimizer consumes gradients inside backward; call opt.zero_grad() "
+                    "after step(), or pass fused=False to keep accumulating across steps")
+            self.opt.needs_zero_grad = False   # zeroed through p.grad (model.zero_grad())
+        self.active = self.learned and self.backwards + 1 == self.window
         self._got.clear()
         self._seen.clear()
         self._updated.clear()
@@ -203,7 +209,13 @@ class FusedUpdates:
             self.order = self._seen + [i for i in self.order if i not in self._seen]
         self.learned = True
 
+    def consumed(self) -> set[TieredParam]:
+        """The parameters whose gradient the last backward's update used up."""
+        return self._updated if self.updated else set()
+
     def after_step(self) -> None:
+        if self.window is None and self.backwards:
+            self.window = self.backwards   # the first window sets the length
         for b in self.buckets:
             b.state = BucketState.HOST
         self.updated = False

@@ -18,7 +18,7 @@ class SGD(StreamedOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
                  placement: str | None = None, fused: bool | None = None,
-                 accumulation_steps: int = 1, prefetch_bytes: int | None = None) -> None:
+                 accumulation_steps: int | None = None, prefetch_bytes: int | None = None) -> None:
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if momentum < 0 or weight_decay < 0:

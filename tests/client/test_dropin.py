@@ -1,0 +1,148 @@
+"""The training loop people already have, on an attached model, against plain
+torch on the same model and data (in-process store; one real-daemon test)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, session_of
+from tierd.client.store import LocalStore
+from tierd.errors import StateError
+from tests.client.models import assert_same_weights, batches, gpt2, llama
+
+CLIP = 0.05   # small enough that every step of these models is clipped
+
+
+def _pair(build=llama, **options):
+    ref = build()
+    return attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", **options), ref
+
+
+def _opts(model, ref, **kwargs):
+    return (tierd.optim.AdamW(model.parameters(), **kwargs),
+            torch.optim.AdamW(ref.parameters(), foreach=False, **kwargs))
+
+
+def _loop(model, opt, data, *, window: int = 1, clip: float | None = None,
+          zero=None) -> tuple[list[float], list[torch.Tensor]]:
+    """A plain torch loop: ``window`` backwards per step (a short last window
+    if ``len(data)`` is not a multiple), torch's clipping, ``zero`` to forget
+    gradients (default ``opt.zero_grad``). Returns the losses and clip norms."""
+    losses, norms = [], []
+    for i, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss / window
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % window == 0 or i + 1 == len(data):
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            opt.step()
+            (zero or opt.zero_grad)()
+    return losses, norms
+
+
+# ------------------------------------------------------------------ clipping
+def test_clip_grad_norm_returns_torchs_norm_and_clips_the_update_bitwise():
+    model, ref = _pair()
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    data = batches(6)
+    got = _loop(model, opt, data, window=2, clip=CLIP)
+    want = _loop(ref, ref_opt, data, window=2, clip=CLIP)
+    assert got[0] == want[0]
+    assert [n.item() for n in got[1]] == [n.item() for n in want[1]]
+    assert all(n.item() > CLIP for n in want[1])   # every step really was clipped
+    assert opt._fused == []   # clipping seen: tierd updates in step() from then on
+    assert_same_weights(model, ref)
+
+
+def test_p_grad_reads_and_zeroing_through_p_grad_behave_as_in_torch():
+    model, ref = _pair()
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    data = batches(4)
+    for m in (model, ref):
+        m(input_ids=data[0], labels=data[0]).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+    # model.zero_grad() (as Trainer and Lightning call it) forgets them: the
+    # next window starts from zero in both
+    model.zero_grad(); ref.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    got = _loop(model, opt, data[1:], zero=model.zero_grad)
+    assert got == _loop(ref, ref_opt, data[1:], zero=ref.zero_grad)
+    assert_same_weights(model, ref)
+
+
+def test_clipping_first_seen_after_a_fused_update_fails_naming_max_grad_norm():
+    model, _ = _pair()
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(2)
+    _loop(model, opt, data[:1])    # learns; the next update runs inside backward
+    model(input_ids=data[1], labels=data[1]).loss.backward()
+    assert opt.has_unfinished_step()
+    with pytest.raises(StateError, match=r"max_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+
+def test_unsupported_in_place_change_of_p_grad_fails_and_loses_nothing():
+    model, ref = _pair()
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    ids = batches(1)[0]
+    for m in (model, ref):
+        m(input_ids=ids, labels=ids).loss.backward()
+    weight = next(model.parameters())
+    with pytest.raises(StateError, match="in place"):
+        weight.grad.add_(torch.ones_like(weight.grad))
+    opt.step(); ref_opt.step()
+    assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------ accumulation
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_accumulation_window_is_learned_and_matches_torch_with_a_short_last_window(window):
+    model, ref = _pair(gpt2)
+    opt, ref_opt = _opts(model, ref, lr=1e-3, weight_decay=0.01)
+    data = batches(2 * window + 1 if window > 1 else 3)   # windows: w, w, then 1
+    assert _loop(model, opt, data, window=window) == _loop(ref, ref_opt, data, window=window)
+    (fused,) = opt._fused
+    assert fused.window == window
+    assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------ frozen
+def test_frozen_parameters_get_no_optimizer_state_and_no_bucket():
+    def freeze(m):
+        for n, p in m.named_parameters():
+            p.requires_grad_(not n.startswith("model.embed_tokens"))
+        return m
+    ref = freeze(llama())
+    store = LocalStore()
+    model = attach(copy.deepcopy(ref), client=store, device="cpu")
+    opt, ref_opt = _opts(model, ref, lr=1e-3)   # handed every parameter, frozen too
+    frozen = [p.tiered for p in model.parameters() if not p.requires_grad]
+    assert frozen
+    state_keys = [k for tp in frozen for k in opt.state_keys(tp)[1:]]
+    assert not set(state_keys) & set(store.keys())
+    assert not any(tp in f.bucket_of for f in opt._fused for tp in frozen)
+    data = batches(3)
+    assert _loop(model, opt, data) == _loop(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------ real daemon
+def test_clipped_accumulating_loop_on_the_daemon_matches_torch(daemon):
+    ref = gpt2()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    data = batches(5)
+    got = _loop(model, opt, data, window=2, clip=CLIP)
+    want = _loop(ref, ref_opt, data, window=2, clip=CLIP)
+    assert got[0] == want[0]
+    assert [n.item() for n in got[1]] == [n.item() for n in want[1]]
+    assert_same_weights(model, ref)
+    session_of(model)   # still attached and usable

@@ -1,0 +1,249 @@
+"""``p.grad`` of an attached parameter: the gradient in the pool, seen through torch.
+
+[Note: gradients users touch]
+tierd sums gradients into the pool, not into ``param.grad`` (the compute
+device never holds them all). Training loops still read and change
+``p.grad`` between ``backward()`` and ``step()``: ``clip_grad_norm_`` (called
+by Hugging Face Trainer, accelerate, Lightning) computes per-tensor norms
+and then multiplies every gradient in place; ``model.zero_grad()`` sets
+``p.grad = None``. With ``p.grad`` None, clipping returned 0 and clipped
+nothing, silently.
+
+So after each outermost backward every parameter whose gradient is in the
+pool gets a :class:`PoolGrad` as ``p.grad``: a tensor with no storage whose
+ops are answered from the pool:
+
+- ``torch.linalg.vector_norm`` (the per-tensor norm clipping takes) answers
+  from the L2 norm kept at each flush (``TieredParam.grad_norm``), which is
+  the norm of the bits torch would hold; other orders read the pool.
+- An in-place op whose other arguments are numbers or 0-dim tensors (the
+  clipping factor, an unscale, ``clamp_``) is *recorded*, not run: the
+  optimizer's ``step()`` replays the ops, in order, on the gradient it reads
+  from the pool, then writes the result back (torch's ``p.grad`` stays
+  clipped too). Replaying the same ops on the same fp32 values is bitwise
+  torch's result.
+- Any other op reads the gradient (recorded ops applied) and runs on a real
+  tensor; other in-place ops raise, naming what is supported.
+
+Removing the view (``p.grad = None``, ``model.zero_grad()``) forgets the
+gradient, as in torch. Before each forward and backward tierd takes the views
+off (autograd must not accumulate into them) and keeps the gradients; after
+the backward they are shown again. A parameter whose update already ran
+inside backward (the fused path) shows a *consumed* view: torch would have a
+gradient there, but clipping it now cannot change the update, so every op on
+it raises, naming ``max_grad_norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierd.client.tiered_param import TieredParam
+from tierd.errors import StateError
+
+_aten = torch.ops.aten
+
+_FUSED_HINT = (
+    "the optimizer update of {name!r} already ran inside backward (tierd's fused "
+    "update), so its gradient can no longer be read or changed before step(). To clip, "
+    "pass tierd.optim.AdamW(..., max_grad_norm=...) (or SGD), or call clip_grad_norm_ "
+    "from the first step on (tierd then keeps the update in step()), or pass fused=False")
+
+
+class PoolGrad(torch.Tensor):
+    """``p.grad`` of an attached parameter (see [Note: gradients users touch]).
+
+    Example:
+        >>> model(x).sum().backward()                                        # doctest: +SKIP
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)          # doctest: +SKIP
+        >>> type(next(model.parameters()).grad).__name__                     # doctest: +SKIP
+        'PoolGrad'
+    """
+
+    tp: TieredParam
+    ops: list
+    consumed: bool
+
+    @staticmethod
+    def __new__(cls, tp: TieredParam, *, consumed: bool = False) -> PoolGrad:
+        p = tp.param
+        view = torch.Tensor._make_wrapper_subclass(cls, p.shape, dtype=p.dtype, device=p.device)
+        view.tp = tp
+        view.ops = []        # (op, other args, kwargs) to replay at step()
+        view.consumed = consumed
+        return view
+
+    def __repr__(self) -> str:
+        state = "consumed by the fused update" if self.consumed else f"{len(self.ops)} ops"
+        return f"PoolGrad({self.tp.name!r}, shape={tuple(self.shape)}, {state})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        views = [a for a in args if isinstance(a, PoolGrad)]
+        views += [t for a in args if isinstance(a, (list, tuple))
+                  for t in a if isinstance(t, PoolGrad)]
+        for view in views:
+            if view.consumed:
+                raise StateError(_FUSED_HINT.format(name=view.tp.name))
+        if func in (_aten.detach.default, _aten.detach_.default, _aten.alias.default):
+            return args[0]
+        if func is _aten.linalg_vector_norm.default and isinstance(args[0], PoolGrad):
+            return args[0].norm_from_pool(*args[1:], **kwargs)
+        if func is _aten._foreach_norm.Scalar:
+            return [v.norm_from_pool(*args[1:], **kwargs) for v in args[0]]
+        if func._schema.is_mutable:
+            return _record(func, args, kwargs)
+        return func(*[_real(a) for a in args], **{k: _real(v) for k, v in kwargs.items()})
+
+    def norm_from_pool(self, ord: float = 2.0, dim=None, keepdim: bool = False, *,
+                       dtype=None) -> torch.Tensor:
+        """``torch.linalg.vector_norm`` of the gradient, from the kept norm if it can be."""
+        norm = self.tp.grad_norm
+        if norm is not None and float(ord) == 2.0 and dim is None and dtype is None \
+                and not self.ops:
+            return norm.to(self.device)
+        return torch.linalg.vector_norm(self.value(), ord, dim, keepdim, dtype=dtype)
+
+    def value(self) -> torch.Tensor:
+        """The gradient as a real tensor (a read from the pool, recorded ops applied)."""
+        tp = self.tp
+        grad = tp.session.read([tp.grad_key])[tp.grad_key]
+        with torch.no_grad():
+            replay(self.ops, grad)
+        return grad.to(device=self.device, dtype=self.dtype)
+
+
+def _real(arg):
+    if isinstance(arg, PoolGrad):
+        return arg.value()
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_real(a) for a in arg)
+    return arg
+
+
+def _record(func, args, kwargs):
+    """An in-place op on views: kept to replay at ``step()``; see the Note."""
+    name = func.overloadpacket.__name__
+    targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    if name.startswith("_foreach_"):
+        single = getattr(_aten, name[len("_foreach"):])   # _foreach_mul_ -> mul_
+        per = [[a[i] if isinstance(a, (list, tuple)) else a for a in args[1:]]
+               for i in range(len(targets))]
+    else:
+        single, per = func.overloadpacket, [list(args[1:])]
+    for view, rest in zip(targets, per):
+        if not isinstance(view, PoolGrad) or not all(_scalar_like(a) for a in rest) \
+                or not all(_scalar_like(v) for v in kwargs.values()):
+            raise StateError(
+                f"{func} changes the gradient of attached parameter "
+                f"{getattr(view, 'tp', None) and view.tp.name!r} in place with tensor "
+                "arguments; tierd keeps gradients in its pool and replays only in-place ops "
+                "with numbers or 0-dim tensors (clip_grad_norm_, unscaling, clamp_). Read "
+                "it with tierd.session_of(model).gradients() instead")
+        view.ops.append((single, rest, dict(kwargs)))
+    return args[0]
+
+
+def _scalar_like(arg) -> bool:
+    return not isinstance(arg, torch.Tensor) or (arg.dim() == 0 and not isinstance(arg, PoolGrad))
+
+
+def replay(ops: list, grad: torch.Tensor) -> None:
+    """Apply recorded in-place ops to ``grad`` (an fp32 gradient) in order."""
+    for op, rest, kwargs in ops:
+        rest = [a.to(grad.device) if isinstance(a, torch.Tensor) else a for a in rest]
+        op(grad, *rest, **kwargs)
+
+
+class GradViews:
+    """Which parameters of one session show a :class:`PoolGrad` (see the Note).
+
+    Example:
+        >>> views = GradViews(session); views.show(pooled, consumed)   # doctest: +SKIP
+        >>> views.hide()                       # before the next forward  # doctest: +SKIP
+    """
+
+    def __init__(self, session) -> None:
+        self._session = session
+        self._shown: dict[TieredParam, PoolGrad] = {}
+        # hidden by tierd for a forward or backward; the gradient stays
+        # (value: True when it was consumed by a fused update)
+        self._kept: dict[TieredParam, bool] = {}
+
+    def show(self, pooled, consumed=()) -> None:
+        """After an outermost backward: a view on every parameter with a gradient,
+        in the pool or consumed by a fused update (this backward or before)."""
+        self.hide()
+        consumed = set(consumed) | {tp for tp, c in self._kept.items() if c}
+        for tp in dict.fromkeys([*pooled, *self._kept, *consumed]):
+            if tp.grad_in_pool or tp in consumed:
+                view = PoolGrad(tp, consumed=not tp.grad_in_pool)
+                tp.param.grad = view
+                self._shown[tp] = view
+        self._kept.clear()
+
+    def hide(self) -> None:
+        """Before a forward or backward: take the views off, keeping the
+        gradients of those still there and forgetting those the user removed.
+        Ops recorded on them are applied to the pool now (the next backward
+        adds to the changed gradient, as in torch)."""
+        self.sync()
+        changed = [tp for tp, view in self._shown.items() if view.ops]
+        if changed:
+            self._apply_now(changed)
+        for tp, view in self._shown.items():
+            tp.param.grad = None
+            self._kept[tp] = view.consumed
+        self._shown.clear()
+
+    def sync(self) -> None:
+        """Forget the gradients whose view the user removed (``p.grad = None``)."""
+        for tp, view in list(self._shown.items()):
+            if tp.param.grad is not view:
+                tp.grad_in_pool = False
+                tp.grad_norm = None
+                del self._shown[tp]
+
+    def drop(self, tps) -> None:
+        """``zero_grad``: no view, no gradient kept."""
+        for tp in tps:
+            view = self._shown.pop(tp, None)
+            if view is not None and tp.param.grad is view:
+                tp.param.grad = None
+            self._kept.pop(tp, None)
+
+    def has_gradient(self, tps) -> bool:
+        """Some of ``tps`` still have a gradient torch would hold (shown or kept)."""
+        self.sync()
+        return any(tp in self._shown or tp in self._kept for tp in tps)
+
+    def ops(self, tp: TieredParam) -> list:
+        """The in-place ops recorded on ``tp``'s view since it was shown."""
+        view = self._shown.get(tp)
+        return [] if view is None else view.ops
+
+    def applied(self, tp: TieredParam, grad: torch.Tensor) -> None:
+        """``step()`` replayed ``tp``'s ops into the pool: they are done, and
+        the kept norm is that of ``grad`` (the changed gradient)."""
+        view = self._shown.get(tp)
+        if view is not None:
+            view.ops = []
+        tp.grad_norm = torch.linalg.vector_norm(grad, 2.0)
+
+    def any_ops(self) -> bool:
+        return any(view.ops for view in self._shown.values())
+
+    def _apply_now(self, tps: list[TieredParam]) -> None:
+        session = self._session
+        session.settle()
+        keys = [tp.grad_key for tp in tps]
+        session.leases.acquire(keys)
+        try:
+            views = session.leases.views(keys)
+            with torch.no_grad():
+                for tp in tps:
+                    replay(self._shown[tp].ops, views[tp.grad_key])
+                    self.applied(tp, views[tp.grad_key])
+        finally:
+            session.leases.release(keys, written=True)
