@@ -29,11 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 Size = int
 """A byte count; read from text such as ``64MiB`` by :func:`parse_size`."""
 JobQuotas = dict
@@ -285,6 +280,10 @@ class ServeConfig:
 def load_toml(path: Path) -> dict:
     """The settings of a TOML config file: its ``[serve]`` table (keys with
     ``-`` or ``_``) and its ``[jobs.NAME]`` tables as ``job_quotas``."""
+    if sys.version_info >= (3, 11):   # imported here: the probes never read TOML
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
     with open(path, "rb") as f:
         data = tomllib.load(f)
     unknown_tables = set(data) - {"serve", "jobs"}
