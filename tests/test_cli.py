@@ -326,3 +326,21 @@ def test_export_takes_nvme_from_the_config_file(daemon, tmp_path):
     assert torch.equal(load_file(out)["w"], torch.full((3, 5), 2.5, dtype=torch.bfloat16))
     proc = tierd_run("export", "--job", "cfg", "--out", str(out))
     assert proc.returncode == 2 and "--nvme" in proc.stderr
+
+
+def test_status_says_when_commit_manifests_were_quarantined(tmp_path):
+    from tests.conftest import start_daemon
+    from tierd.backends.manifest import ManifestStore
+    d = start_daemon(tmp_path)
+    with d.connect(job="bad") as c:
+        c.put("w", torch.ones(16))
+        c.commit("one")
+    d.stop()
+    ManifestStore(d.nvme).path("bad").write_bytes(b"not a manifest")
+    d = start_daemon(tmp_path)
+    try:
+        proc = tierd_run("status", "--socket", str(d.socket))
+    finally:
+        d.stop()
+    assert proc.returncode == 0, proc.stderr
+    assert "1 damaged commit manifests moved aside" in proc.stdout, proc.stdout

@@ -183,6 +183,10 @@ def print_status(view: dict) -> None:
     for name, j in sorted(view["jobs"].items()):
         print(f"{name:<24} {j['owner_uid']:>6} {j['sessions']:>7} {j['tensors']:>8} "
               f"{size(j['pool_used_bytes']):>10} {size(j['nvme_used_bytes']):>10}")
+    if view.get("quarantined"):
+        print(f"{len(view['quarantined'])} damaged commit manifests moved aside (their jobs "
+              f"started empty): tierd status --json lists them, docs/troubleshooting.md "
+              f"(IntegrityError) says what to do")
     idle = view["idle_jobs"]
     if idle["jobs"]:
         print(f"and {idle['jobs']} jobs with no client holding {idle['tensors']} tensors, "
