@@ -59,6 +59,7 @@ class Daemon:
         """Check the arguments and take the resources; raises TierdError."""
         cfg = self.config
         sockets.set_not_dumpable()
+        self.fd_limit = sockets.raise_fd_limit()
         if cfg.pool > available_memory():
             raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
                                 f"({format_size(available_memory())}); lower it")

@@ -18,6 +18,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
@@ -30,7 +31,6 @@ from tierd.errors import ProtocolError, TierdError
 log = logging.getLogger("tierd.daemon")
 
 PR_SET_DUMPABLE = 4
-PR_GET_DUMPABLE = 3
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the peer taken when it connected, so the
 # process watched is the one that connected even if its pid is reused since.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
@@ -123,8 +123,18 @@ def set_not_dumpable() -> None:
         raise TierdError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
 
 
-def is_dumpable() -> bool:
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0
+def raise_fd_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard one (each client costs a few
+    descriptors, each pool segment one; the usual soft 1024 runs out long
+    before memory does); the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
 
 
 # ----------------------------------------------------------------- peers
