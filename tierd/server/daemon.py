@@ -128,11 +128,12 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         try:
-            self._spawn(self.sessions.accept_loop())
-            self._spawn(self._router_loop())
+            self._spawn(self.sessions.accept_loop(), critical=True)
+            self._spawn(self._router_loop(), critical=True)
             if self.config.metrics_port is not None:
                 self._spawn(serve_metrics(self.config.metrics_host, self.config.metrics_port,
-                                          lambda: self.metrics.render(self.catalog.stats())))
+                                          lambda: self.metrics.render(self.catalog.stats())),
+                            critical=True)
             await self.stopping.wait()
             log.info("tierd stopping")
         finally:
@@ -157,21 +158,26 @@ class Daemon:
         self.nvme.close(remove=not self.manifests.any())
         log.info("tierd stopped")
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro, critical: bool = False) -> asyncio.Task:
+        """Track a task. A ``critical`` one is a loop the daemon cannot serve
+        without: if it dies, the daemon stops (exit status 1). Any other (one
+        request, session or transfer) only logs what escaped it."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda t: self._task_done(t, critical))
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, critical: bool) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # Requests and sessions catch their own errors; a task that still
-            # dies is one of the daemon's loops, without which it cannot serve.
-            log.error("internal error in %s; stopping", task.get_coro().__qualname__,
-                      exc_info=task.exception())
-            self.failure = task.exception()
-            self.stopping.set()
+        if task.cancelled() or task.exception() is None:
+            return
+        name = task.get_coro().__qualname__
+        if not critical:
+            log.error("internal error in %s; serving on", name, exc_info=task.exception())
+            return
+        log.error("internal error in %s; stopping", name, exc_info=task.exception())
+        self.failure = task.exception()
+        self.stopping.set()
 
     # ---------------------------------------------------------- requests
     async def _router_loop(self) -> None:
@@ -387,8 +393,10 @@ class Daemon:
             error = InternalError(f"internal error in the daemon's NVMe transfer: {exc!r}")
         finally:
             view.release()
-            self.catalog.finish(t, error)
-            self._io.pop(t).set_result(None)
+            try:
+                self.catalog.finish(t, error)
+            finally:   # whatever happened, nobody may wait for this transfer for ever
+                self._io.pop(t).set_result(None)
             self._run_started()
 
 

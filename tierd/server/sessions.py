@@ -106,7 +106,12 @@ class ControlSessions:
     async def _serve(self, conn: socket.socket) -> None:
         """One client session: handshake, segment fds on demand, EOF ends it.
         Whatever happens in it ends only this session."""
-        peer = sockets.peer_of(conn)
+        try:
+            peer = sockets.peer_of(conn)
+        except OSError as exc:
+            log.warning("cannot read a control peer's credentials: %s", exc)
+            conn.close()
+            return
         session = token = None
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         if peer.pidfd is not None:
