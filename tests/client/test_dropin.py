@@ -146,3 +146,67 @@ def test_clipped_accumulating_loop_on_the_daemon_matches_torch(daemon):
     assert [n.item() for n in got[1]] == [n.item() for n in want[1]]
     assert_same_weights(model, ref)
     session_of(model)   # still attached and usable
+
+
+# ------------------------------------------------------------------ torch.compile
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                                torch.nn.GELU())
+                                            for _ in range(depth)])
+
+    def forward(self, x):
+        return x + self.layers(x)
+
+
+class _Stack(torch.nn.Module):
+    """Embedding, three blocks of ``depth`` Linear+GELU, head: units inside blocks."""
+
+    def __init__(self, depth: int, width: int = 16) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, width)
+        self.blocks = torch.nn.ModuleList([_Block(width, depth) for _ in range(3)])
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def _compiled_training(depth: int) -> tuple[int, int]:
+    """Three compiled steps against eager torch; returns (graph breaks, ops captured)."""
+    from torch._dynamo.utils import counters
+    ref = _Stack(depth)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt, ref_opt = _opts(model, ref, lr=1e-2)
+    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    for m, o in ((compiled, opt), (ref, ref_opt)):
+        for _ in range(3):
+            m(ids).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_weights(model, ref)
+    return sum(counters["graph_break"].values()), counters["stats"]["calls_captured"]
+
+
+def test_compiled_attached_model_trains_like_torch_with_no_graph_break_inside_a_block():
+    breaks_1, captured_1 = _compiled_training(depth=1)
+    breaks_3, captured_3 = _compiled_training(depth=3)
+    # two more Linear+GELU per block add no break (hooks sit at block boundaries)
+    # and are compiled: at least 2 ops each in 3 blocks, traced in forward
+    assert breaks_3 == breaks_1
+    assert captured_3 - captured_1 >= 3 * 2 * 2
+
+
+def test_attach_of_a_compiled_module_is_refused_naming_the_order():
+    model = _Stack(1)
+    with pytest.raises(TypeError, match=r"torch.compile\(tierd.attach\(model\)\)"):
+        attach(torch.compile(model), client=LocalStore(), device="cpu")
+    attach(model, client=LocalStore(), device="cpu")   # the model itself was not touched

@@ -22,6 +22,7 @@ from tierd.client.attached import AttachSession, Resumed, is_attached, session_o
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
 from tierd.client.embedded import answers, ensure_daemon
+from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
 from tierd.client.registry import expected_keys
 from tierd.config import default_socket_path
@@ -77,6 +78,7 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         >>> model = tierd.attach(build_model(), job="run1", resume=True)                 # doctest: +SKIP
         >>> model = tierd.attach(model, job="run1")   # under torchrun, on every rank   # doctest: +SKIP
     """
+    refuse_compiled(model)
     if config is not None and options:
         raise TypeError(f"pass either config= or options {sorted(options)}, not both")
     if config is None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -124,6 +125,14 @@ class UseProbe:
         self._mode.__enter__()
         self.state = ProbeState.PROBING
 
+    def skip(self) -> None:
+        """ARMED -> DONE: the first root forward is compiled (see [Note: hooks
+        under torch.compile]); nothing is watched, nothing folded."""
+        if self.state is not ProbeState.ARMED:
+            raise StateError(f"the first-forward probe cannot be skipped: it is "
+                             f"{self.state.name}, skip needs ARMED")
+        self.state = ProbeState.DONE
+
     def stop(self) -> None:
         """PROBING -> DONE (at the end of the root forward, or at detach)."""
         if self.state is not ProbeState.PROBING:
@@ -173,8 +182,53 @@ class UseProbe:
         self._session.mover.require(unit)
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (children of an ``nn.ModuleList``, outermost only),
+    where hooks sit under torch.compile (see [Note: hooks under torch.compile])."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        for child in module.children():
+            blocks.append(child)
+            inside.update(id(m) for m in child.modules())
+    return blocks
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """``attach(torch.compile(m))`` is refused: see [Note: hooks under torch.compile]."""
+    dynamo = sys.modules.get("torch._dynamo")   # a compiled module has imported it
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "tierd.attach got a torch.compile'd module; attach first, then compile: "
+            "model = torch.compile(tierd.attach(model)) (tierd's hooks move parameters "
+            "at block boundaries, which the compiled model must call out to)")
+
+
 class ModuleHooks:
     """Owns every hook handle of one attached model; :meth:`remove` undoes them all.
+
+    [Note: hooks under torch.compile]
+    Hook bodies move storage, take leases and read clocks: dynamo cannot trace
+    them, and a hook it cannot trace breaks the graph where it is called. So
+    every body runs behind ``torch.compiler.disable`` (a break, then the body
+    eagerly), and where the break happens is chosen, as FSDP2 does with
+    per-block compile: each hook first asks ``torch.compiler.is_compiling()``
+    (a constant while dynamo traces, so the check itself costs no break).
+    While traced, the hooks of units inside a repeated block (a child of an
+    ``nn.ModuleList``) do nothing; the block's own hooks, at its boundary,
+    make all of its units resident before it and release them after it, and
+    register the pre-backward of them all. A compiled step thus breaks at
+    block boundaries and at units outside blocks (embeddings, the head), never
+    inside a block. Eager runs are unchanged (per-unit hooks; block hooks
+    return at once). The first-forward probe is a dispatch mode, which dynamo
+    does not trace through: a compiled first forward skips it (a block holds
+    all of its parameters anyway). ``attach(torch.compile(m))`` is refused:
+    the compiled wrapper hides the model's modules behind ``_orig_mod`` and
+    would trace the probe's first forward. Not supported: compiling a module
+    inside a block on its own (its units' hooks are traced away while its
+    block, run eagerly, holds nothing); compile the model or whole blocks.
 
     Example:
         >>> hooks = ModuleHooks(session)   # doctest: +SKIP
@@ -196,6 +250,18 @@ class ModuleHooks:
             if module is not model:
                 handles += (module.register_forward_pre_hook(self._pre_forward),)
             self._forward_handles[id(module)] = handles
+        # the bodies run eagerly: a compiled forward calls out to them (wrapped
+        # here, not at import: torch.compiler.disable imports dynamo, ~1 s)
+        for name in ("_begin_step_body", "_pre_forward_body", "_post_forward_body",
+                     "_block_body"):
+            setattr(self, name, torch.compiler.disable(getattr(self, name)))
+        self._compiled_step = False   # the root's forward is traced by dynamo
+        self._in_block: set[int] = set()   # id(module) of every module inside a block
+        for block in _blocks(model):
+            self._in_block.update(id(m) for m in block.modules())
+            self._handles += [block.register_forward_pre_hook(self._block_pre_forward),
+                              block.register_forward_hook(self._block_post_forward,
+                                                          always_call=True)]
         for module in model.modules():
             if any(p is not None for p in module._parameters.values()):
                 self._handles.append(module.register_state_dict_post_hook(
@@ -212,25 +278,63 @@ class ModuleHooks:
         self._handles.clear()
         self._forward_handles.clear()
 
-    # Every hook adds its host time to session.counters.hook_seconds (the
-    # benchmark reports it as the overhead share of a step).
+    # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
     def _begin_step(self, module: nn.Module, args: Any) -> None:
+        self._begin_step_body(module, torch.compiler.is_compiling())
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not (torch.compiler.is_compiling() and id(module) in self._in_block):
+            self._pre_forward_body(module)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not (torch.compiler.is_compiling() and id(module) in self._in_block):
+            self._post_forward_body(module, output)
+
+    def _block_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._block_body(module, None, torch.compiler.is_compiling(), entering=True)
+
+    def _block_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._block_body(module, output, torch.compiler.is_compiling(), entering=False)
+
+    # Every body adds its host time to session.counters.hook_seconds (the
+    # benchmark reports it as the overhead share of a step).
+    def _begin_step_body(self, module: nn.Module, compiled: bool) -> None:
         t0 = time.perf_counter()
+        self._compiled_step = compiled
         self._end_probe()
         self._session.begin_step()
         if self._probe is not None and self._probe.state is ProbeState.ARMED:
-            self._probe.start()
+            if compiled:   # dynamo does not trace through a dispatch mode
+                self._probe.skip()
+            else:
+                self._probe.start()
         self._enter(module)
         self._session.counters.hook_seconds += time.perf_counter() - t0
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward_body(self, module: nn.Module) -> None:
         t0 = time.perf_counter()
         self._enter(module)
         self._session.counters.hook_seconds += time.perf_counter() - t0
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward_body(self, module: nn.Module, output: Any) -> None:
         t0 = time.perf_counter()
         self._leave(module, output)
+        self._session.counters.hook_seconds += time.perf_counter() - t0
+
+    def _block_body(self, block: nn.Module, output: Any, compiled: bool, *,
+                    entering: bool) -> None:
+        # compiled: this hook was traced; or the whole step is (the hook's own
+        # frame may have been left to run eagerly, the block's body still traced)
+        if not (compiled or self._compiled_step):
+            return
+        t0 = time.perf_counter()
+        unit_of = self._session.registry.unit_of
+        units = list(dict.fromkeys(unit_of[id(m)] for m in block.modules() if id(m) in unit_of))
+        for unit in units:
+            if entering:
+                self._session.pre_forward(unit)
+            else:
+                self._finish_forward(unit, output)
         self._session.counters.hook_seconds += time.perf_counter() - t0
 
     def _pre_backward_of(self, unit: Unit):
