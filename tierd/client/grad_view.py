@@ -99,6 +99,11 @@ class PoolGrad(torch.Tensor):
     def norm_from_pool(self, ord: float = 2.0, dim=None, keepdim: bool = False, *,
                        dtype=None) -> torch.Tensor:
         """``torch.linalg.vector_norm`` of the gradient, from the kept norm if it can be."""
+        if self.tp.session.share is not None:
+            raise StateError(
+                f"the norm of {self.tp.name!r}'s gradient: under torch.distributed each rank "
+                "holds the gradients of its share only, so a norm summed here would not be "
+                "the global one; clip with tierd.optim.AdamW(..., max_grad_norm=...) (or SGD)")
         norm = self.tp.grad_norm
         if norm is not None and float(ord) == 2.0 and dim is None and dtype is None \
                 and not self.ops:
