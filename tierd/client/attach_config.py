@@ -34,8 +34,14 @@ class AttachConfig:
     #: "fp16" or a torch dtype). Below fp32, fp32 master weights are kept in
     #: tierd and the optimizer updates those.
     compute_dtype: str | torch.dtype = torch.float32
-    #: Most bytes of parameters allowed on the compute device for prefetch
-    #: (the unit running now is always fetched, even above the budget).
+    #: Device memory the attached model may use in all (bytes, or a float in
+    #: (0, 1]: that fraction of the device's memory). None: on CUDA the memory
+    #: free at attach, on the CPU no placement. Within it, after a measured
+    #: first step, units whose tensors fit stay on the device between steps
+    #: ([Note: the GPU is the first tier] in ``tierd.client.placement``).
+    gpu_memory_bytes: int | float | None = None
+    #: Most bytes of streamed parameters on the compute device at once, for
+    #: prefetch (the unit running now is always fetched, even above it).
     gpu_budget_bytes: int = 2 << 30
     #: Bytes of upcoming parameters for which pool leases are requested
     #: ahead of use (brings NVMe-resident ones into the pool in time).
@@ -74,6 +80,10 @@ class AttachConfig:
                   "grad_bucket_bytes"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        cap = self.gpu_memory_bytes
+        if cap is not None and (cap <= 0 or (isinstance(cap, float) and cap > 1.0)):
+            raise ValueError(f"gpu_memory_bytes={cap} must be a byte count > 0 or a fraction "
+                             "in (0, 1]; None uses the device memory free at attach")
         if not 0.0 <= self.hold_fraction <= 1.0:
             raise ValueError(f"hold_fraction={self.hold_fraction} must be in [0, 1]")
         if self.optimizer_placement not in _PLACEMENTS:

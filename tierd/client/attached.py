@@ -49,6 +49,7 @@ from tierd.client.hooks import ModuleHooks
 from tierd.client.keys import ModelKeys
 from tierd.client.leases import LeaseTable
 from tierd.client.mover import Mover
+from tierd.client.placer import Placer, resolve_cap
 from tierd.client.rank_share import RankShare
 from tierd.client.registry import ParamRegistry, Unit
 from tierd.client.releases import PendingReleases
@@ -132,6 +133,8 @@ class AttachSession:
             dtype=config.compute_dtype, deliver=self._deliver_grad)
         tps = [tp for tp in self.params.values() if not tp.resident]
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
+        cap = None if ranks is not None else resolve_cap(self.device, config.gpu_memory_bytes)
+        self.placer = Placer(self, cap, explicit=config.gpu_memory_bytes is not None)
         self.hooks = ModuleHooks(self)
         self.activations = None if config.activations is None else ActivationTiering(
             model, client, config.activations, device=self.device)
@@ -161,12 +164,13 @@ class AttachSession:
         """
         out = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         out.update(h2d_bytes=self.copy.h2d_bytes, d2h_bytes=self.copy.d2h_bytes,
-                   held_bytes=self.held_bytes)
+                   held_bytes=self.held_bytes, **self.placer.stats())
         return out
 
     # ------------------------------------------------------------- hooks
-    def begin_step(self) -> None:
-        """Root forward starts a step (unless it is a re-run inside backward)."""
+    def begin_step(self, signature: tuple = ()) -> None:
+        """Root forward starts a step (unless it is a re-run inside backward);
+        ``signature``: the shapes of its inputs (see tierd.client.placer)."""
         if current_graph_task() != -1:
             return
         # Held leases mean a step may send no request at all: ask the kernel
@@ -175,6 +179,7 @@ class AttachSession:
         self.grad_views.hide()   # autograd must not accumulate into p.grad views
         self.counters.steps += 1
         self.settle(synchronize=False)
+        self.placer.begin_step(signature)
         self.mover.begin_step()
 
     def pre_forward(self, unit: Unit) -> None:
@@ -314,6 +319,7 @@ class AttachSession:
         """Detach: hooks off, ordinary parameters back, the model's keys deleted."""
         if self.activations is not None:
             self.activations.close()
+        self.placer.close()
         self.hooks.remove()
         self.settle()
         self.registry.restore(self.read_values(list(self.params.values())))

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tierd.client.placer import input_signature
 from tierd.client.registry import Unit
 from tierd.client.tiered_param import ParamState, TieredParam
 from tierd.client.torch_internals import DispatchMode, storage_id, tree_flatten
@@ -243,7 +244,7 @@ class ModuleHooks:
         model = session.model
         # The root's one pre-hook begins the step, then makes the root's unit
         # resident (if it has one: looked up per call, as folding may make one).
-        self._handles.append(model.register_forward_pre_hook(self._begin_step))
+        self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         for module in model.modules():
             # every module until the first forward has shown which are units
             handles = (module.register_forward_hook(self._post_forward, always_call=True),)
@@ -279,8 +280,9 @@ class ModuleHooks:
         self._forward_handles.clear()
 
     # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
-    def _begin_step(self, module: nn.Module, args: Any) -> None:
-        self._begin_step_body(module, torch.compiler.is_compiling())
+    def _begin_step(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        self._begin_step_body(module, torch.compiler.is_compiling(),
+                              input_signature(args, kwargs))
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not (torch.compiler.is_compiling() and id(module) in self._in_block):
@@ -298,11 +300,11 @@ class ModuleHooks:
 
     # Every body adds its host time to session.counters.hook_seconds (the
     # benchmark reports it as the overhead share of a step).
-    def _begin_step_body(self, module: nn.Module, compiled: bool) -> None:
+    def _begin_step_body(self, module: nn.Module, compiled: bool, signature: tuple) -> None:
         t0 = time.perf_counter()
         self._compiled_step = compiled
         self._end_probe()
-        self._session.begin_step()
+        self._session.begin_step(signature)
         if self._probe is not None and self._probe.state is ProbeState.ARMED:
             if compiled:   # dynamo does not trace through a dispatch mode
                 self._probe.skip()

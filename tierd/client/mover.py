@@ -71,13 +71,15 @@ class Mover:
         self._kept_bytes = 0
         self._head: tuple[int, set[TieredParam]] = (-1, set())   # (step, first params)
 
-    def _new_planner(self) -> PrefetchPlanner:
+    def _new_planner(self, trace: tuple[int, ...] = ()) -> PrefetchPlanner:
         return PrefetchPlanner({u.index: u.nbytes for u in self.registry.units},
-                               self.config.prefetch_bytes)
+                               self.config.prefetch_bytes, trace)
 
-    def replan(self) -> None:
-        """A fresh planner over the current units (units were folded): it learns again."""
-        self.planner = self._new_planner()
+    def replan(self, *, keep_trace: bool = False) -> None:
+        """A fresh planner over the current units' bytes: it learns the order
+        again (units were folded) or, with ``keep_trace``, follows the one it
+        learned (the units' bytes changed, not their order: placement)."""
+        self.planner = self._new_planner(self.planner.trace if keep_trace else ())
 
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:

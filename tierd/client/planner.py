@@ -15,7 +15,7 @@ hang or reorder anything.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 class PlanState(enum.Enum):
@@ -45,12 +45,13 @@ class PrefetchPlanner:
         [2]
     """
 
-    def __init__(self, unit_bytes: Mapping[int, int], depth_bytes: int) -> None:
+    def __init__(self, unit_bytes: Mapping[int, int], depth_bytes: int,
+                 trace: Sequence[int] = ()) -> None:
         if depth_bytes < 0:
             raise ValueError(f"depth_bytes must be >= 0, got {depth_bytes}")
         self._unit_bytes = dict(unit_bytes)
         self._depth = depth_bytes
-        self._trace: list[int] = []
+        self._trace: list[int] = list(trace)   # a trace learned before the units' bytes changed
         self._recording: list[int] = []
         self._cursor = 0        # index in the trace of the next expected use
         self._announced = 0     # trace positions [0, _announced) were announced

@@ -73,6 +73,8 @@ class ParamRegistry:
         self.units: list[Unit] = []
         self.unit_of: dict[int, Unit] = {}           # id(module) -> unit
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
+        # every parameter of each unit, resident ones included (by unit index)
+        self._members: list[tuple[TieredParam, ...]] = []
         self._take(session, store, stored, on_grad)
 
     # ------------------------------------------------------------- attach
@@ -141,6 +143,7 @@ class ParamRegistry:
                 unit = Unit(index=len(self.units), name=mod_name or "<root>", params=tps,
                             nbytes=sum(tp.nbytes for tp in tps))
                 self.units.append(unit)
+                self._members.append(tps)
                 self.unit_of[id(module)] = unit
 
     # ------------------------------------------------------------- changes
@@ -154,13 +157,40 @@ class ParamRegistry:
             unit = Unit(index=len(self.units), name=name, params=tuple(tps),
                         nbytes=sum(tp.nbytes for tp in tps))
             self.units.append(unit)
+            self._members.append(tuple(tps))
         else:
             added = tuple(tp for tp in dict.fromkeys(tps) if tp not in old.params)
             unit = Unit(index=old.index, name=old.name, params=old.params + added,
                         nbytes=old.nbytes + sum(tp.nbytes for tp in added))
             self.units[old.index] = unit
+            self._members[old.index] = tuple(dict.fromkeys(self._members[old.index] + added))
         self.unit_of[id(module)] = unit
         return unit
+
+    def members(self, unit: Unit) -> tuple[TieredParam, ...]:
+        """Every parameter of ``unit``, resident ones included."""
+        return self._members[unit.index]
+
+    def set_resident(self, tps: list[TieredParam], resident: bool,
+                     values: dict[str, torch.Tensor] | None = None) -> None:
+        """Make ``tps`` resident (their stored bytes ``values`` by key, copied
+        in) or streamed again, and rebuild the units they are in: a unit's
+        ``params`` are its non-resident ones. Units keep their index and module."""
+        for tp in tps:
+            if resident:
+                tp.make_resident(values[tp.key])
+            else:
+                tp.make_streamed()
+        changed = set(tps)
+        for mid, unit in list(self.unit_of.items()):
+            members = self._members[unit.index]
+            if not changed.intersection(members):
+                continue
+            params = tuple(tp for tp in members if not tp.resident)
+            new = Unit(index=unit.index, name=unit.name, params=params,
+                       nbytes=sum(tp.nbytes for tp in params))
+            self.units[unit.index] = new
+            self.unit_of[mid] = new
 
     def resident(self) -> list[TieredParam]:
         return [tp for tp in self.params.values() if tp.resident]

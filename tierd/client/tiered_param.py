@@ -155,6 +155,25 @@ class TieredParam:
         self.backward_task = -1
         self.state = ParamState.HOST
 
+    def make_resident(self, value: torch.Tensor) -> None:
+        """HOST -> DEVICE for good (placement, [Note: the GPU is the first tier]):
+        ``value`` (the stored bytes, in the pool) is copied in on the current
+        stream and the storage stays between steps."""
+        self._expect(ParamState.HOST, action="make resident")
+        self.param.untyped_storage().resize_(self.nbytes)
+        with torch.no_grad():
+            self.param.data.copy_(value)
+        self.resident = True
+        self.state = ParamState.DEVICE
+
+    def make_streamed(self) -> None:
+        """DEVICE (resident) -> HOST: the pool holds the current bytes again."""
+        self._expect(ParamState.DEVICE, action="stream")
+        if not self.resident:
+            raise StateError(f"parameter {self.name!r} is not resident; nothing to stream")
+        self.resident = False
+        self.free()
+
     def start_write_back(self, target: torch.Tensor, keys: tuple[str, ...],
                          stream: CopyStream) -> InflightCopy:
         """DEVICE -> D2H_INFLIGHT: queue a copy of the device values into ``target``."""

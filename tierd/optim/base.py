@@ -177,6 +177,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # gradients changed through p.grad (clip_grad_norm_): the update must
         # stay in step() from now on ([Note: gradients users touch])
         touched = any(session.grad_views.any_ops() for session in sessions)
+        for f in self._fused:   # this step updates the pool's copy of resident state
+            f.drop_resident()
         for session in sessions:
             session.settle()
         coef = self._clip_coef()

@@ -43,6 +43,17 @@ before them. On CUDA the session keeps those in its first prefetch window
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
+[Note: resident optimizer state]
+A bucket the placement made resident ([Note: the GPU is the first tier] in
+``tierd.client.placement``) is *pinned*: it is fetched once as any other,
+and after its update its master and moments stay on the device (RESIDENT),
+its compute copy is refreshed in place, and nothing goes back over PCIe.
+The pool's copy is then older (``dirty``) until the host is about to read
+the pool (``settle``: ``state_dict``, ``commit``, ``detach``, a deferred
+``step()``), which writes it back first, so commits and reads see every
+value. Gradients that earlier backwards of a window summed in the pool are
+brought in for the update.
+
 The first backward only learns (delivery counts and order); its window is
 updated by ``step()`` (deferred path). On the CPU the same code runs on the
 pool views in place, with no copies.
@@ -69,11 +80,15 @@ class BucketState(enum.Enum):
     DONE: all its parameters updated this backward; copies out queued, leases
         released after them. A bucket updated while some parameter had no
         gradient yet goes back to HOST (it is fetched again if one comes).
+    RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
+        moments stay on the device across steps and are updated there; no
+        lease is held and the pool's copy is older while ``dirty``.
     """
 
     HOST = "host"
     FETCHED = "fetched"
     DONE = "done"
+    RESIDENT = "resident"
 
 
 @dataclass(eq=False)
@@ -90,6 +105,8 @@ class Bucket:
     copy: object = None            # InflightCopy of the copy in (CUDA only)
     readers: list = field(default_factory=list)   # compute copies made from work
     reserved: object = None        # new slots of its shared keys, asked at fetch
+    pinned: bool = False           # its state stays on the device once fetched
+    dirty: bool = False            # RESIDENT with values the pool does not have yet
 
 
 class FusedUpdates:
@@ -217,18 +234,105 @@ class FusedUpdates:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
         for b in self.buckets:
-            b.state = BucketState.HOST
+            if b.state is not BucketState.RESIDENT:
+                b.state = BucketState.HOST
         self.updated = False
         self.backwards = 0
 
     def settle(self) -> None:
-        """Nothing fetched, every copy out landed (before the host reads the pool)."""
+        """Nothing fetched, every copy out landed, resident state written to
+        the pool (before the host reads the pool)."""
         if not self.active:
             self._release_fetched()
             for done, nbytes in self._outstanding:
                 done.synchronize()
                 self._fetched_bytes -= nbytes
             self._outstanding.clear()
+            for b in self.buckets:
+                if b.dirty:
+                    self._write_back(b)
+
+    # ------------------------------------------------------------ residency
+    def pin(self, tps: list[TieredParam]) -> int:
+        """Keep the state of the buckets made only of ``tps`` (resident
+        parameters) on the device from their next update on; returns the bytes."""
+        chosen = set(tps)
+        pinned = [b for b in self.buckets if not b.pinned and all(tp in chosen for tp in b.tps)
+                  and all(tp.resident for tp in b.tps)]
+        for b in pinned:
+            b.pinned = True
+        return sum(b.nbytes for b in pinned)
+
+    def unpin(self, tps: list[TieredParam] | None = None) -> None:
+        """Stream the state of the buckets with any of ``tps`` (all: None) again;
+        device values are written to the pool first."""
+        chosen = None if tps is None else set(tps)
+        for b in self.buckets:
+            if b.pinned and (chosen is None or any(tp in chosen for tp in b.tps)):
+                self.drop_resident(b)
+                b.pinned = False
+
+    def drop_resident(self, b: Bucket | None = None) -> None:
+        """Write resident state back and free it (every bucket: None); a
+        pinned bucket is fetched and kept again at its next update."""
+        for bucket in self.buckets if b is None else [b]:
+            if bucket.state is BucketState.RESIDENT:
+                if bucket.dirty:
+                    self._write_back(bucket)
+                bucket.work, bucket.state = {}, BucketState.HOST
+
+    def resident_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets if b.state is BucketState.RESIDENT)
+
+    def _write_back(self, b: Bucket) -> None:
+        """Copy a resident bucket's master, moments and compute copy into the
+        pool (blocking: only when the host is about to read the pool)."""
+        session, copy = self.session, self.session.copy
+        state = [k for tp in b.tps for k in self.opt.state_keys(tp)]
+        keys = state + [tp.key for tp in b.tps if tp.has_master]
+        session.leases.acquire(keys)
+        views = session.leases.views(keys)
+        pairs = [(views[k], b.work[k]) for k in state]
+        pairs += [(views[tp.key], tp.param.data) for tp in b.tps if tp.has_master]
+        copy.copy_out_many(pairs, tuple(keys)).synchronize()
+        session.leases.release(keys, written=True)
+        b.dirty = False
+
+    def _keep(self, b: Bucket) -> None:
+        """FETCHED (just updated) or RESIDENT -> RESIDENT: the leases of a
+        fresh fetch go (the pool keeps its older bytes; ``dirty`` says so)."""
+        for tp in b.tps:
+            b.work.pop(tp.grad_key, None)
+        if b.state is BucketState.FETCHED:
+            # the copy in may still read the pool: its keys go after its event
+            copied = set(b.copy.keys) if b.copy is not None else set()
+            rest = [k for k in b.keys if k not in copied]
+            if rest:
+                self.session.leases.release(rest)
+            if b.copy is not None:
+                self.session.releases.add(b.copy, written=False)
+            self._fetched_bytes -= b.nbytes
+        b.copy, b.readers = None, []
+        b.state, b.dirty = BucketState.RESIDENT, True
+
+    def _fetch_pooled_grads(self, b: Bucket) -> None:
+        """A RESIDENT bucket's gradients summed in the pool by earlier
+        backwards of the window (or a learning step) come in for its update."""
+        keys = [tp.grad_key for tp in b.tps if tp.grad_in_pool]
+        if not keys:
+            return
+        session, copy = self.session, self.session.copy
+        session.leases.acquire(keys)
+        views = session.leases.views(keys)
+        if copy.on_device:
+            pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in keys]
+            done = copy.copy_in_many(pairs, tuple(keys))
+            copy.wait(done)
+            b.work.update({k: d for k, (d, _) in zip(keys, pairs)})
+            session.releases.add(done, written=False)
+        else:
+            b.work.update({k: views[k].clone() for k in keys})
+            session.leases.release(keys)
 
     def will_fetch(self, tp: TieredParam) -> bool:
         """``tp``'s master is to be fetched for this backward's update, and is not yet."""
@@ -304,9 +408,10 @@ class FusedUpdates:
             pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
             b.copy = copy.copy_in_many(pairs, tuple(read))
             b.work = {k: d for k, (d, _) in zip(read, pairs)}
-        else:   # in place in the pool, but a shared key gets a new version instead
+        else:   # in place in the pool, but a shared key gets a new version instead,
+            # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
-            b.work = {k: v.clone() if k in shared else v for k, v in views.items()}
+            b.work = {k: v.clone() if b.pinned or k in shared else v for k, v in views.items()}
         if session.leases.shared:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
         b.state = BucketState.FETCHED
@@ -317,12 +422,13 @@ class FusedUpdates:
         t0 = time.perf_counter()
         if b.state is BucketState.HOST:
             self._fetch(b)
+        elif b.state is BucketState.RESIDENT:
+            self._fetch_pooled_grads(b)
         session, opt, copy = self.session, self.opt, self.session.copy
         if b.copy is not None:
             copy.wait(b.copy)
         for reader in b.readers:   # the master changes in place below
             copy.wait(reader)
-        views = session.leases.views(b.keys)
         written: list[tuple[str, torch.Tensor]] = []
         by_step: dict[float, list] = {}
         for tp in b.tps:
@@ -347,14 +453,22 @@ class FusedUpdates:
                 tp.grad_in_pool = False
                 tp.grad_norm = None
                 self._updated.add(tp)
+                if tp.resident:
+                    session.refresh_resident(tp, param)
+                if b.pinned:
+                    continue   # [Note: resident optimizer state]
                 written += [(key, b.work[key]) for key in k]
                 new = param.to(tp.param.dtype) if tp.has_master else param
                 if tp.has_master:
                     written.append((tp.key, new))
-                if tp.resident:
-                    session.refresh_resident(tp, param)
-                else:
+                if not tp.resident:
                     session.keep_new_value(tp, new)
+        if b.pinned:
+            self._keep(b)
+            session.counters.optimizer_seconds += time.perf_counter() - t0
+            self.prefetch()
+            return
+        views = session.leases.views(b.keys)
         shared = session.leases.shared
         if any(k in shared for k, _ in written):
             session.share.publish([(k, t) for k, t in written if k in shared], b.reserved)

@@ -1,0 +1,166 @@
+"""Placement: the planner as plain code, then placement applied on the
+in-process store (CPU, explicit ``gpu_memory_bytes``) against plain torch."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.placement import Place, UnitBytes, plan_placement, smallest_budget
+from tierd.client.placer import PlacerState
+from tierd.client.store import LocalStore
+from tierd.client.tiered_param import ParamState
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+# bf16 compute, AdamW: 2 B/param of weights, 12 B/param of fp32 state
+UNITS = [UnitBytes(i, 2 * n, 12 * n) for i, n in enumerate([100, 300, 200, 50])]
+TOTAL = sum(u.param_bytes + u.state_bytes for u in UNITS)
+
+
+# ------------------------------------------------------------------ the planner
+def test_everything_resident_when_it_fits_and_nothing_streams():
+    plan = plan_placement(UNITS, TOTAL)
+    assert set(plan.places.values()) == {Place.RESIDENT}
+    assert plan.streamed_bytes == 0 and plan.device_bytes == TOTAL
+
+
+@pytest.mark.parametrize("budget", [0, 1, 99, 200, 1301, 3000, TOTAL - 1, TOTAL + 7])
+def test_never_over_the_budget(budget):
+    plan = plan_placement(UNITS, budget)
+    assert plan.device_bytes <= budget
+    held = sum(u.device_bytes(plan.places[u.index]) for u in UNITS)
+    assert held == plan.device_bytes
+
+
+def test_largest_saving_per_byte_first_weights_then_state():
+    weights = sum(u.param_bytes for u in UNITS)
+    plan = plan_placement(UNITS, weights)   # room for every compute copy, no state
+    assert set(plan.places.values()) == {Place.WEIGHTS}
+    everything_streamed = sum(u.streamed(Place.STREAM) for u in UNITS)
+    assert plan.streamed_bytes == everything_streamed - 3 * weights
+    # no other placement within this budget moves fewer bytes
+    for places in itertools.product(list(Place), repeat=len(UNITS)):
+        held = sum(u.device_bytes(p) for u, p in zip(UNITS, places))
+        if held <= weights:
+            assert sum(u.streamed(p) for u, p in zip(UNITS, places)) >= plan.streamed_bytes
+
+
+def test_state_only_after_the_units_weights():
+    plan = plan_placement(UNITS, sum(u.param_bytes for u in UNITS) + UNITS[0].state_bytes)
+    assert plan.places[0] is Place.RESIDENT
+    assert all(plan.places[i] is Place.WEIGHTS for i in (1, 2, 3))
+
+
+def test_a_larger_measured_step_places_less():
+    cap = TOTAL + 1000
+    small_step, large_step = 500, 500 + TOTAL // 2
+    before = plan_placement(UNITS, cap - small_step)
+    after = plan_placement(UNITS, cap - large_step)
+    assert before.device_bytes > after.device_bytes
+    assert after.streamed_bytes > before.streamed_bytes == 0
+
+
+def test_units_without_state_only_keep_weights_and_bad_budgets_fail():
+    plan = plan_placement([UnitBytes(0, 8, 0)], 100)
+    assert plan.places[0] is Place.WEIGHTS
+    assert smallest_budget(UNITS) == 2 * 300 + 12 * 300
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan_placement(UNITS, -1)
+
+
+# ------------------------------------------------------------------ applied (CPU)
+def _train_placed(make, *, cap, data, seed_data=None, dtype="fp32"):
+    ref = make()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=cap, compute_dtype=dtype)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return model, ref, opt, ref_opt
+
+
+def test_resident_units_train_bitwise_like_torch_and_hold_their_state():
+    model, ref, opt, ref_opt = _train_placed(llama, cap=1 << 30, data=None)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    session = session_of(model)
+    assert session.placer.state is PlacerState.PLACED
+    assert set(session.placer.plan.places.values()) == {Place.RESIDENT}
+    assert all(tp.resident and tp.state is ParamState.DEVICE for tp in session.params.values())
+    stats = session.stats()
+    assert stats["resident_bytes"] > 0 and stats["planned_pcie_bytes"] == 0
+    assert_same_weights(model, ref)   # state_dict writes resident values back first
+
+
+def test_a_small_cap_keeps_some_units_and_streams_the_rest():
+    probe = attach(llama(), client=LocalStore(), device="cpu")
+    units = session_of(probe).units
+    cap = sum(u.nbytes for u in units) // 2
+    detach(probe)
+    model, ref, opt, ref_opt = _train_placed(llama, cap=cap, data=None)
+    data = batches(4)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    plan = session_of(model).placer.plan
+    assert plan.device_bytes <= cap
+    assert Place.STREAM in plan.places.values() and Place.WEIGHTS in plan.places.values()
+    assert_same_weights(model, ref)
+
+
+def test_new_input_shapes_stream_everything_then_place_again():
+    model, ref, opt, ref_opt = _train_placed(gpt2, cap=1 << 30, data=None)
+    short, long = batches(3, seq=8), batches(3, seq=16, seed=4)
+    assert train(model, opt, short) == train(ref, ref_opt, short)
+    placer = session_of(model).placer
+    assert placer.state is PlacerState.PLACED
+    ids = long[0]
+    loss = model(input_ids=ids, labels=ids).loss   # a new length: back to streaming
+    assert placer.state is PlacerState.MEASURING and placer.resident_bytes() == 0
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert loss.item() == ref_loss.item()
+    assert train(model, opt, long[1:]) == train(ref, ref_opt, long[1:])
+    assert placer.state is PlacerState.PLACED
+    assert_same_weights(model, ref)
+
+
+def test_commit_and_resume_with_resident_units():
+    store = LocalStore(job="run1")
+    model = attach(gpt2(), client=store, job="run1", device="cpu", gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    assert session_of(model).placer.state is PlacerState.PLACED
+    tierd.commit(model, opt, 3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    store.restart()
+    object.__delattr__(model, "_tierd_session")
+    again = attach(gpt2(seed=9), client=store, job="run1", resume=True, device="cpu")
+    got = again.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_bf16_resident_matches_bf16_streamed_bitwise():
+    data = batches(4)
+    outs = []
+    for cap in (None, 1 << 30):
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                       gpu_memory_bytes=cap)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        outs.append((train(model, opt, data), model.state_dict()))
+    assert outs[0][0] == outs[1][0]
+    assert all(torch.equal(outs[0][1][k], v) for k, v in outs[1][1].items())
+
+
+def test_bad_caps_fail_clearly():
+    with pytest.raises(ValueError, match="smallest cap that works"):
+        attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1000)
+    with pytest.raises(ValueError, match="gpu_memory_bytes"):
+        tierd.AttachConfig(gpu_memory_bytes=1.5)
+    with pytest.raises(ValueError, match="gpu_memory_bytes"):
+        tierd.AttachConfig(gpu_memory_bytes=0)

@@ -1,0 +1,239 @@
+"""The placer: measures a step, plans placement, applies it, re-plans.
+
+The decision is :func:`tierd.client.placement.plan_placement` (plain code);
+this module measures what it needs, makes units resident or streamed again
+(through the registry and the fused optimizers), and watches later steps.
+
+[Note: measuring the step for placement]
+The first step streams everything (the GPU holds only the prefetch window
+and the optimizer state in flight) and is measured: on CUDA the allocator's
+peak over the step, less what was allocated before attach, is the step's
+*non-model* memory (activations, workspace, gradients in flight, the
+streaming window). Device bytes for placement are then ``cap`` less that,
+less a margin for fragmentation. The streaming window only shrinks as units
+become resident, so the estimate errs towards holding less. Each later step's
+peak is read again (less what the plan holds): if it grew past the margin, the
+plan is made again within the smaller budget. When the root forward's input
+shapes change (a new batch size or sequence length), the step may need far
+more memory than the one measured, so everything streams again first and
+that step is measured anew: one slow step, never an out-of-memory error.
+On the CPU nothing is measured: placement runs only with an explicit
+``gpu_memory_bytes`` (for tests), against that budget.
+
+[Note: placement and activation tiering share one budget]
+Activation tiering decides first, placement second. ``activations="auto"``
+plans against its own budget (``ActivationConfig.budget_bytes``) with every
+parameter streamed, over its profile and check steps; only once its plan is
+final (``AutoStage.DONE``) does the placer measure a step, which then runs
+that plan, so the non-model memory it measures includes what the activation
+plan keeps, and placement takes what is left. The other order would let the
+activation planner's later steps grow past what placement left free.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import warnings
+
+import torch
+
+from tierd.client.placement import Place, Placement, UnitBytes, plan_placement
+from tierd.client.torch_internals import tree_flatten
+
+log = logging.getLogger("tierd.placement")
+
+_MARGIN_MIN = 1 << 30       # CUDA: fragmentation and allocator slack
+_MARGIN_FRACTION = 0.04
+
+
+class PlacerState(enum.Enum):
+    """What the placer does with the running step.
+
+    OFF: no placement (CPU without ``gpu_memory_bytes``, or under torch.distributed).
+    MEASURING: the step streams what no plan holds and its device peak is measured.
+    PLACED: a plan is applied; each step's peak is checked against it.
+    """
+
+    OFF = "off"
+    MEASURING = "measuring"
+    PLACED = "placed"
+
+
+def resolve_cap(device: torch.device, requested: int | float | None) -> int | None:
+    """Device bytes the attached model may use in all (None: no placement).
+
+    ``requested``: bytes, a fraction of the device's memory, or None (on
+    CUDA: the memory free at attach). Above what is free: a warning, and
+    what is free is used."""
+    if device.type != "cuda":
+        return None if requested is None else int(requested)
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if requested is None:
+        return free
+    cap = int(requested * total) if isinstance(requested, float) else int(requested)
+    if cap > free:
+        warnings.warn(f"gpu_memory_bytes={requested} asks for {cap} bytes but {free} are free "
+                      f"on {device}; using {free}", stacklevel=4)
+        return free
+    return cap
+
+
+class Placer:
+    """Placement of one attached model's units (see the Notes above).
+
+    Example:
+        >>> placer = Placer(session, cap=40 << 30)   # doctest: +SKIP
+        >>> placer.begin_step(signature)             # at each root forward  # doctest: +SKIP
+    """
+
+    def __init__(self, session, cap: int | None, *, explicit: bool) -> None:
+        self._session = session
+        self.cap = cap
+        cuda = session.device.type == "cuda"
+        self._cuda = cuda
+        self._margin = 0 if not cuda else max(_MARGIN_MIN, int(_MARGIN_FRACTION * (cap or 0)))
+        self._base = torch.cuda.memory_allocated(session.device) if cuda else 0
+        self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
+        self.plan: Placement | None = None
+        self._placed: list = []          # TieredParams made resident by the plan
+        self._signature = None           # root inputs' shapes of the measured step
+        self._non_model = 0              # measured non-model peak the plan assumed
+        self._measured_steps = 0
+        self.replans = 0
+        if cap is not None and explicit:
+            self._check_cap(cap)
+
+    def _check_cap(self, cap: int) -> None:
+        need = max((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
+                        for tp in u.params), u.name) for u in self._session.units) \
+            if self._session.units else (0, "")
+        if cap < need[0]:
+            raise ValueError(
+                f"gpu_memory_bytes={cap} is below what unit {need[1]!r} needs on the device "
+                f"at once (its compute copy and fp32 optimizer state: {need[0]} bytes); the "
+                f"smallest cap that works is {need[0]} bytes plus the step's activations")
+
+    # ------------------------------------------------------------- steps
+    def begin_step(self, signature) -> None:
+        """A root forward begins a step (``signature``: its inputs' shapes)."""
+        if self.state is PlacerState.OFF:
+            return
+        if self._signature is not None and signature != self._signature:
+            log.info("tierd placement: the inputs changed (%s -> %s); streaming everything "
+                     "and measuring this step", self._signature, signature)
+            self._reset()
+        non_model = self._read_step()
+        if self.state is PlacerState.MEASURING:
+            if self._ready():
+                self._place(non_model)
+        elif non_model > self._non_model + self._margin // 2:
+            self.replans += 1
+            log.info("tierd placement: the step needed %d bytes besides the plan, %d planned; "
+                     "placing again", non_model, self._non_model)
+            self._reset()
+            self._place(non_model)
+        self._signature = signature
+        self._start_measuring()
+
+    def _ready(self) -> bool:
+        """A whole step was measured, and activation tiering has its final plan."""
+        if self._measured_steps < 1:
+            return False
+        act = self._session.activations
+        return act is None or act.stage.name == "DONE"
+
+    def _start_measuring(self) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self._session.device)
+        self._measured_steps += 1
+
+    def _read_step(self) -> int:
+        """Non-model bytes of the step that just ended (0 on the CPU)."""
+        if not self._cuda or self._measured_steps == 0:
+            return 0
+        peak = torch.cuda.max_memory_allocated(self._session.device)
+        return max(0, peak - self._base - self.resident_bytes())
+
+    # ------------------------------------------------------------- plan
+    def unit_bytes(self) -> list[UnitBytes]:
+        """Each unit's compute copy and the fused optimizers' state for it."""
+        registry, out = self._session.registry, []
+        for unit in self._session.units:
+            members = set(registry.members(unit))
+            state = sum(b.nbytes for f in self._session.optimizers for b in f.buckets
+                        if all(tp in members for tp in b.tps))
+            out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members), state))
+        return out
+
+    def _place(self, non_model: int) -> None:
+        budget = max(0, self.cap - non_model - self._margin)
+        plan = plan_placement(self.unit_bytes(), budget)
+        self._apply(plan)
+        self.plan, self._non_model = plan, non_model
+        self.state = PlacerState.PLACED
+        log.info("tierd placement: %d units resident, %d weights only, %d streamed; %d device "
+                 "bytes held, %d PCIe bytes a step (budget %d = cap %d - step %d - margin %d)",
+                 len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
+                 len(plan.units_at(Place.STREAM)), plan.device_bytes, plan.streamed_bytes,
+                 budget, self.cap, non_model, self._margin)
+
+    def _apply(self, plan: Placement) -> None:
+        session = self._session
+        session.settle()   # no copy in flight, no value kept: every parameter HOST
+        units = session.units
+        weights = list(dict.fromkeys(tp for i, p in plan.places.items()
+                                     if p is not Place.STREAM for tp in units[i].params))
+        if weights:
+            keys = [tp.key for tp in weights]
+            session.leases.acquire(keys)
+            try:
+                session.registry.set_resident(weights, True, session.leases.views(keys))
+            finally:
+                session.leases.release(keys)
+        self._placed = weights
+        resident = [tp for i in plan.units_at(Place.RESIDENT)
+                    for tp in session.registry.members(units[i])]
+        for opt in session.optimizers:
+            opt.pin(resident)
+        session.mover.replan(keep_trace=True)
+
+    def _reset(self) -> None:
+        """Stream everything the plan holds again (values written to the pool first)."""
+        if self.state is not PlacerState.PLACED:
+            return
+        session = self._session
+        session.settle()
+        for opt in session.optimizers:
+            opt.unpin(self._placed)
+        if self._placed:
+            session.registry.set_resident(self._placed, False)
+        self._placed, self.plan = [], None
+        session.mover.replan(keep_trace=True)
+        self.state = PlacerState.MEASURING
+        self._measured_steps = 0
+
+    def resident_bytes(self) -> int:
+        """Device bytes the plan holds now (resident compute copies and state)."""
+        weights = sum(tp.nbytes for tp in self._placed)
+        return weights + sum(f.resident_bytes() for f in self._session.optimizers)
+
+    def stats(self) -> dict:
+        plan = self.plan
+        return {"placement": self.state.value, "resident_bytes": self.resident_bytes(),
+                "planned_pcie_bytes": None if plan is None else plan.streamed_bytes,
+                "placement_replans": self.replans}
+
+    def close(self) -> None:
+        """Before detach: nothing resident (values back in the pool)."""
+        if self.state is PlacerState.PLACED:
+            self._reset()
+        self.state = PlacerState.OFF
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor arguments: a change means a new batch or length."""
+    return tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor))
+
