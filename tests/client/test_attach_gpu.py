@@ -1,4 +1,6 @@
-"""attach() on CUDA: bf16 autocast equivalence and peak memory within budget."""
+"""attach() on CUDA: bf16 autocast equivalence, peak memory within budget
+(streaming: ``gpu_memory_bytes=0``), and placement (the default: units that
+fit stay on the device) giving the streamed path's values bitwise."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _step(model, opt, ids, autocast: bool) -> float:
 
 def test_bf16_autocast_matches_all_on_gpu(daemon):
     ref = gpt2().cuda()
-    model = attach(copy.deepcopy(ref).cpu(), client=tierd.connect(daemon))
+    model = attach(copy.deepcopy(ref).cpu(), client=tierd.connect(daemon), gpu_memory_bytes=0)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
     for ids in batches(3):
@@ -68,7 +70,7 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
                    - ref.transformer.wte.weight.numel() * 4)
     del ref
     budget = 4 * params // 8 // 8
-    model = attach(make(), client=tierd.connect(d), gpu_budget_bytes=budget,
+    model = attach(make(), client=tierd.connect(d), gpu_budget_bytes=budget, gpu_memory_bytes=0,
                    grad_bucket_bytes=1 << 20)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)   # prefetch_bytes = budget
     _step(model, opt, ids, autocast=False)   # learns the order; updates in step()
@@ -92,9 +94,9 @@ def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
     make = lambda: gpt2(n_layer=4, n_embd=128)
     block = sum(p.numel() * 2 for p in make().transformer.h[0].parameters())
     budget = 2 * block
-    model = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16",
+    model = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16", gpu_memory_bytes=0,
                    gpu_budget_bytes=budget)
-    unfused = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16",
+    unfused = attach(make(), client=tierd.connect(daemon), compute_dtype="bf16", gpu_memory_bytes=0,
                      gpu_budget_bytes=budget)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_opt = tierd.optim.AdamW(unfused.parameters(), lr=1e-3, weight_decay=0.1, fused=False)
@@ -116,3 +118,46 @@ def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
     got, want = model.state_dict(), unfused.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def _train_bf16(model, opt, data) -> list[float]:
+    return [_step(model, opt, ids.cuda(), autocast=True) for ids in data]
+
+
+@pytest.mark.parametrize("cap", [None, 3 << 20], ids=["all-fits", "capped"])
+def test_resident_and_streamed_units_give_bitwise_the_same_values(daemon, cap):
+    from tierd.client.placer import PlacerState
+    data = batches(6, batch=2, seq=16) + batches(2, batch=3, seq=24, seed=7)   # shapes change
+    runs = []
+    for memory in (0, cap):
+        model = attach(gpt2(n_layer=4, n_embd=128), client=tierd.connect(daemon),
+                       compute_dtype="bf16", gpu_memory_bytes=memory)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        runs.append((_train_bf16(model, opt, data), model.state_dict(), session_of(model)))
+    (streamed, sd0, s0), (placed, sd1, s1) = runs
+    assert streamed == placed
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+    assert s0.placer.state is PlacerState.OFF and s1.placer.state is PlacerState.PLACED
+    assert s1.stats()["resident_bytes"] > 0
+    if cap is None:
+        assert s1.stats()["planned_pcie_bytes"] == 0
+    else:
+        assert s1.placer.plan.device_bytes <= cap
+
+
+def test_commit_resume_and_state_dict_with_resident_units(daemon):
+    data = batches(4, batch=2, seq=16)
+    model = attach(gpt2(), client=tierd.connect(daemon, job="placed"), job="placed",
+                   compute_dtype="bf16")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_bf16(model, opt, data[:3])
+    assert session_of(model).stats()["resident_bytes"] > 0
+    tierd.commit(model, opt, 3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    session_of(model).client.close()   # the process ends without detaching
+    again = attach(gpt2(seed=5), client=tierd.connect(daemon, job="placed"), job="placed",
+                   compute_dtype="bf16", resume=True)
+    got = again.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    opt2 = tierd.optim.AdamW(again.parameters(), lr=1e-3)
+    _train_bf16(again, opt2, data[3:])   # trains on, resident again

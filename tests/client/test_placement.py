@@ -163,4 +163,6 @@ def test_bad_caps_fail_clearly():
     with pytest.raises(ValueError, match="gpu_memory_bytes"):
         tierd.AttachConfig(gpu_memory_bytes=1.5)
     with pytest.raises(ValueError, match="gpu_memory_bytes"):
-        tierd.AttachConfig(gpu_memory_bytes=0)
+        tierd.AttachConfig(gpu_memory_bytes=-1)
+    off = attach(gpt2(), client=LocalStore(), device="cpu", gpu_memory_bytes=0)
+    assert session_of(off).placer.state is PlacerState.OFF

@@ -214,7 +214,8 @@ def run_tierd(cpu_model, batches, seq, steps, warmup, args) -> dict:
         block = sum(p.numel() for p in cpu_model.transformer.h[0].parameters()) * 2
         model = attach(copy.deepcopy(cpu_model), client=tierd.connect(daemon.socket),
                        compute_dtype="bf16", gpu_budget_bytes=args.budget_blocks * block,
-                       prefetch_bytes=args.budget_blocks * block)
+                       prefetch_bytes=args.budget_blocks * block,
+                       gpu_memory_bytes=0)   # the streaming path: nothing placed on the GPU
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-4,
                                 prefetch_bytes=args.state_blocks * block * 6)
         session = session_of(model)

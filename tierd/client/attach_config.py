@@ -36,8 +36,9 @@ class AttachConfig:
     compute_dtype: str | torch.dtype = torch.float32
     #: Device memory the attached model may use in all (bytes, or a float in
     #: (0, 1]: that fraction of the device's memory). None: on CUDA the memory
-    #: free at attach, on the CPU no placement. Within it, after a measured
-    #: first step, units whose tensors fit stay on the device between steps
+    #: free at attach, on the CPU no placement; 0: nothing stays on the device
+    #: (every unit streams). Within it, after a measured first step, units
+    #: whose tensors fit stay on the device between steps
     #: ([Note: the GPU is the first tier] in ``tierd.client.placement``).
     gpu_memory_bytes: int | float | None = None
     #: Most bytes of streamed parameters on the compute device at once, for
@@ -81,9 +82,10 @@ class AttachConfig:
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
         cap = self.gpu_memory_bytes
-        if cap is not None and (cap <= 0 or (isinstance(cap, float) and cap > 1.0)):
-            raise ValueError(f"gpu_memory_bytes={cap} must be a byte count > 0 or a fraction "
-                             "in (0, 1]; None uses the device memory free at attach")
+        if cap is not None and (cap < 0 or (isinstance(cap, float) and not 0 < cap <= 1.0)):
+            raise ValueError(f"gpu_memory_bytes={cap} must be a byte count >= 0 (0: stream "
+                             "everything) or a fraction in (0, 1]; None uses the device "
+                             "memory free at attach")
         if not 0.0 <= self.hold_fraction <= 1.0:
             raise ValueError(f"hold_fraction={self.hold_fraction} must be in [0, 1]")
         if self.optimizer_placement not in _PLACEMENTS:

@@ -50,7 +50,8 @@ _MARGIN_FRACTION = 0.04
 class PlacerState(enum.Enum):
     """What the placer does with the running step.
 
-    OFF: no placement (CPU without ``gpu_memory_bytes``, or under torch.distributed).
+    OFF: no placement (``gpu_memory_bytes=0``, the CPU without it, or under
+        torch.distributed).
     MEASURING: the step streams what no plan holds and its device peak is measured.
     PLACED: a plan is applied; each step's peak is checked against it.
     """
@@ -66,6 +67,8 @@ def resolve_cap(device: torch.device, requested: int | float | None) -> int | No
     ``requested``: bytes, a fraction of the device's memory, or None (on
     CUDA: the memory free at attach). Above what is free: a warning, and
     what is free is used."""
+    if requested == 0:
+        return None   # stream everything
     if device.type != "cuda":
         return None if requested is None else int(requested)
     free, total = torch.cuda.mem_get_info(device)

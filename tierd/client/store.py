@@ -270,10 +270,11 @@ class LocalStore:
         self._call(self._delete, (keys,) if isinstance(keys, str) else tuple(keys)).result()
 
     def _delete(self, keys: tuple[str, ...]) -> None:
-        for k in keys:
-            e = self._table.entries.get(k)
-            if e is not None and e.writer:
+        entries = [self._table.entry(k) for k in keys]   # all of them, or none deleted
+        for k, e in zip(keys, entries):
+            if e.writer:
                 raise StateError(f"{k}: cannot delete while write-leased")
+        for k in keys:
             self._table.entries.pop(k, None)
 
     def keys(self, prefix: str = "") -> list[str]:
