@@ -124,7 +124,7 @@ def _train_bf16(model, opt, data) -> list[float]:
     return [_step(model, opt, ids.cuda(), autocast=True) for ids in data]
 
 
-@pytest.mark.parametrize("cap", [None, 3 << 20], ids=["all-fits", "capped"])
+@pytest.mark.parametrize("cap", [None, 24 << 20], ids=["all-fits", "capped"])
 def test_resident_and_streamed_units_give_bitwise_the_same_values(daemon, cap):
     from tierd.client.placer import PlacerState
     data = batches(6, batch=2, seq=16) + batches(2, batch=3, seq=24, seed=7)   # shapes change

@@ -96,7 +96,10 @@ class Placer:
         self.cap = cap
         cuda = session.device.type == "cuda"
         self._cuda = cuda
-        self._margin = 0 if not cuda else max(_MARGIN_MIN, int(_MARGIN_FRACTION * (cap or 0)))
+        # an explicit cap is the user's; free memory at attach also has to leave
+        # room for the allocator's slack
+        fraction = int(_MARGIN_FRACTION * (cap or 0))
+        self._margin = 0 if not cuda else fraction if explicit else max(_MARGIN_MIN, fraction)
         self._base = torch.cuda.memory_allocated(session.device) if cuda else 0
         self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
         self.plan: Placement | None = None
