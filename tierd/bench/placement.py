@@ -191,7 +191,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--pool-gib", type=int, default=90)
+    ap.add_argument("--pool-gib", type=int, default=80,
+                    help="host pool (5B: 70 GB of weights and state, plus the first "
+                         "step's 20 GB of fp32 gradients, which spill to NVMe)")
+    ap.add_argument("--nvme-gib", type=int, default=48)
     ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
@@ -199,13 +202,13 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     cases = TINY if args.tiny else CASES
     if args.tiny:
-        args.seq, args.steps, args.warmup, args.pool_gib = 16, 2, 3, 1
+        args.seq, args.steps, args.warmup, args.pool_gib, args.nvme_gib = 16, 2, 3, 1, 1
     if args.only:
         cases = [c for c in cases if c[1] in args.only.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     clock = Clock(device)
     bandwidth = both_ways_bandwidth(device)
-    daemon = start_daemon(pool=args.pool_gib << 30, nvme_size=8 << 30)
+    daemon = start_daemon(pool=args.pool_gib << 30, nvme_size=args.nvme_gib << 30)
     rows = []
     try:
         for shape in dict.fromkeys(c[1] for c in cases):
