@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--pool-gib", type=int, default=80,
+    ap.add_argument("--pool-gib", type=int, default=72,
                     help="host pool (5B: 70 GB of weights and state, plus the first "
                          "step's 20 GB of fp32 gradients, which spill to NVMe)")
     ap.add_argument("--nvme-gib", type=int, default=48)

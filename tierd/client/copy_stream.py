@@ -8,6 +8,7 @@ and carry no event, so the client has one code path for both.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -211,9 +212,16 @@ def register_pool(client, device: torch.device) -> None:
             return
         err = cudart.cudaHostRegister(view.data_ptr(), view.numel(), 0)
         if int(err) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of pool segment {segment_id} "
-                f"({view.numel()} B) failed with CUDA error {int(err)}")
+            # out of page-lockable memory: the segment still works, pageable
+            # (about 7x slower copies); clear the error so no kernel reports it
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:
+                clear()
+            warnings.warn(f"cudaHostRegister of pool segment {segment_id} ({view.numel()} B) "
+                          f"failed with CUDA error {int(err)}; its copies run pageable. "
+                          "The host may be short of memory: give the daemon a smaller pool",
+                          RuntimeWarning, stacklevel=2)
+            return
         _REGISTERED.add(span)
 
     def unregister(segment_id: int, view: torch.Tensor) -> None:
