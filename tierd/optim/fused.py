@@ -69,6 +69,7 @@ import torch
 
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
+from tierd.optim.resident import fetch_pooled_grads, write_back
 from tierd.errors import StateError
 
 
@@ -250,7 +251,7 @@ class FusedUpdates:
             self._outstanding.clear()
             for b in self.buckets:
                 if b.dirty:
-                    self._write_back(b)
+                    write_back(self.session, self.opt, b)
 
     # ------------------------------------------------------------ residency
     def pin(self, tps: list[TieredParam]) -> int:
@@ -278,25 +279,11 @@ class FusedUpdates:
         for bucket in self.buckets if b is None else [b]:
             if bucket.state is BucketState.RESIDENT:
                 if bucket.dirty:
-                    self._write_back(bucket)
+                    write_back(self.session, self.opt, bucket)
                 bucket.work, bucket.state = {}, BucketState.HOST
 
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets if b.state is BucketState.RESIDENT)
-
-    def _write_back(self, b: Bucket) -> None:
-        """Copy a resident bucket's master, moments and compute copy into the
-        pool (blocking: only when the host is about to read the pool)."""
-        session, copy = self.session, self.session.copy
-        state = [k for tp in b.tps for k in self.opt.state_keys(tp)]
-        keys = state + [tp.key for tp in b.tps if tp.has_master]
-        session.leases.acquire(keys)
-        views = session.leases.views(keys)
-        pairs = [(views[k], b.work[k]) for k in state]
-        pairs += [(views[tp.key], tp.param.data) for tp in b.tps if tp.has_master]
-        copy.copy_out_many(pairs, tuple(keys)).synchronize()
-        session.leases.release(keys, written=True)
-        b.dirty = False
 
     def _keep(self, b: Bucket) -> None:
         """FETCHED (just updated) or RESIDENT -> RESIDENT: the leases of a
@@ -314,25 +301,6 @@ class FusedUpdates:
             self._fetched_bytes -= b.nbytes
         b.copy, b.readers = None, []
         b.state, b.dirty = BucketState.RESIDENT, True
-
-    def _fetch_pooled_grads(self, b: Bucket) -> None:
-        """A RESIDENT bucket's gradients summed in the pool by earlier
-        backwards of the window (or a learning step) come in for its update."""
-        keys = [tp.grad_key for tp in b.tps if tp.grad_in_pool]
-        if not keys:
-            return
-        session, copy = self.session, self.session.copy
-        session.leases.acquire(keys)
-        views = session.leases.views(keys)
-        if copy.on_device:
-            pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in keys]
-            done = copy.copy_in_many(pairs, tuple(keys))
-            copy.wait(done)
-            b.work.update({k: d for k, (d, _) in zip(keys, pairs)})
-            session.releases.add(done, written=False)
-        else:
-            b.work.update({k: views[k].clone() for k in keys})
-            session.leases.release(keys)
 
     def will_fetch(self, tp: TieredParam) -> bool:
         """``tp``'s master is to be fetched for this backward's update, and is not yet."""
@@ -423,7 +391,7 @@ class FusedUpdates:
         if b.state is BucketState.HOST:
             self._fetch(b)
         elif b.state is BucketState.RESIDENT:
-            self._fetch_pooled_grads(b)
+            fetch_pooled_grads(self.session, b)
         session, opt, copy = self.session, self.opt, self.session.copy
         if b.copy is not None:
             copy.wait(b.copy)
