@@ -10,7 +10,22 @@ A new version of a shared key (``publish``) waits for its copy the same way.
 
 from __future__ import annotations
 
+import enum
+
 from tierd.client.copy_stream import InflightCopy
+
+
+class ReleaseKind(enum.Enum):
+    """What happens to a copy's keys once it has landed.
+
+    READ: release the leases (the copy read the pool).
+    WRITTEN: release the leases as written (the copy wrote new bytes into them).
+    PUBLISH: publish the reserved new versions the copy filled.
+    """
+
+    READ = "read"
+    WRITTEN = "written"
+    PUBLISH = "publish"
 
 
 class PendingReleases:
@@ -29,22 +44,22 @@ class PendingReleases:
 
     def __init__(self, client) -> None:
         self._client = client
-        self._copies: list[tuple[InflightCopy, str]] = []
+        self._copies: list[tuple[InflightCopy, ReleaseKind]] = []
 
     def __len__(self) -> int:
         return len(self._copies)
 
     def add(self, copy: InflightCopy, *, written: bool) -> None:
         """Release ``copy.keys`` (as written or not) once the copy has landed."""
-        self._copies.append((copy, "written" if written else "read"))
+        self._copies.append((copy, ReleaseKind.WRITTEN if written else ReleaseKind.READ))
 
     def add_publish(self, copy: InflightCopy) -> None:
         """Publish the reserved ``copy.keys`` once the copy into them has landed."""
-        self._copies.append((copy, "publish"))
+        self._copies.append((copy, ReleaseKind.PUBLISH))
 
     def drain(self, *, block: bool = False) -> None:
         """Release (or publish) the keys of every finished copy (of all if ``block``)."""
-        done: dict[str, list[str]] = {"read": [], "written": [], "publish": []}
+        done: dict[ReleaseKind, list[str]] = {kind: [] for kind in ReleaseKind}
         n = 0
         for copy, kind in self._copies:
             if block:
@@ -54,8 +69,8 @@ class PendingReleases:
             done[kind].extend(copy.keys)
             n += 1
         del self._copies[:n]
-        if done["publish"]:
-            self._client.publish_async(done["publish"])
-        for kind in ("read", "written"):
+        if done[ReleaseKind.PUBLISH]:
+            self._client.publish_async(done[ReleaseKind.PUBLISH])
+        for kind in (ReleaseKind.READ, ReleaseKind.WRITTEN):
             if done[kind]:
-                self._client.release_async(done[kind], written=kind == "written")
+                self._client.release_async(done[kind], written=kind is ReleaseKind.WRITTEN)

@@ -61,53 +61,15 @@ pool views in place, with no copies.
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
+from tierd.optim.buckets import Bucket, BucketState
 from tierd.optim.resident import fetch_pooled_grads, write_back
 from tierd.errors import StateError
-
-
-class BucketState(enum.Enum):
-    """Where a bucket's optimizer state is during a fused backward.
-
-    HOST: master weights and moments only in tierd (pool or NVMe).
-    FETCHED: leased; on CUDA being copied in on the copy-in stream (event kept).
-    DONE: all its parameters updated this backward; copies out queued, leases
-        released after them. A bucket updated while some parameter had no
-        gradient yet goes back to HOST (it is fetched again if one comes).
-    RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
-        moments stay on the device across steps and are updated there; no
-        lease is held and the pool's copy is older while ``dirty``.
-    """
-
-    HOST = "host"
-    FETCHED = "fetched"
-    DONE = "done"
-    RESIDENT = "resident"
-
-
-@dataclass(eq=False)
-class Bucket:
-    """The parameters of one unit and param group, updated together."""
-
-    index: int
-    group: dict
-    tps: list[TieredParam]
-    nbytes: int                    # fp32 bytes copied in (master + moments)
-    state: BucketState = BucketState.HOST
-    keys: list[str] = field(default_factory=list)
-    work: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> device tensor
-    copy: object = None            # InflightCopy of the copy in (CUDA only)
-    readers: list = field(default_factory=list)   # compute copies made from work
-    reserved: object = None        # new slots of its shared keys, asked at fetch
-    pinned: bool = False           # its state stays on the device once fetched
-    dirty: bool = False            # RESIDENT with values the pool does not have yet
 
 
 class FusedUpdates:
@@ -236,7 +198,7 @@ class FusedUpdates:
             self.window = self.backwards   # the first window sets the length
         for b in self.buckets:
             if b.state is not BucketState.RESIDENT:
-                b.state = BucketState.HOST
+                b.to_host()
         self.updated = False
         self.backwards = 0
 
@@ -280,7 +242,7 @@ class FusedUpdates:
             if bucket.state is BucketState.RESIDENT:
                 if bucket.dirty:
                     write_back(self.session, self.opt, bucket)
-                bucket.work, bucket.state = {}, BucketState.HOST
+                bucket.to_host()
 
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets if b.state is BucketState.RESIDENT)
@@ -299,8 +261,7 @@ class FusedUpdates:
             if b.copy is not None:
                 self.session.releases.add(b.copy, written=False)
             self._fetched_bytes -= b.nbytes
-        b.copy, b.readers = None, []
-        b.state, b.dirty = BucketState.RESIDENT, True
+        b.to_resident()
 
     def will_fetch(self, tp: TieredParam) -> bool:
         """``tp``'s master is to be fetched for this backward's update, and is not yet."""
@@ -374,15 +335,15 @@ class FusedUpdates:
         copy = session.copy
         if copy.on_device:
             pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
-            b.copy = copy.copy_in_many(pairs, tuple(read))
-            b.work = {k: d for k, (d, _) in zip(read, pairs)}
+            b.to_fetched({k: d for k, (d, _) in zip(read, pairs)},
+                         copy.copy_in_many(pairs, tuple(read)))
         else:   # in place in the pool, but a shared key gets a new version instead,
             # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
-            b.work = {k: v.clone() if b.pinned or k in shared else v for k, v in views.items()}
+            b.to_fetched({k: v.clone() if b.pinned or k in shared else v
+                          for k, v in views.items()}, None)
         if session.leases.shared:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
-        b.state = BucketState.FETCHED
         self._fetched_bytes += b.nbytes
 
     @torch.no_grad()
@@ -460,10 +421,8 @@ class FusedUpdates:
                     views[k].copy_(t)
             session.leases.release(b.keys, written=True)
             self._fetched_bytes -= b.nbytes
-        done_all = all(tp in self._updated for tp in b.tps)
-        # a parameter without its gradient yet may still get one: fetch again then
-        b.work, b.copy, b.readers = {}, None, []
-        b.state = BucketState.DONE if done_all else BucketState.HOST
+        # a parameter without its gradient yet may still get one: fetched again then
+        b.to_updated(all_params=all(tp in self._updated for tp in b.tps))
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 
@@ -478,4 +437,4 @@ class FusedUpdates:
                     self.session.client.abort([p.key for p in b.reserved.result()])
                     b.reserved = None
                 self._fetched_bytes -= b.nbytes
-                b.work, b.copy, b.readers, b.state = {}, None, [], BucketState.HOST
+                b.to_host()

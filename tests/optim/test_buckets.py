@@ -1,0 +1,78 @@
+"""An optimizer bucket changes state only through its transitions; a wrong
+one raises StateError naming the bucket, its state and what was asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierd.client.keys import ModelKeys
+from tierd.client.releases import PendingReleases, ReleaseKind
+from tierd.client.copy_stream import InflightCopy
+from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.errors import StateError
+from tierd.optim.buckets import Bucket, BucketState
+
+
+def _bucket() -> Bucket:
+    tp = TieredParam(name="h.0.weight", keys=ModelKeys("m"),
+                     param=TieredParameter(torch.empty(2)), orig_dtype=torch.float32,
+                     orig_device=torch.device("cpu"), resident=False, session=None)
+    return Bucket(3, {}, [tp], 24)
+
+
+def test_a_bucket_goes_host_fetched_done_host():
+    b = _bucket()
+    b.to_fetched({"k": torch.zeros(1)}, None)
+    assert b.state is BucketState.FETCHED and "k" in b.work
+    b.to_updated(all_params=True)
+    assert b.state is BucketState.DONE and b.work == {}
+    b.to_host()
+    assert b.state is BucketState.HOST
+
+
+def test_wrong_transitions_name_the_bucket_and_state():
+    b = _bucket()
+    with pytest.raises(StateError, match=r"bucket 3 \('h.0.weight'...\) cannot finish its "
+                                         r"update: it is HOST, finish its update needs FETCHED"):
+        b.to_updated(all_params=True)
+    b.to_fetched({}, None)
+    with pytest.raises(StateError, match="it is FETCHED, be fetched needs HOST"):
+        b.to_fetched({}, None)
+
+
+def test_resident_state_must_be_written_back_before_it_goes():
+    b = _bucket()
+    b.to_fetched({"k": torch.zeros(1)}, None)
+    b.to_resident()
+    assert b.state is BucketState.RESIDENT and b.dirty
+    b.to_resident()   # updated again, still on the device
+    with pytest.raises(StateError, match="write them back first"):
+        b.to_host()
+    b.dirty = False
+    b.to_host()
+    assert b.state is BucketState.HOST
+
+
+def test_pending_releases_go_by_kind_in_one_request_each():
+    calls = []
+
+    class Client:
+        def release_async(self, keys, written=False):
+            calls.append(("release", sorted(keys), written))
+
+        def publish_async(self, keys):
+            calls.append(("publish", sorted(keys)))
+
+    r = PendingReleases(Client())
+    for keys, kind in ((("a", "b"), ReleaseKind.READ), (("c",), ReleaseKind.WRITTEN),
+                       (("d",), ReleaseKind.PUBLISH), (("e",), ReleaseKind.READ)):
+        copy = InflightCopy((), (), keys, None)
+        if kind is ReleaseKind.PUBLISH:
+            r.add_publish(copy)
+        else:
+            r.add(copy, written=kind is ReleaseKind.WRITTEN)
+    r.drain()
+    assert calls == [("publish", ["d"]), ("release", ["a", "b", "e"], False),
+                     ("release", ["c"], True)]
+    assert len(r) == 0

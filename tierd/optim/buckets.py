@@ -1,0 +1,85 @@
+"""An optimizer bucket's lifecycle: the parameters of one unit and param
+group whose optimizer state moves and is updated together (see [Note: fused
+update] and [Note: resident optimizer state] in ``tierd.optim.fused``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tierd.client.tiered_param import TieredParam
+from tierd.errors import StateError
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's optimizer state is during a fused backward.
+
+    HOST: master weights and moments only in tierd (pool or NVMe).
+    FETCHED: leased; on CUDA being copied in on the copy-in stream (event kept).
+    DONE: all its parameters updated this backward; copies out queued, leases
+        released after them. A bucket updated while some parameter had no
+        gradient yet goes back to HOST (it is fetched again if one comes).
+    RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
+        moments stay on the device across steps and are updated there; no
+        lease is held and the pool's copy is older while ``dirty``.
+    """
+
+    HOST = "host"
+    FETCHED = "fetched"
+    DONE = "done"
+    RESIDENT = "resident"
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The parameters of one unit and param group, updated together."""
+
+    index: int
+    group: dict
+    tps: list[TieredParam]
+    nbytes: int                    # fp32 bytes copied in (master + moments)
+    state: BucketState = BucketState.HOST
+    keys: list[str] = field(default_factory=list)
+    work: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> device tensor
+    copy: object = None            # InflightCopy of the copy in (CUDA only)
+    readers: list = field(default_factory=list)   # compute copies made from work
+    reserved: object = None        # new slots of its shared keys, asked at fetch
+    pinned: bool = False           # its state stays on the device once fetched
+    dirty: bool = False            # RESIDENT with values the pool does not have yet
+
+    def _expect(self, *accepted: BucketState, action: str) -> None:
+        if self.state not in accepted:
+            raise StateError(
+                f"optimizer bucket {self.index} ({self.tps[0].name!r}...) cannot {action}: "
+                f"it is {self.state.name}, {action} needs "
+                f"{'/'.join(s.name for s in accepted)}")
+
+    def to_fetched(self, work: dict[str, torch.Tensor], copy) -> None:
+        """HOST -> FETCHED: leased, ``work`` being filled by ``copy`` (CUDA) or in place."""
+        self._expect(BucketState.HOST, action="be fetched")
+        self.work, self.copy, self.state = work, copy, BucketState.FETCHED
+
+    def to_updated(self, *, all_params: bool) -> None:
+        """FETCHED -> DONE (every parameter updated) or HOST (one may still get a
+        gradient: fetched again then); the copies out hold what it needs."""
+        self._expect(BucketState.FETCHED, action="finish its update")
+        self.work, self.copy, self.readers = {}, None, []
+        self.state = BucketState.DONE if all_params else BucketState.HOST
+
+    def to_resident(self) -> None:
+        """FETCHED or RESIDENT -> RESIDENT: its state stays on the device, newer
+        than the pool's ([Note: resident optimizer state])."""
+        self._expect(BucketState.FETCHED, BucketState.RESIDENT, action="stay resident")
+        self.copy, self.readers = None, []
+        self.state, self.dirty = BucketState.RESIDENT, True
+
+    def to_host(self) -> None:
+        """Back to HOST: after the step (DONE), a fetch not used (FETCHED), or
+        resident state written back (RESIDENT, not dirty)."""
+        if self.state is BucketState.RESIDENT and self.dirty:
+            raise StateError(f"optimizer bucket {self.index} ({self.tps[0].name!r}...) holds "
+                             "values the pool does not have; write them back first")
+        self.work, self.copy, self.readers = {}, None, []
+        self.state = BucketState.HOST
