@@ -78,6 +78,41 @@ def test_p_grad_reads_and_zeroing_through_p_grad_behave_as_in_torch():
     assert_same_weights(model, ref)
 
 
+def test_p_grad_changed_or_zeroed_around_a_forward_behaves_as_in_torch():
+    model, ref = _pair()
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    data = batches(4)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(input_ids=data[0], labels=data[0]).loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        # clipped, then another backward adds to the clipped gradient
+        m(input_ids=data[1], labels=data[1]).loss.backward()
+        o.step()
+        loss = m(input_ids=data[2], labels=data[2]).loss
+        m.zero_grad()   # between a forward and its backward
+        loss.backward()
+        o.step()
+        o.zero_grad()
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_foreach_clipping_and_other_norm_types_match_torch(norm_type):
+    model, ref = _pair()
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    data = batches(2)
+    norms = []
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for ids in data:
+            m(input_ids=ids, labels=ids).loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP, norm_type,
+                                                        foreach=True).item())
+            o.step()
+            o.zero_grad()
+    assert norms[:2] == norms[2:]
+    assert_same_weights(model, ref)
+
+
 def test_clipping_first_seen_after_a_fused_update_fails_naming_max_grad_norm():
     model, _ = _pair()
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)

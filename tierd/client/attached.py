@@ -176,7 +176,7 @@ class AttachSession:
         # Held leases mean a step may send no request at all: ask the kernel
         # (one poll of the control socket) so a dead daemon is seen every step.
         self.client.check_alive()
-        self.grad_views.hide()   # autograd must not accumulate into p.grad views
+        self.grad_views.apply_ops()   # p.grad changed in place since the backward
         self.counters.steps += 1
         self.settle(synchronize=False)
         self.placer.begin_step(signature)

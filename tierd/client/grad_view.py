@@ -26,9 +26,10 @@ ops are answered from the pool:
   tensor; other in-place ops raise, naming what is supported.
 
 Removing the view (``p.grad = None``, ``model.zero_grad()``) forgets the
-gradient, as in torch. Before each forward and backward tierd takes the views
-off (autograd must not accumulate into them) and keeps the gradients; after
-the backward they are shown again. A parameter whose update already ran
+gradient, as in torch. Before autograd accumulates a gradient (a hook on each
+parameter) tierd takes the views off and keeps the gradients; after the
+backward they are shown again. Ops recorded and not yet replayed when a
+forward begins are applied to the pool then. A parameter whose update already ran
 inside backward (the fused path) shows a *consumed* view: torch would have a
 gradient there, but clipping it now cannot change the update, so every op on
 it raises, naming ``max_grad_norm``.
@@ -90,9 +91,13 @@ class PoolGrad(torch.Tensor):
             return args[0]
         if func is _aten.linalg_vector_norm.default and isinstance(args[0], PoolGrad):
             return args[0].norm_from_pool(*args[1:], **kwargs)
-        if func is _aten._foreach_norm.Scalar:
-            return [v.norm_from_pool(*args[1:], **kwargs) for v in args[0]]
-        if func._schema.is_mutable:
+        if func is _aten._foreach_norm.Scalar:   # (tensors, ord=2, dtype=None)
+            ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+            return [v.norm_from_pool(ord_, dtype=dtype) for v in args[0]]
+        first = args[0] if args else None
+        if func._schema.is_mutable and (isinstance(first, PoolGrad) or (
+                isinstance(first, (list, tuple)) and any(isinstance(t, PoolGrad) for t in first))):
             return _record(func, args, kwargs)
         return func(*[_real(a) for a in args], **{k: _real(v) for k, v in kwargs.items()})
 
@@ -132,7 +137,7 @@ def _record(func, args, kwargs):
     name = func.overloadpacket.__name__
     targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
     if name.startswith("_foreach_"):
-        single = getattr(_aten, name[len("_foreach"):])   # _foreach_mul_ -> mul_
+        single = getattr(_aten, name[len("_foreach_"):])   # _foreach_mul_ -> mul_
         per = [[a[i] if isinstance(a, (list, tuple)) else a for a in args[1:]]
                for i in range(len(targets))]
     else:
@@ -140,14 +145,14 @@ def _record(func, args, kwargs):
     for view, rest in zip(targets, per):
         if not isinstance(view, PoolGrad) or not all(_scalar_like(a) for a in rest) \
                 or not all(_scalar_like(v) for v in kwargs.values()):
+            what = f"of {view.tp.name!r}" if isinstance(view, PoolGrad) else "of a tensor"
             raise StateError(
-                f"{func} changes the gradient of attached parameter "
-                f"{getattr(view, 'tp', None) and view.tp.name!r} in place with tensor "
-                "arguments; tierd keeps gradients in its pool and replays only in-place ops "
-                "with numbers or 0-dim tensors (clip_grad_norm_, unscaling, clamp_). Read "
-                "it with tierd.session_of(model).gradients() instead")
+                f"{func} changes the gradient {what} in place with tensor arguments; tierd "
+                "keeps the gradients of an attached model in its pool and replays only "
+                "in-place ops by numbers or 0-dim tensors (clip_grad_norm_, unscaling, "
+                "clamp_). Read gradients with tierd.session_of(model).gradients() instead")
         view.ops.append((single, rest, dict(kwargs)))
-    return args[0]
+    return args[0] if func._schema.returns else None   # _foreach_*_ return nothing
 
 
 def _scalar_like(arg) -> bool:
@@ -189,18 +194,29 @@ class GradViews:
         self._kept.clear()
 
     def hide(self) -> None:
-        """Before a forward or backward: take the views off, keeping the
-        gradients of those still there and forgetting those the user removed.
-        Ops recorded on them are applied to the pool now (the next backward
-        adds to the changed gradient, as in torch)."""
+        """Before autograd accumulates (a hook on every parameter, and the
+        backward's start): take the views off, keeping the gradients of those
+        still there and forgetting those the user removed."""
+        if not self._shown:
+            return
         self.sync()
-        changed = [tp for tp, view in self._shown.items() if view.ops]
-        if changed:
-            self._apply_now(changed)
         for tp, view in self._shown.items():
+            if view.ops:
+                raise StateError(
+                    f"the gradient of {tp.name!r} was changed in place, then a backward "
+                    "began with no forward in between; tierd applies such changes at "
+                    "step() or at the next forward: call opt.step() first")
             tp.param.grad = None
             self._kept[tp] = view.consumed
         self._shown.clear()
+
+    def apply_ops(self) -> None:
+        """A forward begins: in-place changes recorded since the backward go
+        into the pool now, so the next backward adds to the changed gradient
+        (as in torch, which would add to the clipped ``p.grad``)."""
+        changed = [tp for tp, view in self._shown.items() if view.ops]
+        if changed:
+            self._apply_now(changed)
 
     def sync(self) -> None:
         """Forget the gradients whose view the user removed (``p.grad = None``)."""

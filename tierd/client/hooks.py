@@ -267,6 +267,11 @@ class ModuleHooks:
             if any(p is not None for p in module._parameters.values()):
                 self._handles.append(module.register_state_dict_post_hook(
                     self._state_dict_hook()))
+        # before autograd accumulates into p.grad: take the views off
+        # ([Note: gradients users touch] in tierd.client.grad_view)
+        for tp in session.params.values():
+            if tp.param.requires_grad:
+                self._handles.append(tp.param.register_hook(self._gradient_arrives))
 
     def remove(self) -> None:
         if self._probe is not None:
@@ -338,6 +343,9 @@ class ModuleHooks:
             else:
                 self._finish_forward(unit, output)
         self._session.counters.hook_seconds += time.perf_counter() - t0
+
+    def _gradient_arrives(self, grad: torch.Tensor) -> None:
+        self._session.grad_views.hide()
 
     def _pre_backward_of(self, unit: Unit):
         def hook(grad: Any) -> None:
