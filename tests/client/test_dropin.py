@@ -10,7 +10,7 @@ import torch
 
 import tierd
 import tierd.optim
-from tierd.client.attach import attach, session_of
+from tierd.client.attach import attach
 from tierd.client.store import LocalStore
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama
@@ -170,17 +170,26 @@ def test_frozen_parameters_get_no_optimizer_state_and_no_bucket():
 
 
 # ------------------------------------------------------------------ real daemon
-def test_clipped_accumulating_loop_on_the_daemon_matches_torch(daemon):
+def test_clipped_accumulating_loop_with_frozen_parameters_on_the_daemon_matches_torch(daemon):
     ref = gpt2()
-    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    ref.transformer.wpe.weight.requires_grad_(False)   # frozen positions
+    client = tierd.connect(daemon)
+    model = attach(copy.deepcopy(ref), client=client)
     opt, ref_opt = _opts(model, ref, lr=1e-3)
+    frozen = model.transformer.wpe.weight.tiered
+    assert not set(opt.state_keys(frozen)[1:]) & set(client.keys())
     data = batches(5)
     got = _loop(model, opt, data, window=2, clip=CLIP)
     want = _loop(ref, ref_opt, data, window=2, clip=CLIP)
     assert got[0] == want[0]
     assert [n.item() for n in got[1]] == [n.item() for n in want[1]]
     assert_same_weights(model, ref)
-    session_of(model)   # still attached and usable
+    # no clipping: the update is fused into the backward ending each learned window
+    model, ref = attach(copy.deepcopy(ref), client=client, name="fused"), ref
+    opt, ref_opt = _opts(model, ref, lr=1e-3)
+    assert _loop(model, opt, data, window=2) == _loop(ref, ref_opt, data, window=2)
+    assert opt._fused and opt._fused[0].window == 2
+    assert_same_weights(model, ref)
 
 
 # ------------------------------------------------------------------ torch.compile
