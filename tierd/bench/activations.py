@@ -17,6 +17,11 @@ timed steps stop early (at least one) when the next would cross it. The
 outputs, ``activations-<device>.json`` / ``.md`` / ``.png`` under ``--out``, are
 rewritten after every case, so a run cut short keeps what it measured.
 
+This module runs the cases (:class:`Run`) and holds the command line;
+``activations_measure`` measures one case, ``activations_verdicts`` compares
+``auto`` with the fixed policies per budget, ``activations_report`` renders the
+Markdown and the PNG.
+
 [Note: peak memory and budgets]
 Peak memory is the CUDA allocator's peak during a step minus what was
 allocated when it began (the fp32 weights): gradients, saved activations and
@@ -51,14 +56,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import json
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,15 +74,13 @@ import torch  # noqa: E402
 import tierd  # noqa: E402
 from tierd.backends.hostpool import available_memory  # noqa: E402
 from tierd.bench import DEFAULT_OUT  # noqa: E402
+from tierd.bench.activations_measure import (  # noqa: E402
+    AUTO_STEPS, GiB, PeakMemory, build, free_pinned_host_cache, host_available, memory_check,
+    probe, sync, timed_steps)
+from tierd.bench.activations_report import describe, markdown, plot  # noqa: E402
+from tierd.bench.activations_verdicts import verdicts  # noqa: E402
 from tierd.client.activations import tier_activations  # noqa: E402
 from tierd.errors import TierdError  # noqa: E402
-
-FIXED = ("none", "offload", "recompute")
-WITHIN = 1.05    # auto is "within 5 %" of the best fixed policy at or below this ratio
-#: auto's steps before its warm-up: the profiling step, then the plan's first
-#: step, after which (on CUDA) the plan may be made again for the next steps.
-AUTO_STEPS = 2
-GiB = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,181 +114,6 @@ QUICK = Sizes(model=dict(n_layer=4, n_embd=128, n_head=4, vocab_size=512),
               batches=(8,), seq=64, steps=2, warmup=1, fractions=(0.25, 0.5, 1.0),
               min_bytes=64 << 10, prefetch_bytes=1 << 20, budget_s=60,
               host_margin=2 * GiB, nvme_size=1 * GiB)
-
-
-# ------------------------------------------------------------------ measuring
-class PeakMemory:
-    """Peak bytes over a step: CUDA allocator, or sampled RssAnon on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if not self.cuda:
-            with contextlib.suppress(OSError, AttributeError):
-                # glibc: allocations >= 256 KiB are mmapped, so a free returns
-                # the pages and RssAnon follows live tensors.
-                ctypes.CDLL("libc.so.6").mallopt(-3, 256 << 10)   # M_MMAP_THRESHOLD
-
-    @staticmethod
-    def _rss_anon() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    @contextlib.contextmanager
-    def measure(self):
-        """Yields a dict that holds, after: ``peak`` (above the start), ``total``
-        and ``reserved`` (CUDA: the allocator's reserved peak above the start's
-        allocated bytes; on CPU the same as ``peak``)."""
-        result = {"peak": 0, "total": 0, "reserved": 0}
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            yield result
-            torch.cuda.synchronize()
-            result["total"] = torch.cuda.max_memory_allocated()
-            result["peak"] = result["total"] - base
-            result["reserved"] = torch.cuda.max_memory_reserved() - base
-            return
-        gc.collect()
-        base = self._rss_anon()
-        stop, peak = threading.Event(), [base]
-
-        def sample():
-            while not stop.is_set():
-                peak[0] = max(peak[0], self._rss_anon())
-                time.sleep(0.0005)
-
-        thread = threading.Thread(target=sample, daemon=True)
-        thread.start()
-        try:
-            yield result
-        finally:
-            stop.set()
-            thread.join()
-            result["total"] = max(peak[0], self._rss_anon())
-            result["peak"] = result["reserved"] = result["total"] - base
-
-
-def build(cfg: dict, seq: int, device: torch.device):
-    """GPT-2 with random fp32 weights, made on ``device`` (no host copy of 1.3B)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    config = GPT2Config(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        use_cache=False, bos_token_id=0, eos_token_id=0, **cfg)
-    with torch.device(device):
-        model = GPT2LMHeadModel(config)
-    return model.train()
-
-
-def step(model, ids: torch.Tensor) -> None:
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.is_cuda):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-
-
-def probe(model, ids: torch.Tensor) -> tuple[int, int]:
-    """(bytes autograd saves in one forward, parameters excluded; pinned host
-    bytes save_on_cpu would take for it: every saved tensor, rounded up to a
-    power of two like torch's caching host allocator; 0 on CPU)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, int] = {}
-    pinned = [0]
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st._cdata not in params:
-            saved[st._cdata] = st.nbytes()
-        if t.is_cuda:
-            pinned[0] += 1 << max(0, (t.numel() * t.element_size() - 1).bit_length())
-        return t.detach()   # returning t itself would leak saved outputs (a cycle)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.is_cuda):
-            loss = model(input_ids=ids, labels=ids).loss
-    del loss
-    return sum(saved.values()), pinned[0]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_steps(model, ids, *, peak: PeakMemory, ctx_factory, warmup: int, steps: int,
-                deadline: float, handle=None) -> dict:
-    """Median step time and peak memory of the timed steps (after ``warmup``),
-    and, with a tiering ``handle``, the bytes it copied per timed step."""
-    times, peaks, totals, reserved, copied = [], [], [], [], None
-    for i in range(warmup + steps):
-        if i > warmup and time.monotonic() + times[-1] > deadline:
-            break   # one timed step at least; the rest only while time is left
-        if i == warmup and handle is not None:
-            copied = handle.stats()
-        with ctx_factory(), peak.measure() as m:
-            sync(ids.device)
-            t0 = time.perf_counter()
-            step(model, ids)
-            sync(ids.device)
-            elapsed = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(elapsed)
-            peaks.append(m["peak"])
-            totals.append(m["total"])
-            reserved.append(m["reserved"])
-    row = {"step_s": statistics.median(times), "step_times": times, "steps_timed": len(times),
-           "peak_bytes": max(peaks), "peak_total_bytes": max(totals),
-           "peak_reserved_bytes": max(reserved)}
-    if handle is not None:
-        end = handle.stats()
-        for k in ("d2h_bytes", "h2d_bytes"):
-            row[f"{k}_per_step"] = (end[k] - copied[k]) // len(times)
-    return row
-
-
-def memory_check(handle, budget: int) -> dict:
-    """auto's first planned step against its model (see [Note: measured memory
-    correction] in tierd/client/activations_plan.py): bytes above the step's
-    start, the baseline taken off (what keep-all holds beyond its saved
-    activations at its peak)."""
-    check = handle.check
-    row = {"predicted_bytes": check.predicted, "measured_bytes": check.measured,
-           "baseline_bytes": check.baseline, "growth_bytes": check.step.peak(),
-           "replanned": check.plan is not None}
-    if check.plan is not None:   # the plan timed, its estimate counting what was measured
-        row["first_plan"] = check.ran.describe(handle.profiles, budget)
-        row["replan_predicted_bytes"] = check.plan.memory
-    return row
-
-
-def host_available(host_bytes: int | None) -> int:
-    """Host bytes free for pinned memory: MemAvailable, or, given the machine's
-    size, that size less what is in use (the larger: on a VM whose memory grows
-    as it is used, MemTotal and MemAvailable start far below the limit)."""
-    if host_bytes is None:
-        return available_memory()
-    info = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info[key] = int(value.split()[0]) * 1024
-    in_use = info["MemTotal"] - info["MemAvailable"]
-    return max(info["MemAvailable"], host_bytes - in_use)
-
-
-def free_pinned_host_cache() -> bool:
-    """Give the caching host allocator's unused pinned memory back to the OS
-    (False where this torch has no call for it, or there is no CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    for owner, name in ((getattr(torch, "accelerator", None), "empty_host_cache"),
-                        (torch._C, "_host_emptyCache")):
-        fn = getattr(owner, name, None)
-        if fn is not None:
-            fn()
-            return True
-    return False
 
 
 # ------------------------------------------------------------------- the run
@@ -480,171 +305,6 @@ class Run:
         else:
             self.log(f"no PNG: {why}")
         return paths
-
-
-# ----------------------------------------------------------------- verdicts
-def verdicts(rows: list[dict]) -> list[dict]:
-    """Per (batch, budget): the fixed policies that fit, the fastest of them,
-    and how ``auto`` compares to it and to save_on_cpu."""
-    out = []
-    autos = sorted((r for r in rows if r["policy"] == "auto"),
-                   key=lambda r: (r["batch"], r["fraction"]))
-    for auto in autos:
-        batch, cap = auto["batch"], auto["budget_bytes"]
-        ok = {r["policy"]: r for r in rows if r["batch"] == batch and r["status"] == "ok"
-              and r["policy"] != "auto"}
-        fits = {p: cap is not None and r["peak_bytes"] <= cap for p, r in ok.items()}
-        fitting = [ok[p] for p in FIXED if fits.get(p)]
-        best = min(fitting, key=lambda r: r["step_s"], default=None)
-        ran = auto["status"] == "ok"
-        auto_fits = ran and cap is not None and auto["peak_bytes"] <= cap
-        ratio = auto["step_s"] / best["step_s"] if ran and best else None
-        soc = ok.get("save_on_cpu")
-        both = auto_fits and soc is not None and fits["save_on_cpu"]
-        out.append(dict(
-            batch=batch, fraction=auto["fraction"], budget_bytes=cap, fits=fits,
-            best_fixed=best["policy"] if best else None,
-            best_fixed_step_s=best["step_s"] if best else None,
-            auto_status=auto["status"], auto_step_s=auto.get("step_s"),
-            auto_peak_bytes=auto.get("peak_bytes"), auto_fits=auto_fits,
-            auto_vs_best=ratio,
-            auto_within_5pct=(auto_fits and ratio <= WITHIN) if ratio is not None else None,
-            save_on_cpu_fits=fits.get("save_on_cpu"),
-            auto_faster_than_save_on_cpu=auto["step_s"] < soc["step_s"] if both else None))
-    return out
-
-
-# ------------------------------------------------------------------ reports
-def _size(n: int | None, unit: str) -> str:
-    return "-" if n is None else f"{n / (GiB if unit == 'GiB' else 1 << 20):.2f}"
-
-
-def _flag(v: bool | None) -> str:
-    return "-" if v is None else ("yes" if v else "NO")
-
-
-def describe(row: dict, unit: str) -> str:
-    what = f"B={row['batch']} {row['policy']}" + (
-        f" f={row['fraction']}" if row["fraction"] is not None else "")
-    if row["status"] != "ok":
-        return f"{what}: {row['status']} ({row['reason']})"
-    return (f"{what}: {row['step_s']:.3f} s (median of {row['steps_timed']}), "
-            f"peak {_size(row['peak_bytes'], unit)} {unit}")
-
-
-def summary(budgets: list[dict]) -> str:
-    """One line: how often auto met each of its two targets."""
-    judged = [v for v in budgets if v["auto_within_5pct"] is not None]
-    near = sum(v["auto_within_5pct"] for v in judged)
-    both = [v for v in budgets if v["auto_faster_than_save_on_cpu"] is not None]
-    faster = sum(v["auto_faster_than_save_on_cpu"] for v in both)
-    return (f"auto fits and is within 5 % of the best fixed policy that fits at {near} of "
-            f"{len(judged)} budgets (where some fixed policy fits and auto ran); faster than "
-            f"save_on_cpu at {faster} of {len(both)} budgets where both fit.")
-
-
-def markdown(results: dict) -> str:
-    meta, unit = results["meta"], results["meta"]["unit"]
-    none = {r["batch"]: r for r in results["rows"] if r["policy"] == "none"
-            and r["status"] == "ok"}
-    out = [f"# Activation tiering: peak memory vs step time ({meta['device']})", "",
-           f"{meta['model']}, T={meta['seq']}, autocast {meta['autocast']}, "
-           f"min_bytes {meta['min_bytes']}, median of up to {meta['steps']} steps after "
-           f"{meta['warmup']} warm-up (auto: +{AUTO_STEPS}); wall {meta['wall_s']} s of "
-           f"--budget-s {meta['budget_s']}; `{meta['command']}`", "",
-           "Peak: above the weights, over a step (see [Note: peak memory and budgets] in "
-           "tierd/bench/activations.py). Budget cap = overhead + f x saved.", "",
-           f"| B | policy | f | cap {unit} | peak {unit} | reserved {unit} | step s | x none | "
-           f"to pool {unit}/step | status |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["rows"]:
-        f = "-" if r["fraction"] is None else r["fraction"]
-        cells = [r["batch"], r["policy"], f, _size(r["budget_bytes"], unit)]
-        base = none.get(r["batch"])
-        if r["status"] == "ok":
-            cells += [_size(r["peak_bytes"], unit), _size(r["peak_reserved_bytes"], unit),
-                      f"{r['step_s']:.3f}",
-                      f"{r['step_s'] / base['step_s']:.2f}" if base else "-",
-                      _size(r.get("d2h_bytes_per_step"), unit), "ok"]
-        else:
-            cells += ["-"] * 5 + [f"{r['status']}: {r['reason']}"]
-        out.append("| " + " | ".join(str(c) for c in cells) + " |")
-    out += ["", "## Per budget", "",
-            f"| B | f | cap {unit} | fixed policies that fit | best fixed (s) | auto s | "
-            f"auto peak {unit} | auto fits | auto / best | within 5 % | save_on_cpu fits | "
-            "auto faster than save_on_cpu |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for v in results["budgets"]:
-        fitting = ", ".join(p for p in FIXED if v["fits"].get(p)) or "(no fixed policy)"
-        best = "-" if v["best_fixed"] is None else \
-            f"{v['best_fixed']} ({v['best_fixed_step_s']:.3f})"
-        auto_s = "-" if v["auto_step_s"] is None else f"{v['auto_step_s']:.3f}"
-        ratio = "-" if v["auto_vs_best"] is None else f"{v['auto_vs_best']:.2f}"
-        out.append(f"| {v['batch']} | {v['fraction']} | {_size(v['budget_bytes'], unit)} | "
-                   f"{fitting} | {best} | {auto_s} | {_size(v['auto_peak_bytes'], unit)} | "
-                   f"{_flag(v['auto_fits'] if v['auto_status'] == 'ok' else None)} | {ratio} | "
-                   f"{_flag(v['auto_within_5pct'])} | {_flag(v['save_on_cpu_fits'])} | "
-                   f"{_flag(v['auto_faster_than_save_on_cpu'])} |")
-    out += ["", summary(results["budgets"])]
-    plans = [r for r in results["rows"] if r.get("plan")]
-    if plans:
-        out += ["", "## auto plans", ""]
-        out += [f"- B={r['batch']} f={r['fraction']}: {r['plan']}" + _checked(r, unit)
-                for r in plans]
-    return "\n".join(out) + "\n"
-
-
-def _checked(row: dict, unit: str) -> str:
-    c = row.get("memory_check")
-    if c is None:
-        return ""
-    made = f"made again; first: {c['first_plan']}" if c["replanned"] else "kept"
-    return (f". First step: {_size(c['measured_bytes'], unit)} {unit} above keep-all's "
-            f"overhead ({_size(c['baseline_bytes'], unit)}) at peak, "
-            f"{_size(c['predicted_bytes'], unit)} planned: {made}")
-
-
-def plot(results: dict, path: Path) -> str | None:
-    """The curve: peak memory vs step time per batch; returns why not if not drawn."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed"
-    unit = results["meta"]["unit"]
-    scale = GiB if unit == "GiB" else 1 << 20
-    rows = [r for r in results["rows"] if r["status"] == "ok"]
-    batches = sorted({r["batch"] for r in rows})
-    if not batches:
-        return "no figures to plot"
-    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 5), squeeze=False)
-    style = {"none": ("k", "o"), "offload": ("tab:blue", "s"), "recompute": ("tab:green", "^"),
-             "save_on_cpu": ("tab:red", "X")}
-    for ax, batch in zip(axes[0], batches):
-        mine = [r for r in rows if r["batch"] == batch]
-        for r in mine:
-            if r["policy"] in style:
-                color, marker = style[r["policy"]]
-                ax.scatter(r["step_s"], r["peak_bytes"] / scale, c=color, marker=marker,
-                           s=60, label=r["policy"], zorder=3)
-        autos = sorted((r for r in mine if r["policy"] == "auto"), key=lambda r: r["fraction"])
-        if autos:
-            ax.plot([r["step_s"] for r in autos], [r["peak_bytes"] / scale for r in autos],
-                    "-o", c="tab:purple", label="auto (budget f)", zorder=2)
-            for r in autos:
-                ax.annotate(f"f={r['fraction']}", (r["step_s"], r["peak_bytes"] / scale),
-                            fontsize=7, xytext=(4, 4), textcoords="offset points")
-                ax.axhline(r["budget_bytes"] / scale, c="tab:purple", lw=0.6, ls=":")
-        ax.set_xlabel("median step time (s)")
-        ax.set_ylabel(f"peak memory above weights ({unit})")
-        ax.set_title(f"B={batch}, T={results['meta']['seq']} (dotted: budgets)", fontsize=9)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"tierd activation tiering, {results['meta']['model']}, "
-                 f"{results['meta']['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
 
 
 # --------------------------------------------------------------------- main
