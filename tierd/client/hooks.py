@@ -251,11 +251,12 @@ class ModuleHooks:
             if module is not model:
                 handles += (module.register_forward_pre_hook(self._pre_forward),)
             self._forward_handles[id(module)] = handles
-        # the bodies run eagerly: a compiled forward calls out to them (wrapped
+        # what a compiled forward calls out to: the bodies, run eagerly (wrapped
         # here, not at import: torch.compiler.disable imports dynamo, ~1 s)
-        for name in ("_begin_step_body", "_pre_forward_body", "_post_forward_body",
-                     "_block_body"):
-            setattr(self, name, torch.compiler.disable(getattr(self, name)))
+        self._begin_step_out = torch.compiler.disable(self._begin_step_body)
+        self._pre_forward_out = torch.compiler.disable(self._pre_forward_body)
+        self._post_forward_out = torch.compiler.disable(self._post_forward_body)
+        self._block_out = torch.compiler.disable(self._block_body)
         self._compiled_step = False   # the root's forward is traced by dynamo
         self._in_block: set[int] = set()   # id(module) of every module inside a block
         for block in _blocks(model):
@@ -285,23 +286,36 @@ class ModuleHooks:
         self._forward_handles.clear()
 
     # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
+    # Eagerly each calls its body directly (no wrapper on the hot path).
     def _begin_step(self, module: nn.Module, args: Any, kwargs: dict) -> None:
-        self._begin_step_body(module, torch.compiler.is_compiling(),
-                              input_signature(args, kwargs))
+        if torch.compiler.is_compiling():
+            self._begin_step_out(module, True, input_signature(args, kwargs))
+        else:
+            self._begin_step_body(module, False, input_signature(args, kwargs))
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not (torch.compiler.is_compiling() and id(module) in self._in_block):
+        if not torch.compiler.is_compiling():
             self._pre_forward_body(module)
+        elif id(module) not in self._in_block:
+            self._pre_forward_out(module)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not (torch.compiler.is_compiling() and id(module) in self._in_block):
+        if not torch.compiler.is_compiling():
             self._post_forward_body(module, output)
+        elif id(module) not in self._in_block:
+            self._post_forward_out(module, output)
 
     def _block_pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._block_body(module, None, torch.compiler.is_compiling(), entering=True)
+        if torch.compiler.is_compiling():
+            self._block_out(module, None, True, entering=True)
+        else:
+            self._block_body(module, None, False, entering=True)
 
     def _block_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._block_body(module, output, torch.compiler.is_compiling(), entering=False)
+        if torch.compiler.is_compiling():
+            self._block_out(module, output, True, entering=False)
+        else:
+            self._block_body(module, output, False, entering=False)
 
     # Every body adds its host time to session.counters.hook_seconds (the
     # benchmark reports it as the overhead share of a step).
