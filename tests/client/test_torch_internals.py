@@ -94,3 +94,20 @@ def test_dispatch_mode_sees_aten_ops_and_tree_flatten_finds_tensors():
     with Watch():
         torch.add(a, b)
     assert any(t is a for t in seen) and any(t is b for t in seen)
+
+
+def test_fused_adamw_is_torch_fused_adamw_bitwise():
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]
+    mine = [p.detach().clone() for p in ref]
+    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    m = [torch.zeros_like(p) for p in mine]
+    v = [torch.zeros_like(p) for p in mine]
+    for step in (1, 2, 3):
+        grads = [torch.randn(7, 3) for _ in ref]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        ti.fused_adamw(mine, grads, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999,
+                       weight_decay=0.1, eps=1e-8, maximize=False)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(mine, ref))

@@ -26,12 +26,12 @@ way: ~0.5 s at 95 GB/s vs a 0.23 s compute: PCIe-bound, floor ~0.5 s.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -190,28 +190,8 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     return row
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--pool-gib", type=int, default=60,
-                    help="host pool (5B: 70 GB of weights and state and the first step's "
-                         "20 GB of fp32 gradients; what does not fit spills to NVMe; the "
-                         "H200 host page-locks at most ~70 GiB)")
-    ap.add_argument("--nvme-gib", type=int, default=48)
-    ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B)")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
-    ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
-    args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    cases = TINY if args.tiny else CASES
-    if args.tiny:
-        args.seq, args.steps, args.warmup, args.pool_gib, args.nvme_gib = 16, 2, 3, 1, 1
-    if args.only:
-        cases = [c for c in cases if c[1] in args.only.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
+def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]:
+    """Every case of ``cases`` in this process (one model shape at a time)."""
     clock = Clock(device)
     bandwidth = both_ways_bandwidth(device)
     daemon = start_daemon(pool=args.pool_gib << 30, nvme_size=args.nvme_gib << 30)
@@ -236,10 +216,61 @@ def main(argv=None) -> None:
             gc.collect()
     finally:
         daemon.stop()
-    if not args.tiny:
-        rows += [{"case": c, "allgpu_s": None, "tierd_s": None, "floor_s": None,
-                  "tierd_peak_gb": None, "allgpu_peak_gb": None, "pcie_in_gb": None,
-                  "pcie_out_gb": None, "error": why} for c, why in UNRUN.items()]
+    return rows, bandwidth
+
+
+def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
+    """Each model shape in a process of its own: a process keeps the pool
+    segments it page-locked, and the host page-locks only so much (~70 GiB on
+    the H200 host), so 5B's pool cannot follow 1.3B's in one process."""
+    rows, bandwidth = [], 0.0
+    for shape in shapes:
+        out = args.out / shape
+        cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", shape,
+               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib)]
+        if subprocess.run(cmd).returncode != 0:
+            rows.append({"case": f"{shape} (every case)", "error": "its process failed; see "
+                         "its output above", **{k: None for k in ROW_FIELDS}})
+            continue
+        got = json.loads((out / "placement.json").read_text())
+        rows += got["rows"]
+        bandwidth = max(bandwidth, got["both_ways_bandwidth_gbps"] * GB)
+    return rows, bandwidth
+
+
+ROW_FIELDS = ("allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
+              "pcie_in_gb", "pcie_out_gb")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pool-gib", type=int, default=60,
+                    help="host pool (5B: 70 GB of weights and state and the first step's "
+                         "20 GB of fp32 gradients; what does not fit spills to NVMe; the "
+                         "H200 host page-locks at most ~70 GiB)")
+    ap.add_argument("--nvme-gib", type=int, default=48)
+    ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B), "
+                    "run in this process")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        args.seq, args.steps, args.warmup, args.pool_gib, args.nvme_gib = 16, 2, 3, 1, 1
+        rows, bandwidth = measure(args, TINY, device)
+    elif args.only:
+        rows, bandwidth = measure(args, [c for c in CASES if c[1] in args.only.split(",")],
+                                  device)
+    else:
+        rows, bandwidth = measure_apart(args, list(dict.fromkeys(c[1] for c in CASES)))
+        rows += [{"case": c, "error": why, **{k: None for k in ROW_FIELDS}}
+                 for c, why in UNRUN.items()]
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                            text=True).stdout.strip() or None
     result = {"commit": commit, "device": torch.cuda.get_device_name(device)

@@ -20,6 +20,9 @@ What each is for:
 - ``DispatchMode`` / ``tree_flatten``: the first-forward probe watches the
   arguments of every aten op (see [Note: parameters read without a call]).
 - ``StorageRef``: a weak reference to a storage that says when it is freed.
+- ``fused_adamw``: the one-pass AdamW kernel behind
+  ``torch.optim.AdamW(fused=True)``; the update of parameters whose state is
+  on a CUDA device, in one read and one write of each tensor.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["DispatchMode", "StorageRef", "checkpoint_without_reentrant",
-           "current_graph_task", "in_backward", "queue_engine_callback", "storage_id",
-           "tree_flatten"]
+           "current_graph_task", "fused_adamw", "in_backward", "queue_engine_callback",
+           "storage_id", "tree_flatten"]
 
 
 def current_graph_task() -> int:
@@ -68,3 +71,15 @@ def checkpoint_without_reentrant(module: torch.nn.Module, *args: Any,
     return torch.utils.checkpoint._checkpoint_without_reentrant_generator(
         module, True, torch.utils.checkpoint.noop_context_fn, "default",
         False, True, *args, **kwargs)
+
+
+def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor],
+                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                step: float, lr: float, beta1: float, beta2: float, weight_decay: float,
+                eps: float, maximize: bool) -> None:
+    """One AdamW step of every tensor in place, as ``torch.optim.AdamW(fused=True)``
+    takes it at step count ``step`` (already counted): bitwise that optimizer's."""
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=params[0].device)]
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps * len(params),
+                        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                        amsgrad=False, maximize=maximize)
