@@ -32,7 +32,16 @@ backward they are shown again. Ops recorded and not yet replayed when a
 forward begins are applied to the pool then. A parameter whose update already ran
 inside backward (the fused path) shows a *consumed* view: torch would have a
 gradient there, but clipping it now cannot change the update, so every op on
-it raises, naming ``max_grad_norm``.
+it raises, naming ``max_grad_norm``. The fused update cannot wait for a
+clip it does not know of, so the first window is always updated in
+``step()``: an optimizer that finds ops recorded there updates in ``step()``
+from then on (``StreamedOptimizer._stop_fusing``). Under torch.distributed a
+rank's pool holds its share's gradients only, so a norm read here raises,
+naming ``max_grad_norm`` (whose norm is summed over the node).
+
+Why a view and not the gradient itself: the gradients of the whole model on
+the device are what tierd exists to avoid; and ``clip_grad_norm_`` is not
+patched (no torch function is), it runs as written on these tensors.
 """
 
 from __future__ import annotations

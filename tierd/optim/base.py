@@ -53,8 +53,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     the pool, at least one unit).
 
     Example:
-        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4)                        # doctest: +SKIP
-        >>> for i, batch in enumerate(loader):                                          # doctest: +SKIP
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4)   # doctest: +SKIP
+        >>> for i, batch in enumerate(loader):                     # doctest: +SKIP
         ...     (model(**batch).loss / 4).backward()
         ...     if (i + 1) % 4 == 0:
         ...         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
