@@ -111,3 +111,40 @@ def test_fused_adamw_is_torch_fused_adamw_bitwise():
         ti.fused_adamw(mine, grads, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999,
                        weight_decay=0.1, eps=1e-8, maximize=False)
     assert all(torch.equal(a, b.detach()) for a, b in zip(mine, ref))
+
+
+def test_foreach_adamw_is_torch_single_tensor_adamw_bitwise():
+    torch.manual_seed(1)
+    ref = [torch.nn.Parameter(torch.randn(5, 4)) for _ in range(3)]
+    mine = [p.detach().clone() for p in ref]
+    opt = torch.optim.AdamW(ref, lr=3e-3, weight_decay=0.05, foreach=False, maximize=True)
+    m = [torch.zeros_like(p) for p in mine]
+    v = [torch.zeros_like(p) for p in mine]
+    for step in (1, 2):
+        grads = [torch.randn(5, 4) for _ in ref]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        ti.foreach_adamw(mine, grads, m, v, step=step, lr=3e-3, beta1=0.9, beta2=0.999,
+                         weight_decay=0.05, eps=1e-8, maximize=True)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(mine, ref))
+
+
+def test_compiled_modules_are_told_apart_and_graph_breaks_counted():
+    lin = nn.Linear(2, 2)
+    compiled = torch.compile(lin, backend="eager")
+    assert ti.is_compiled_module(compiled) and not ti.is_compiled_module(lin)
+
+    def broken(x):
+        x = x + 1
+        print(end="")   # a graph break
+        return x * 2
+    ti.dynamo_reset()
+    torch.compile(broken, backend="eager")(torch.ones(2))
+    assert ti.dynamo_graph_breaks() >= 1
+    ti.dynamo_reset()
+    assert ti.dynamo_graph_breaks() == 0
+
+
+def test_free_pinned_host_cache_needs_cuda():
+    assert ti.free_pinned_host_cache() is torch.cuda.is_available()

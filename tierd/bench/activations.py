@@ -75,10 +75,11 @@ import tierd  # noqa: E402
 from tierd.backends.hostpool import available_memory  # noqa: E402
 from tierd.bench import DEFAULT_OUT  # noqa: E402
 from tierd.bench.activations_measure import (  # noqa: E402
-    AUTO_STEPS, GiB, PeakMemory, build, free_pinned_host_cache, host_available, memory_check,
+    AUTO_STEPS, GiB, PeakMemory, build, host_available, memory_check,
     probe, sync, timed_steps)
 from tierd.bench.activations_report import describe, markdown, plot  # noqa: E402
 from tierd.bench.activations_verdicts import verdicts  # noqa: E402
+from tierd.client.torch_internals import free_pinned_host_cache  # noqa: E402
 from tierd.client.activations import tier_activations  # noqa: E402
 from tierd.errors import TierdError  # noqa: E402
 

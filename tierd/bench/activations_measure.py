@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tierd.backends.hostpool import available_memory
+from tierd.client.torch_internals import storage_id
 
 #: auto's steps before its warm-up: the profiling step, then the plan's first
 #: step, after which (on CUDA) the plan may be made again for the next steps.
@@ -101,14 +102,13 @@ def probe(model, ids: torch.Tensor) -> tuple[int, int]:
     """(bytes autograd saves in one forward, parameters excluded; pinned host
     bytes save_on_cpu would take for it: every saved tensor, rounded up to a
     power of two like torch's caching host allocator; 0 on CPU)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    params = {storage_id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     pinned = [0]
 
     def pack(t):
-        st = t.untyped_storage()
-        if st._cdata not in params:
-            saved[st._cdata] = st.nbytes()
+        if storage_id(t) not in params:
+            saved[storage_id(t)] = t.untyped_storage().nbytes()
         if t.is_cuda:
             pinned[0] += 1 << max(0, (t.numel() * t.element_size() - 1).bit_length())
         return t.detach()   # returning t itself would leak saved outputs (a cycle)
@@ -183,17 +183,3 @@ def host_available(host_bytes: int | None) -> int:
         info[key] = int(value.split()[0]) * 1024
     in_use = info["MemTotal"] - info["MemAvailable"]
     return max(info["MemAvailable"], host_bytes - in_use)
-
-
-def free_pinned_host_cache() -> bool:
-    """Give the caching host allocator's unused pinned memory back to the OS
-    (False where this torch has no call for it, or there is no CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    for owner, name in ((getattr(torch, "accelerator", None), "empty_host_cache"),
-                        (torch._C, "_host_emptyCache")):
-        fn = getattr(owner, name, None)
-        if fn is not None:
-            fn()
-            return True
-    return False

@@ -35,6 +35,7 @@ import tierd.optim
 from tierd.bench.attach_step import build
 from tierd.client.attach import attach, detach
 from tierd.client.embedded import start_daemon
+from tierd.client.torch_internals import dynamo_graph_breaks, dynamo_reset
 
 
 def _sync(device: torch.device) -> None:
@@ -63,16 +64,13 @@ def _step(model, opt, ids, device: torch.device) -> None:
 
 
 def _graph_breaks() -> int:
-    from torch._dynamo.utils import counters
-    return sum(counters["graph_break"].values())
+    return dynamo_graph_breaks()
 
 
 def _measure(model, opt, ids, device, args, *, compiled: bool) -> dict:
     """Median step seconds (warmup steps include compiling) and the graph
     breaks seen while compiling."""
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-    counters.clear()
+    dynamo_reset()
     run = torch.compile(model, backend=args.backend) if compiled else model
     times = _timed(lambda: _step(run, opt, ids, device), device, args.steps, args.warmup)
     return {"step_s": statistics.median(times), "steps_s": times,

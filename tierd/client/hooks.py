@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,7 +61,8 @@ from torch import nn
 from tierd.client.placer import input_signature
 from tierd.client.registry import Unit
 from tierd.client.tiered_param import ParamState, TieredParam
-from tierd.client.torch_internals import DispatchMode, storage_id, tree_flatten
+from tierd.client.torch_internals import (DispatchMode, is_compiled_module, storage_id,
+                                          tree_flatten)
 from tierd.errors import StateError
 
 
@@ -199,8 +199,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def refuse_compiled(model: nn.Module) -> None:
     """``attach(torch.compile(m))`` is refused: see [Note: hooks under torch.compile]."""
-    dynamo = sys.modules.get("torch._dynamo")   # a compiled module has imported it
-    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+    if is_compiled_module(model):
         raise TypeError(
             "tierd.attach got a torch.compile'd module; attach first, then compile: "
             "model = torch.compile(tierd.attach(model)) (tierd's hooks move parameters "

@@ -23,10 +23,17 @@ What each is for:
 - ``fused_adamw``: the one-pass AdamW kernel behind
   ``torch.optim.AdamW(fused=True)``; the update of parameters whose state is
   on a CUDA device, in one read and one write of each tensor.
+  ``foreach_adamw``: torch's single-tensor AdamW as ``torch._foreach_*``
+  kernels, the same ops in the same order (bitwise on the CPU).
+- ``is_compiled_module``: tells a ``torch.compile``'d module (attach refuses it).
+- ``dynamo_reset`` / ``dynamo_graph_breaks``: the benchmark counts graph breaks.
+- ``free_pinned_host_cache``: gives the caching host allocator's pinned
+  memory back (the activation benchmark measures host memory).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -37,8 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["DispatchMode", "StorageRef", "checkpoint_without_reentrant",
-           "current_graph_task", "fused_adamw", "in_backward", "queue_engine_callback",
-           "storage_id", "tree_flatten"]
+           "current_graph_task", "dynamo_graph_breaks", "dynamo_reset", "foreach_adamw",
+           "free_pinned_host_cache", "fused_adamw", "in_backward", "is_compiled_module",
+           "queue_engine_callback", "storage_id", "tree_flatten"]
 
 
 def current_graph_task() -> int:
@@ -83,3 +91,58 @@ def fused_adamw(params: list[torch.Tensor], grads: list[torch.Tensor],
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps * len(params),
                         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         amsgrad=False, maximize=maximize)
+
+
+def foreach_adamw(params: list[torch.Tensor], grads: list[torch.Tensor],
+                  exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                  step: float, lr: float, beta1: float, beta2: float, weight_decay: float,
+                  eps: float, maximize: bool) -> None:
+    """One AdamW step in place as foreach kernels, op for op
+    ``torch.optim.AdamW(foreach=False)``'s line (bitwise it on the CPU)."""
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """``module`` is what ``torch.compile(m)`` returned (an OptimizedModule)."""
+    dynamo = sys.modules.get("torch._dynamo")   # imported by anything compiled
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
+def dynamo_reset() -> None:
+    """Forget every compiled graph and dynamo's counters."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def dynamo_graph_breaks() -> int:
+    """Graph breaks dynamo counted since :func:`dynamo_reset`."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+def free_pinned_host_cache() -> bool:
+    """Give the caching host allocator's unused pinned memory back to the OS
+    (False where this torch has no call for it, or there is no CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    for owner, name in ((getattr(torch, "accelerator", None), "empty_host_cache"),
+                        (torch._C, "_host_emptyCache")):
+        fn = getattr(owner, name, None)
+        if fn is not None:
+            fn()
+            return True
+    return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tierd.client.torch_internals import fused_adamw
+from tierd.client.torch_internals import foreach_adamw, fused_adamw
 from tierd.optim.base import StreamedOptimizer
 
 
@@ -90,18 +90,6 @@ class AdamW(StreamedOptimizer):
                         beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=group["maximize"])
             return
-        if group["maximize"]:
-            grads = torch._foreach_neg(grads)
-        if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2 ** 0.5
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
+        foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+                      beta2=beta2, weight_decay=weight_decay, eps=eps,
+                      maximize=group["maximize"])
