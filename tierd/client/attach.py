@@ -53,7 +53,9 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     Returns ``model`` itself; its parameters become :class:`TieredParameter`
     objects whose storage is empty between uses (call ``model.parameters()``
     after attaching; the old Parameter objects are emptied). Gradients are
-    summed into the daemon, not into ``param.grad``: use ``tierd.optim``.
+    summed into the daemon; ``param.grad`` is a view of them (clipping works,
+    see ``tierd.client.grad_view``): use ``tierd.optim``. To compile, attach
+    first: ``torch.compile(tierd.attach(model))``.
     ``options`` are :class:`AttachConfig` fields (not allowed with ``config``).
     Without ``client``, connects to (or starts) the node's embedded daemon,
     in job ``job`` (a named job, which ``tierd.commit`` can commit; it is also
