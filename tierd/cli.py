@@ -179,10 +179,12 @@ def print_status(view: dict) -> None:
     print(f"moved {size(view['bytes_to_nvme'])} to NVMe, "
           f"{size(view['bytes_to_pool'])} to pool, {view['evictions']} evictions, "
           f"{view['io_errors']} I/O errors")
-    print(f"{'job':<24} {'owner':>6} {'clients':>7} {'tensors':>8} {'pool':>10} {'nvme':>10}")
+    print(f"{'job':<24} {'owner':>6} {'clients':>7} {'tensors':>8} {'pool':>10} {'nvme':>10} "
+          f"{'on GPUs':>10}")
     for name, j in sorted(view["jobs"].items()):
         print(f"{name:<24} {j['owner_uid']:>6} {j['sessions']:>7} {j['tensors']:>8} "
-              f"{size(j['pool_used_bytes']):>10} {size(j['nvme_used_bytes']):>10}")
+              f"{size(j['pool_used_bytes']):>10} {size(j['nvme_used_bytes']):>10} "
+              f"{size(j.get('gpu_resident_bytes', 0)):>10}")
     if view.get("quarantined"):
         print(f"{len(view['quarantined'])} damaged commit manifests moved aside (their jobs "
               f"started empty): tierd status --json lists them, docs/troubleshooting.md "

@@ -174,10 +174,20 @@ class Commits:
     op: ClassVar[str] = "commits"
 
 
+@dataclass(frozen=True)
+class ReportDevice:
+    """The caller keeps ``resident_bytes`` of its job's tensors on its GPU
+    between steps (placement); ``stats`` shows the sum per job."""
+
+    op: ClassVar[str] = "report_device"
+    resident_bytes: int
+
+
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
-                                    Evict, Delete, DropJob, Keys, Stats, Commit, Commits)}
+                                    Evict, Delete, DropJob, Keys, Stats, Commit, Commits,
+                                    ReportDevice)}
 Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | DropJob
-           | Keys | Stats | Commit | Commits)
+           | Keys | Stats | Commit | Commits | ReportDevice)
 
 
 # ----------------------------------------------------------------- replies
@@ -297,6 +307,8 @@ def _body(cls: type, body: dict) -> Any:
             return DropJob()
         case "commits":
             return Commits()
+        case "report_device":
+            return ReportDevice(_int(body.get("resident_bytes"), "resident_bytes"))
         case "commit":
             tag = body.get("tag")
             if type(tag) is not str or not 0 < len(tag) <= MAX_TAG_LENGTH:

@@ -166,3 +166,25 @@ def test_bad_caps_fail_clearly():
         tierd.AttachConfig(gpu_memory_bytes=-1)
     off = attach(gpt2(), client=LocalStore(), device="cpu", gpu_memory_bytes=0)
     assert session_of(off).placer.state is PlacerState.OFF
+
+
+def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
+    import subprocess
+    import sys
+    model = attach(gpt2(), client=tierd.connect(daemon, job="placed"), job="placed",
+                   device="cpu", gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(2))
+    session = session_of(model)
+    held = session.placer.plan.device_bytes
+    assert held > 0
+    job = session.client.stats()["jobs"]["placed"]
+    assert job["gpu_resident_bytes"] == held
+    out = subprocess.run([sys.executable, "-m", "tierd", "status", "--socket", str(daemon.socket)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    out = out.stdout
+    assert "on GPUs" in out and "placed" in out
+    detach(model)   # nothing resident any more
+    with tierd.connect(daemon, job="placed") as c:
+        assert c.stats()["jobs"]["placed"]["gpu_resident_bytes"] == 0

@@ -156,6 +156,11 @@ class _StoreCalls:
         """Release leases; with ``written`` the write-leased bytes become the new version."""
         return self._run(_one(P.Release(_keys(keys), written), _nothing))
 
+    def report_device(self, resident_bytes: int):
+        """Tell the daemon how many bytes of this job's tensors this client keeps
+        on its GPU between steps (``tierd status`` shows them per job)."""
+        return self._run(_one(P.ReportDevice(int(resident_bytes)), _nothing))
+
     def abort(self, keys: Iterable[str]):
         """Give back reserved, unpublished keys."""
         return self._run(_one(P.Abort(_keys(keys)), _nothing))

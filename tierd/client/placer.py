@@ -179,6 +179,7 @@ class Placer:
         self._apply(plan)
         self.plan, self._non_model = plan, non_model
         self.state = PlacerState.PLACED
+        self._session.client.report_device(plan.device_bytes)
         log.info("tierd placement: %d units resident, %d weights only, %d streamed; %d device "
                  "bytes held, %d PCIe bytes a step (budget %d = cap %d - step %d - margin %d)",
                  len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
@@ -217,6 +218,7 @@ class Placer:
             session.registry.set_resident(self._placed, False)
         self._placed, self.plan = [], None
         session.mover.replan(keep_trace=True)
+        session.client.report_device(0)
         self.state = PlacerState.MEASURING
         self._measured_steps = 0
 

@@ -69,6 +69,7 @@ class Store(Protocol):
     def stats(self) -> dict: ...
     def commit(self, tag: str) -> dict: ...
     def commits(self) -> list[str]: ...
+    def report_device(self, resident_bytes: int) -> None: ...
     def check_alive(self) -> None: ...
     def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None],
                           unmapped: Callable[[int, torch.Tensor], None] | None = None) -> None: ...
@@ -208,6 +209,7 @@ class LocalStore:
     job: str | None = None
     pool_bytes: int = 1 << 30
     requests: int = 0   # calls made, as the daemon would count requests
+    gpu_resident_bytes: int = 0   # as reported (report_device)
 
     def __post_init__(self) -> None:
         self.ephemeral = self.job is None
@@ -286,7 +288,8 @@ class LocalStore:
         return self._call(lambda: {
             "pool_bytes": self.pool_bytes, "pool_used": self.used_bytes,
             "tensors": len(self._table.entries),
-            "jobs": {self.job: {"ephemeral": self.ephemeral}}}).result()
+            "jobs": {self.job: {"ephemeral": self.ephemeral,
+                                "gpu_resident_bytes": self.gpu_resident_bytes}}}).result()
 
     def commit(self, tag: str) -> dict:
         return self._call(self._commit, tag).result()
@@ -305,6 +308,9 @@ class LocalStore:
 
     def commits(self) -> list[str]:
         return self._call(lambda: [tag for tag, _ in self._commits]).result()
+
+    def report_device(self, resident_bytes: int) -> None:
+        self._call(lambda: setattr(self, "gpu_resident_bytes", int(resident_bytes))).result()
 
     def restart(self) -> None:
         """What a daemon restart leaves: the last commit, no leases, no reservations."""

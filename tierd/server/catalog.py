@@ -278,7 +278,11 @@ class Catalog:
         for name, job in self.jobs.items():
             per_job[name] = {"owner_uid": job.owner_uid, "ephemeral": job.ephemeral,
                              "sessions": len(job.sessions), "tensors": 0,
-                             "pool_used_bytes": 0, "nvme_used_bytes": 0}
+                             "pool_used_bytes": 0, "nvme_used_bytes": 0,
+                             "gpu_resident_bytes": 0}
+        for s in self.sessions.values():
+            if s.job in per_job:
+                per_job[s.job]["gpu_resident_bytes"] += s.gpu_resident_bytes
         for (jname, _), e in self.entries.items():
             row = per_job[jname]
             row["tensors"] += 1

@@ -345,6 +345,9 @@ class Daemon:
                     return P.StatsReply({**c.stats(), "quarantined": self.manifests.quarantined()})
                 case P.Commits():
                     return P.TagList(tuple(c.commit_tags(s)))
+                case P.ReportDevice(resident_bytes):
+                    s.gpu_resident_bytes = resident_bytes
+                    return P.Done()
 
         finally:
             self._run_started()

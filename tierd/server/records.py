@@ -122,6 +122,8 @@ class Session:
     uid: int
     leases: dict[str, list[tuple[Entry, PoolSlot, bool]]] = field(default_factory=dict)
     reserved: dict[str, tuple[TensorSpec, PoolSlot]] = field(default_factory=dict)
+    #: bytes of the job's tensors it keeps on its GPU between steps (as reported)
+    gpu_resident_bytes: int = 0
 
 
 @dataclass
