@@ -94,6 +94,8 @@ def test_resident_units_train_bitwise_like_torch_and_hold_their_state():
     assert all(tp.resident and tp.state is ParamState.DEVICE for tp in session.params.values())
     stats = session.stats()
     assert stats["resident_bytes"] > 0 and stats["planned_pcie_bytes"] == 0
+    # units placed whole have nothing to move: their hooks do not call in
+    assert session.mover.planner.trace == ()
     assert_same_weights(model, ref)   # state_dict writes resident values back first
 
 
@@ -105,9 +107,13 @@ def test_a_small_cap_keeps_some_units_and_streams_the_rest():
     model, ref, opt, ref_opt = _train_placed(llama, cap=cap, data=None)
     data = batches(4)
     assert train(model, opt, data) == train(ref, ref_opt, data)
-    plan = session_of(model).placer.plan
+    session = session_of(model)
+    plan = session.placer.plan
     assert plan.device_bytes <= cap
     assert Place.STREAM in plan.places.values() and Place.WEIGHTS in plan.places.values()
+    streamed = set(plan.units_at(Place.STREAM))
+    assert streamed and set(session.mover.planner.trace) == streamed   # followed, not re-learned
+    assert session.mover.planner.steps_followed >= 1
     assert_same_weights(model, ref)
 
 

@@ -373,14 +373,14 @@ class ModuleHooks:
         if self._probe is not None:
             self._probe.enter(module)
         unit = self._session.registry.unit_of.get(id(module))
-        if unit is not None:
+        if unit is not None and unit.params:   # a unit placed whole on the GPU needs nothing
             self._unwatched(self._session.pre_forward, unit)
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         if self._probe is not None:
             self._probe.leave(module)   # the root's leave ends the probing
         unit = self._session.registry.unit_of.get(id(module))   # after folds in this forward
-        if unit is not None:
+        if unit is not None and unit.params:
             self._unwatched(self._finish_forward, unit, output)
 
     def _finish_forward(self, unit: Unit, output: Any) -> None:

@@ -78,8 +78,12 @@ class Mover:
     def replan(self, *, keep_trace: bool = False) -> None:
         """A fresh planner over the current units' bytes: it learns the order
         again (units were folded) or, with ``keep_trace``, follows the one it
-        learned (the units' bytes changed, not their order: placement)."""
-        self.planner = self._new_planner(self.planner.trace if keep_trace else ())
+        learned (the units' bytes changed, not their order: placement). Units
+        left with nothing to move (placed whole on the device) leave the
+        trace: their hooks no longer call in."""
+        units = self.registry.units
+        trace = tuple(i for i in self.planner.trace if units[i].params) if keep_trace else ()
+        self.planner = self._new_planner(trace)
 
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:

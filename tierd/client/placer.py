@@ -217,7 +217,7 @@ class Placer:
         if self._placed:
             session.registry.set_resident(self._placed, False)
         self._placed, self.plan = [], None
-        session.mover.replan(keep_trace=True)
+        session.mover.replan()   # the units placed whole left the trace: learn it again
         session.client.report_device(0)
         self.state = PlacerState.MEASURING
         self._measured_steps = 0
