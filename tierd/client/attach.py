@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import fields, replace
 
@@ -25,6 +26,7 @@ from tierd.client.embedded import answers, ensure_daemon
 from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
 from tierd.client.registry import expected_keys
+from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.config import default_socket_path
 from tierd.errors import StateError
 
@@ -47,6 +49,7 @@ def _join_ranks(group, model: nn.Module, client, job: str | None, config: Attach
 
 def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
            job: str | None = None, resume: bool = False, process_group=None,
+           weights: str | os.PathLike | None = None, strict: bool = True,
            **options) -> nn.Module:
     """Move ``model``'s parameters into tierd and stream them in on use.
 
@@ -75,10 +78,22 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     ``tierd.commit`` must then be called on every rank too. See
     ``tierd.client.distributed``.
 
+    ``weights=PATH`` (a ``.safetensors`` file or a Hugging Face checkpoint
+    directory, sharded or not) gives the parameters and buffers the file's
+    values instead of the model's, read and stored one module at a time, so
+    ``model`` may be built on the meta device (``with torch.device("meta"):``)
+    and never exist in process memory. Names match as ``load_state_dict``
+    would: every one when ``strict`` (a ValueError lists the missing and
+    unexpected keys), a tied parameter under any of its names; shapes and
+    dtypes are checked before anything is stored. See
+    ``tierd.client.weights``.
+
     Example:
         >>> model = tierd.attach(model, compute_dtype="bf16", gpu_budget_bytes=1 << 30)  # doctest: +SKIP
         >>> model = tierd.attach(build_model(), job="run1", resume=True)                 # doctest: +SKIP
         >>> model = tierd.attach(model, job="run1")   # under torchrun, on every rank   # doctest: +SKIP
+        >>> with torch.device("meta"): model = LlamaForCausalLM(cfg)                     # doctest: +SKIP
+        >>> model = tierd.attach(model, weights="Llama-3-8B/", compute_dtype="bf16")    # doctest: +SKIP
     """
     refuse_compiled(model)
     if config is not None and options:
@@ -99,8 +114,39 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     if resume and config.name is None:
         raise ValueError("resume=True needs a stable key prefix: pass name= (the one the "
                          "committed run used) or job=")
-    owns_client = client is None
     group = distributed.active_group(process_group)
+    if group is not None and weights is not None:
+        raise ValueError("weights= is not supported under torch.distributed yet: load the "
+                         "checkpoint into the CPU model (load_state_dict) and attach that")
+    plan = _plan_weights(model, weights, strict)   # a bad checkpoint touches nothing
+    try:
+        return _connect_and_build(model, client, config, job=job, resume=resume,
+                                  group=group, plan=plan)
+    finally:
+        if plan is not None:
+            plan.reader.close()
+
+
+def _plan_weights(model: nn.Module, weights, strict: bool) -> WeightsPlan | None:
+    if weights is None:
+        meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if meta:
+            raise ValueError(
+                f"{type(model).__name__} has tensors on the meta device ({', '.join(meta[:3])}"
+                f"{', ...' if len(meta) > 3 else ''}) and no values to attach: pass "
+                "weights=PATH (a .safetensors file or a checkpoint directory)")
+        return None
+    reader = CheckpointReader(weights)
+    try:
+        return plan_load(model, reader, strict=strict)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, resume: bool,
+                       group, plan: WeightsPlan | None) -> nn.Module:
+    owns_client = client is None
     ranks = None
     if group is not None:
         ranks, client = _join_ranks(group, model, client, job, config)
@@ -110,7 +156,7 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         client = connect(ensure_daemon(), job=job)
     try:
         return _build(model, client, config, owns_client=owns_client, resume=resume,
-                      ranks=ranks)
+                      ranks=ranks, plan=plan)
     except BaseException:
         if owns_client:
             client.close()
@@ -118,7 +164,7 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
 
 
 def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
-           resume: bool, ranks) -> nn.Module:
+           resume: bool, ranks, plan: WeightsPlan | None = None) -> nn.Module:
     """Find what is stored already, then build the session (one place)."""
     keys = ModelKeys.for_name(config.name)
     expected = expected_keys(model, keys, config.compute_dtype)
@@ -133,7 +179,16 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
     elif shared_upload:   # the others use what the leader stored
         ranks.barrier("attach (the leader uploading the parameters)")
         resumed = Resumed(frozenset(expected))
-    AttachSession(model, client, config, owns_store=owns_client, resumed=resumed, ranks=ranks)
+    if plan is not None:
+        try:
+            plan.load_buffers(model)
+            AttachSession(model, client, config, owns_store=owns_client, resumed=resumed,
+                          ranks=ranks, source=plan)
+        except BaseException:
+            plan.restore_buffers()
+            raise
+    else:
+        AttachSession(model, client, config, owns_store=owns_client, resumed=resumed, ranks=ranks)
     if shared_upload and ranks.leader:
         ranks.barrier("attach (the leader uploading the parameters)")
     return model

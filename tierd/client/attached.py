@@ -51,7 +51,7 @@ from tierd.client.leases import LeaseTable
 from tierd.client.mover import Mover
 from tierd.client.placer import Placer, resolve_cap
 from tierd.client.rank_share import RankShare
-from tierd.client.registry import ParamRegistry, Unit
+from tierd.client.registry import ParamRegistry, Unit, ValueSource
 from tierd.client.releases import PendingReleases
 from tierd.client.store import Store
 from tierd.client.tiered_param import TieredParam, TieredParameter
@@ -94,7 +94,7 @@ class AttachSession:
 
     def __init__(self, model: nn.Module, client: Store, config: AttachConfig, *,
                  owns_store: bool, resumed: Resumed = Resumed(),
-                 ranks: Ranks | None = None) -> None:
+                 ranks: Ranks | None = None, source: ValueSource | None = None) -> None:
         self.model = model
         self.client = client
         self.config = config
@@ -120,7 +120,7 @@ class AttachSession:
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         register_pool(client, self.device)
         self.registry = ParamRegistry(model, self, store=client, stored=resumed.keys,
-                                      on_grad=self.on_grad)
+                                      on_grad=self.on_grad, source=source)
         self.params = self.registry.params
         self.units = self.registry.units
         self.mover = Mover(self.registry, config.mover(self.lease_cap), copy=self.copy,

@@ -9,6 +9,7 @@ maps, the units and the module -> unit map; nothing else writes them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,14 @@ from torch import nn
 from tierd.client.keys import ModelKeys
 from tierd.client.store import Store
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+
+#: Gives a parameter's value to store: a new CPU tensor in the parameter's
+#: dtype (``tierd.client.weights.WeightsPlan`` reads it from a checkpoint).
+ValueSource = Callable[[nn.Parameter], torch.Tensor]
+
+
+def _own_value(param: nn.Parameter) -> torch.Tensor:
+    return param.detach().to("cpu")
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +75,8 @@ class ParamRegistry:
     """
 
     def __init__(self, model: nn.Module, session, *, store: Store,
-                 stored: frozenset[str], on_grad: Callable | None = None) -> None:
+                 stored: frozenset[str], on_grad: Callable | None = None,
+                 source: ValueSource | None = None) -> None:
         self.model = model
         self.params: dict[str, TieredParam] = {}     # canonical name -> param
         self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
@@ -75,34 +85,52 @@ class ParamRegistry:
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
         # every parameter of each unit, resident ones included (by unit index)
         self._members: list[tuple[TieredParam, ...]] = []
-        self._take(session, store, stored, on_grad)
+        self._take(session, store, stored, on_grad, source)
 
     # ------------------------------------------------------------- attach
-    def _take(self, session, store: Store, stored: frozenset[str], on_grad) -> None:
+    def _take(self, session, store: Store, stored: frozenset[str], on_grad,
+              source: ValueSource | None) -> None:
+        """Replace every parameter, uploading one module at a time; on any
+        failure undo it all (:meth:`_undo`) and re-raise."""
         holders = _holders(self.model)
         resumed: list[TieredParam] = []   # resident ones whose value is in the store
-        for module in dict.fromkeys(self.model.modules()):
-            uploads: dict[str, torch.Tensor] = {}
-            for param in list(module._parameters.values()):
-                if param is None or isinstance(param, TieredParameter):
-                    continue   # replaced already through a tied holder
-                hs = holders[id(param)]
-                tp = self._make(session, param, hs[0][2], uploads, stored, on_grad)
-                if tp.resident and tp.key in stored:
-                    resumed.append(tp)
-                for holder, attr, qual in hs:
-                    holder._parameters[attr] = tp.param
-                    self.aliases[qual] = tp
-                self.params[tp.name] = tp
-                # the caller's old Parameter object keeps no bytes alive
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            if uploads:
-                store.put_many(uploads)
-        if resumed:
-            values = store.get_many([tp.key for tp in resumed])
-            with torch.no_grad():
-                for tp in resumed:
-                    tp.param.data.copy_(values[tp.key])
+        taken: list[tuple[nn.Parameter, TieredParam]] = []
+        put: list[str] = []
+        pending: list[str] = []   # a batch being put: some of it may be stored
+        try:
+            for module in dict.fromkeys(self.model.modules()):
+                uploads: dict[str, torch.Tensor] = {}
+                first = len(taken)
+                for param in list(module._parameters.values()):
+                    if param is None or isinstance(param, TieredParameter):
+                        continue   # replaced already through a tied holder
+                    hs = holders[id(param)]
+                    tp = self._make(session, param, hs[0][2], uploads, stored, on_grad,
+                                    source or _own_value)
+                    taken.append((param, tp))
+                    if tp.resident and tp.key in stored:
+                        resumed.append(tp)
+                    for holder, attr, qual in hs:
+                        holder._parameters[attr] = tp.param
+                        self.aliases[qual] = tp
+                    self.params[tp.name] = tp
+                if uploads:
+                    pending = list(uploads)
+                    store.put_many(uploads)
+                    put.extend(pending)
+                    pending = []
+                if source is None:   # the caller's old Parameters keep no bytes alive
+                    self._empty([p for p, _ in taken[first:]])
+            if source is not None:   # with a checkpoint, kept until nothing can fail
+                self._empty([p for p, _ in taken])
+            if resumed:
+                values = store.get_many([tp.key for tp in resumed])
+                with torch.no_grad():
+                    for tp in resumed:
+                        tp.param.data.copy_(values[tp.key])
+        except BaseException:
+            self._undo(store, holders, taken, put, pending)
+            raise
         for module in self.model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -111,26 +139,58 @@ class ParamRegistry:
         self._build_units()
 
     @staticmethod
+    def _empty(params: list[nn.Parameter]) -> None:
+        for param in params:
+            if param.numel() and not param.is_meta:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _undo(self, store: Store, holders, taken: list[tuple[nn.Parameter, TieredParam]],
+              put: list[str], pending: list[str]) -> None:
+        """A failed attach: the model's own Parameters back (values of emptied
+        ones read back from the store), and every key it put deleted."""
+        emptied = [(p, tp) for p, tp in taken
+                   if p.numel() == 0 and tp.param.numel() and tp.master_key in put]
+        if emptied:
+            with contextlib.suppress(Exception):   # the store may be what failed
+                got = store.get_many([tp.master_key for _, tp in emptied])
+                for p, tp in emptied:
+                    p.data = got[tp.master_key].to(tp.orig_dtype).to(tp.orig_device)
+        for param, _ in taken:
+            for holder, attr, _ in holders[id(param)]:
+                holder._parameters[attr] = param
+        self.params.clear()
+        self.aliases.clear()
+        # the failed batch one key at a time: a delete of an absent key fails
+        for keys in (put, *([k] for k in pending)):
+            with contextlib.suppress(Exception):
+                store.delete(keys)
+
+    @staticmethod
     def _make(session, param: nn.Parameter, name: str, uploads: dict[str, torch.Tensor],
-              stored: frozenset[str], on_grad) -> TieredParam:
+              stored: frozenset[str], on_grad, source: ValueSource) -> TieredParam:
         cfg = session.config
-        value = param.detach()
-        dtype = cfg.compute_dtype if value.is_floating_point() else value.dtype
-        resident = value.numel() * value.element_size() < cfg.resident_below_bytes
-        data = torch.empty(value.shape, dtype=dtype, device=session.device)
+        dtype = cfg.compute_dtype if param.is_floating_point() else param.dtype
+        nbytes = param.numel() * param.element_size()
+        resident = nbytes < cfg.resident_below_bytes
+        data = torch.empty(param.shape, dtype=dtype, device=session.device)
         new = TieredParameter(data, requires_grad=param.requires_grad)
-        tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=value.dtype,
-                         orig_device=value.device, resident=resident, session=session)
-        cpu = value.to("cpu")
-        if tp.key not in stored:   # resuming: the committed value wins
+        # a meta model's parameters come back (detach) on the CPU
+        orig_device = torch.device("cpu") if param.is_meta else param.device
+        tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=param.dtype,
+                         orig_device=orig_device, resident=resident, session=session)
+        need = (tp.key not in stored or (tp.has_master and tp.master_key not in stored)
+                or (resident and tp.key not in stored))
+        cpu = source(param) if need else None   # resuming: the committed value wins
+        if tp.key not in stored:
             uploads[tp.key] = cpu.to(dtype)
         if tp.has_master and tp.master_key not in stored:
             uploads[tp.master_key] = cpu.to(torch.float32)
         if new.requires_grad and on_grad is not None:
             new.register_post_accumulate_grad_hook(on_grad)
         if resident:
-            with torch.no_grad():
-                new.data.copy_(cpu.to(dtype))
+            if cpu is not None:
+                with torch.no_grad():
+                    new.data.copy_(cpu.to(dtype))
         else:
             new.untyped_storage().resize_(0)
         return tp

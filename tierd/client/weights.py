@@ -1,0 +1,304 @@
+"""Checkpoint values for ``tierd.attach(model, weights=PATH)``, read on demand.
+
+A :class:`CheckpointReader` opens a ``.safetensors`` file or a Hugging Face
+checkpoint directory (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) and hands out one tensor at a time;
+:func:`plan_load` matches the model's names against it as
+``load_state_dict`` would and checks every shape and dtype before anything is
+stored, so a bad checkpoint fails with the model untouched.
+
+[Note: loading without materialising]
+The registry asks a :class:`WeightsPlan` for each parameter's value while it
+uploads one module at a time (``ParamRegistry._take``): a value is read from
+its file (``safe_open``, memory-mapped), converted to the parameter's dtype,
+stored and dropped before the next module is read. The process holds a few
+module-sized buffers at once, never the model, so a model built on the meta
+device (``with torch.device("meta"):``) can be larger than host memory.
+
+[Note: buffers of a meta model]
+Persistent buffers are in the checkpoint and are loaded from it. Non-persistent
+ones (rotary ``inv_freq``) are not: a meta model's are recomputed by the
+model's own ``_init_weights`` (Hugging Face models re-create them there, as
+``from_pretrained`` does) on a NaN-filled CPU tensor; a buffer still holding a
+NaN afterwards, or a model without ``_init_weights``, is an error naming the
+buffers: build such models with the buffers on the CPU (e.g.
+``accelerate.init_empty_weights()``, which puts only parameters on meta).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_SHOWN = 5   # names listed per kind in an error
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _listed(names: list[str]) -> str:
+    head = ", ".join(names[:_SHOWN])
+    return f"{head}, ... ({len(names)} in all)" if len(names) > _SHOWN else head
+
+
+def _past_end(path: Path) -> list[str]:
+    """Tensors of a safetensors file whose bytes lie past its end (truncated)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        size = path.stat().st_size - 8 - n
+    except (OSError, ValueError):
+        return []
+    return sorted(k for k, v in header.items()
+                  if k != "__metadata__" and v["data_offsets"][1] > size)
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        cut = _past_end(path)
+        what = f"; tensors past its end: {_listed(cut)}" if cut else ""
+        raise ValueError(f"cannot read safetensors file {path}: {e}{what} "
+                         "(truncated or not a safetensors file?)") from e
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint by name, read one at a time.
+
+    Example:
+        >>> with CheckpointReader("ckpt/") as r:                  # doctest: +SKIP
+        ...     r.shape("lm_head.weight"), r.tensor("lm_head.weight").dtype
+        ((32000, 4096), torch.bfloat16)
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._files: dict[Path, object] = {}    # file -> safe_open handle
+        self._where: dict[str, Path] = {}       # tensor name -> file
+        try:
+            for file, names in self._layout().items():
+                handle = self._files[file] = _open(file)
+                present = set(handle.keys())
+                for name in names if names is not None else sorted(present):
+                    if name not in present:
+                        raise ValueError(f"{file} does not hold tensor {name!r}, which "
+                                         f"{self.path / INDEX_NAME} places there")
+                    self._where[name] = file
+        except BaseException:
+            self.close()
+            raise
+
+    def _layout(self) -> dict[Path, list[str] | None]:
+        """file -> the names it must hold (None: whatever it holds)."""
+        p = self.path
+        if p.is_file():
+            return {p: None}
+        if not p.is_dir():
+            raise ValueError(f"weights={str(p)!r}: no such file or directory; pass a "
+                             ".safetensors file or a Hugging Face checkpoint directory")
+        index = p / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index} is not a safetensors index (no valid "
+                                 f"'weight_map'): {e}") from e
+            files: dict[Path, list[str]] = {}
+            for name, shard in weight_map.items():
+                files.setdefault(p / shard, []).append(name)
+            for file, names in files.items():
+                if not file.is_file():
+                    raise ValueError(f"checkpoint {p}: shard {file} is missing; {index} "
+                                     f"places {len(names)} tensors there, e.g. {names[0]!r}")
+            return files
+        if (p / SINGLE_NAME).is_file():
+            return {p / SINGLE_NAME: None}
+        raise ValueError(f"checkpoint directory {p} has neither {INDEX_NAME} nor "
+                         f"{SINGLE_NAME}")
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._files.clear()   # safe_open handles unmap when dropped
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        """The stored dtype as safetensors spells it ("F32", "BF16", "I64", ...)."""
+        return self._files[self._where[name]].get_slice(name).get_dtype()
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The stored dtype (None for one torch has no dtype for)."""
+        return _DTYPES.get(self.dtype_name(name))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A new CPU tensor with the stored value."""
+        file = self._where[name]
+        try:
+            return self._files[file].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+def _state_names(model: nn.Module):
+    """(qualified name, module, attribute, tensor, kind) for every parameter
+    holder (tied ones too) and every buffer; kind is "param", "buffer" or
+    "non-persistent"."""
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in module._parameters.items():
+            if p is not None:
+                yield prefix + attr, module, attr, p, "param"
+        for attr, b in module._buffers.items():
+            if b is not None:
+                kind = "non-persistent" if attr in module._non_persistent_buffers_set else "buffer"
+                yield prefix + attr, module, attr, b, kind
+
+
+@dataclass
+class WeightsPlan:
+    """Which checkpoint tensor gives each parameter and buffer its value.
+
+    Made by :func:`plan_load` (everything checked); the registry calls it
+    with each parameter (``plan(param)``) for the value to store.
+    """
+
+    reader: CheckpointReader
+    params: dict[int, str] = field(default_factory=dict)    # id(param) -> checkpoint name
+    buffers: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # module, attr, name
+    recreate: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # non-persistent, meta
+    _undo: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
+
+    def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s value from the checkpoint (its own when not there and
+        not strict): a new CPU tensor in its dtype."""
+        name = self.params.get(id(param))
+        if name is None:
+            return param.detach().to("cpu")
+        return self.reader.tensor(name).to(param.dtype)
+
+    def load_buffers(self, model: nn.Module) -> None:
+        """Give the model its checkpoint buffers and re-create a meta model's
+        non-persistent ones ([Note: buffers of a meta model]); undone by
+        :meth:`restore_buffers`."""
+        for module, attr, name in self.buffers:
+            old = module._buffers[attr]
+            self._undo.append((module, attr, old))
+            device = torch.device("cpu") if old.is_meta else old.device
+            module._buffers[attr] = self.reader.tensor(name).to(old.dtype).to(device)
+        if self.recreate:
+            self._recreate(model)
+
+    def _recreate(self, model: nn.Module) -> None:
+        names = [name for _, _, name in self.recreate]
+        init = getattr(model, "_init_weights", None)
+        if not callable(init):
+            raise ValueError(
+                f"{type(model).__name__} was built on the meta device and its non-persistent "
+                f"buffers {_listed(names)} are not in checkpoints; build it with buffers on "
+                "the CPU (e.g. accelerate.init_empty_weights(), which puts only parameters "
+                "on meta)")
+        owners = {}
+        for module, attr, _ in self.recreate:
+            old = module._buffers[attr]
+            self._undo.append((module, attr, old))
+            module._buffers[attr] = torch.full(old.shape, float("nan"), dtype=old.dtype)
+            owners[id(module)] = module
+        with torch.no_grad():
+            for module in owners.values():
+                init(module)
+        unset = [name for module, attr, name in self.recreate
+                 if module._buffers[attr].is_meta or module._buffers[attr].isnan().any()]
+        if unset:
+            raise ValueError(
+                f"{type(model).__name__}._init_weights did not re-create the non-persistent "
+                f"buffers {_listed(unset)} of the meta model; build it with buffers on the "
+                "CPU (e.g. accelerate.init_empty_weights())")
+
+    def restore_buffers(self) -> None:
+        """Put back the buffers :meth:`load_buffers` replaced (a failed attach)."""
+        for module, attr, old in reversed(self._undo):
+            module._buffers[attr] = old
+        self._undo.clear()
+
+
+def plan_load(model: nn.Module, reader: CheckpointReader, *, strict: bool = True) -> WeightsPlan:
+    """Match ``model``'s parameters and buffers to ``reader``'s tensors as
+    ``load_state_dict`` would, checking names (all of them when ``strict``),
+    shapes and dtypes; raises ValueError naming the file and tensors.
+
+    A tied parameter matches any of its names (one is enough: Hugging Face
+    checkpoints store ``lm_head.weight`` tied to ``transformer.wte.weight``
+    once). A meta parameter or buffer must be in the checkpoint even when not
+    ``strict`` (there is no other value to give it).
+    """
+    plan = WeightsPlan(reader)
+    present = set(reader.names())
+    used: set[str] = set()
+    missing: list[str] = []
+    by_param: dict[int, list[str]] = {}
+    for name, module, attr, t, kind in _state_names(model):
+        if kind == "param":
+            by_param.setdefault(id(t), []).append(name)
+        elif kind == "non-persistent":
+            if t.is_meta:
+                plan.recreate.append((module, attr, name))
+        elif name in present:
+            _check(reader, name, t, "buffer")
+            plan.buffers.append((module, attr, name))
+            used.add(name)
+        elif strict or t.is_meta:
+            missing.append(name)
+    params = {id(p): p for p in model.parameters()}
+    for pid, names in by_param.items():
+        found = [n for n in names if n in present]
+        used.update(found)
+        if found:
+            _check(reader, found[0], params[pid], "parameter")
+            plan.params[pid] = found[0]
+        elif strict or params[pid].is_meta:
+            missing.append(names[0] if len(names) == 1 else " = ".join(names))
+    unexpected = sorted(present - used) if strict else []
+    if missing or unexpected:
+        parts = [f"missing keys ({len(missing)}): {_listed(missing)}"] if missing else []
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+        raise ValueError(f"checkpoint {reader.path} does not match {type(model).__name__}: "
+                         + "; ".join(parts))
+    return plan
+
+
+def _check(reader: CheckpointReader, name: str, t: torch.Tensor, what: str) -> None:
+    shape, dtype, file = reader.shape(name), reader.dtype(name), reader.file_of(name)
+    if shape != tuple(t.shape):
+        raise ValueError(f"tensor {name!r} in {file} has shape {shape}, the model's "
+                         f"{what} has {tuple(t.shape)}")
+    if dtype is None or dtype.is_floating_point != t.is_floating_point():
+        raise ValueError(f"tensor {name!r} in {file} has dtype {reader.dtype_name(name)}, the model's "
+                         f"{what} is {t.dtype}: a {'float' if t.is_floating_point() else 'non-float'}"
+                         " is expected")
