@@ -10,7 +10,7 @@ import torch
 
 import tierd
 import tierd.optim
-from tierd.client.attach import attach
+from tierd.client.attach import attach, session_of
 from tierd.client.store import LocalStore
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama
@@ -167,6 +167,17 @@ def test_frozen_parameters_get_no_optimizer_state_and_no_bucket():
     data = batches(3)
     assert _loop(model, opt, data) == _loop(ref, ref_opt, data)
     assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------ a new optimizer
+def test_a_new_optimizer_starts_fresh_and_replaces_the_fused_one_before_it():
+    model, ref = _pair(gpt2)
+    data = batches(2)
+    for kwargs in (dict(lr=1e-3), dict(lr=1e-2, weight_decay=0.1)):
+        opt, ref_opt = _opts(model, ref, **kwargs)   # as a loop re-made per phase
+        assert _loop(model, opt, data) == _loop(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    assert session_of(model).optimizers == opt._fused   # only the newest fuses
 
 
 # ------------------------------------------------------------------ real daemon

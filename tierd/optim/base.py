@@ -29,6 +29,25 @@ from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.optim.fused import FusedUpdates
 
 
+def _unregister(f: FusedUpdates) -> None:
+    """Stop ``f`` fusing its optimizer's updates into backward."""
+    f.drop_resident()   # device-resident state goes back to the pool first
+    f.settle()
+    f.session.optimizers.remove(f)
+    f.opt._fused.remove(f)
+
+
+def _zero_held(session, keys: list[str]) -> None:
+    """Zero held state keys in place (see ``_create_states``)."""
+    session.settle()   # no copy out of an earlier optimizer still landing there
+    session.leases.acquire(keys)
+    try:
+        for view in session.leases.views(keys).values():
+            view.zero_()
+    finally:
+        session.leases.release(keys, written=True)
+
+
 class StreamedOptimizer(torch.optim.Optimizer):
     """Base class of ``tierd.optim.AdamW`` and ``tierd.optim.SGD``.
 
@@ -93,6 +112,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
+        self._retire_earlier()
         self._create_states()
         for session, tps in self._by_session(self._owned()).items():
             use = fused if fused is not None else (
@@ -109,8 +129,16 @@ class StreamedOptimizer(torch.optim.Optimizer):
             fresh = {self.state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
                      for tp in block for n in self.state_names
                      if self.state_key(tp, n) not in session.resumed_keys}
-            if fresh:
-                session.client.put_many(fresh)
+            # held by an earlier optimizer of this model: the held view is what
+            # every update reads, so it is zeroed in place (a put would make a
+            # new version behind the hold's back)
+            held = [k for k in fresh if session.leases.is_held(k)
+                    and k not in session.leases.shared]
+            if held:
+                _zero_held(session, held)
+            rest = {k: v for k, v in fresh.items() if k not in held}
+            if rest:
+                session.client.put_many(rest)
         for session, tps in self._by_session(self._owned()).items():
             self._load_step_counts(session, tps)
         for session, tps in self._by_session(self._owned()).items():
@@ -196,10 +224,19 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _stop_fusing(self) -> None:
         """Update in ``step()`` (deferred) from now on: the loop changes gradients
         between backward and step, which a fused update would run before."""
-        for f in self._fused:
-            f.settle()
-            f.session.optimizers.remove(f)
-        self._fused = []
+        for f in list(self._fused):
+            _unregister(f)
+
+    def _retire_earlier(self) -> None:
+        """A new optimizer over parameters an earlier one fuses into backward
+        replaces it there (as a new torch optimizer replaces the old one in a
+        loop): the earlier one would otherwise consume their gradients."""
+        mine = set(self._owned())
+        for session in self._by_session(list(mine)):
+            for f in list(session.optimizers):
+                if isinstance(f, FusedUpdates) and f.opt is not self \
+                        and not mine.isdisjoint(f.bucket_of):
+                    _unregister(f)
 
     def _finish_update(self) -> None:
         """Under torch.distributed, every rank's next forward must see the
