@@ -115,9 +115,10 @@ def _rss_anon() -> int:
 
 
 def test_memory_growth_during_load_is_bounded(tmp_path, daemon_factory):
-    # 48 modules of 1 MiB: a load that materialised the model would grow the
-    # process by 48 MiB. Private memory (RssAnon) is what counts: the pool
-    # is shared memory and the checkpoint's mapped pages are page cache.
+    # 48 modules of 1 MiB: a load that read every tensor before storing
+    # grows the process's private memory (RssAnon) by the model's 48 MiB; a
+    # streamed one by about a module. The pool is shared memory (RssShmem)
+    # and the checkpoint's pages stay in the page cache (read with pread).
     layers, width = 48, 512
     make = lambda: nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
     g = torch.Generator().manual_seed(0)

@@ -28,6 +28,7 @@ buffers: build such models with the buffers on the CPU (e.g.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,31 +54,75 @@ def _listed(names: list[str]) -> str:
     return f"{head}, ... ({len(names)} in all)" if len(names) > _SHOWN else head
 
 
+def _read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header and where its data begins."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def _past_end(path: Path) -> list[str]:
     """Tensors of a safetensors file whose bytes lie past its end (truncated)."""
     try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        size = path.stat().st_size - 8 - n
+        header, base = _read_header(path)
+        size = path.stat().st_size - base
     except (OSError, ValueError):
         return []
-    return sorted(k for k, v in header.items()
-                  if k != "__metadata__" and v["data_offsets"][1] > size)
+    return sorted(k for k, v in header.items() if v["data_offsets"][1] > size)
 
 
-def _open(path: Path):
+def _entries(path: Path) -> dict[str, "_Entry"]:
+    """The tensors of one file, checked by ``safe_open`` (header, coverage,
+    offsets) whose mapping is dropped right after: values are read with
+    ``pread``, see [Note: reading with pread]."""
     try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as e:
+        names = set(safe_open(str(path), framework="pt").keys())
+        header, base = _read_header(path)
+    except (SafetensorError, OSError, ValueError) as e:
         cut = _past_end(path)
         what = f"; tensors past its end: {_listed(cut)}" if cut else ""
         raise ValueError(f"cannot read safetensors file {path}: {e}{what} "
                          "(truncated or not a safetensors file?)") from e
+    return {k: _Entry(path, v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0],
+                      base + v["data_offsets"][1]) for k, v in header.items() if k in names}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype_name: str          # as safetensors spells it
+    shape: tuple[int, ...]
+    begin: int               # byte offsets in the file
+    end: int
+
+
+def _anonymous(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor in its own anonymous mapping, unmapped when it is freed.
+
+    Values read for storing are freed within a module's upload; from the heap
+    (glibc) the holes they leave between longer-lived small allocations are
+    not always reused, and the process grew by a module per module after a
+    few dozen (48 modules of 1 MiB: +15 MiB).
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS   # private: counted as the process's
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=torch.uint8)
 
 
 class CheckpointReader:
     """The tensors of a safetensors checkpoint by name, read one at a time.
+
+    [Note: reading with pread]
+    ``safe_open(...).get_tensor`` returns a view of the file's mapping: every
+    page read stays in the process's resident set (as file pages) until the
+    handle is dropped, so a load through open handles shows the whole
+    checkpoint in the process's RSS. The reader instead keeps only the
+    headers and reads each tensor with ``pread`` into a new tensor that is
+    freed once stored: the process holds what it is storing, the page cache
+    the rest.
 
     Example:
         >>> with CheckpointReader("ckpt/") as r:                  # doctest: +SKIP
@@ -87,21 +132,14 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._files: dict[Path, object] = {}    # file -> safe_open handle
-        self._where: dict[str, Path] = {}       # tensor name -> file
-        try:
-            for file, names in self._layout().items():
-                handle = self._files[file] = _open(file)
-                present = set(handle.keys())
-                for name in names if names is not None else sorted(present):
-                    if name not in present:
-                        raise ValueError(f"{file} does not hold tensor {name!r}, which "
-                                         f"{self.path / INDEX_NAME} places there")
-                    self._where[name] = file
-        except BaseException:
-            self.close()
-            raise
-
+        self._where: dict[str, _Entry] = {}   # tensor name -> where its bytes are
+        for file, names in self._layout().items():
+            entries = _entries(file)
+            for name in names if names is not None else sorted(entries):
+                if name not in entries:
+                    raise ValueError(f"{file} does not hold tensor {name!r}, which "
+                                     f"{self.path / INDEX_NAME} places there")
+                self._where[name] = entries[name]
     def _layout(self) -> dict[Path, list[str] | None]:
         """file -> the names it must hold (None: whatever it holds)."""
         p = self.path
@@ -137,20 +175,20 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        self._files.clear()   # safe_open handles unmap when dropped
+        """Nothing stays open between reads; kept for ``with``."""
 
     def names(self) -> list[str]:
         return list(self._where)
 
     def file_of(self, name: str) -> Path:
-        return self._where[name]
+        return self._where[name].file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+        return self._where[name].shape
 
     def dtype_name(self, name: str) -> str:
         """The stored dtype as safetensors spells it ("F32", "BF16", "I64", ...)."""
-        return self._files[self._where[name]].get_slice(name).get_dtype()
+        return self._where[name].dtype_name
 
     def dtype(self, name: str) -> torch.dtype | None:
         """The stored dtype (None for one torch has no dtype for)."""
@@ -158,11 +196,20 @@ class CheckpointReader:
 
     def tensor(self, name: str) -> torch.Tensor:
         """A new CPU tensor with the stored value."""
-        file = self._where[name]
+        e = self._where[name]
+        dtype = self.dtype(name)
+        raw = _anonymous(e.end - e.begin)
+        view, done = memoryview(raw.numpy()), 0
         try:
-            return self._files[file].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
+            with open(e.file, "rb", buffering=0) as f:
+                while done < len(view):
+                    got = os.preadv(f.fileno(), [view[done:]], e.begin + done)
+                    if got == 0:
+                        raise ValueError(f"the file ends {len(view) - done} bytes early")
+                    done += got
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read tensor {name!r} from {e.file}: {err}") from err
+        return raw.view(dtype).reshape(e.shape)
 
 
 def _state_names(model: nn.Module):
