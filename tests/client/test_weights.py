@@ -240,3 +240,32 @@ def test_store_full_mid_load_undoes_everything(tmp_path, with_weights):
     assert not is_attached(model) and store.keys() == []
     for k, p in model.named_parameters():
         assert p is before[k][0] and torch.equal(p, before[k][1]), k
+
+
+class _WithBuffers(nn.Module):
+    """Persistent buffers (BatchNorm's running stats, an int64 count) and a
+    non-persistent one, as rotary embeddings have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+
+def test_buffers_of_a_meta_model(tmp_path):
+    torch.manual_seed(0)
+    ref = _WithBuffers()
+    ref.norm(torch.randn(8, 4))   # running stats that differ from a fresh module's
+    save_file(ref.state_dict(), tmp_path / "m.safetensors")
+    # a non-persistent buffer has no value anywhere but the model's own code
+    meta = _on_meta(_WithBuffers)
+    _refused(meta, tmp_path / "m.safetensors", r"non-persistent buffers scale .*init_empty_weights")
+    assert all(b.is_meta for b in meta.buffers())   # the loaded ones were put back
+    from accelerate import init_empty_weights
+    with init_empty_weights():   # parameters on meta, buffers built on the CPU
+        model = _WithBuffers()
+    assert model.lin.weight.is_meta and not model.scale.is_meta
+    attach(model, client=LocalStore(), device="cpu", weights=tmp_path / "m.safetensors")
+    assert_same_weights(model, ref)   # running_mean/var and num_batches_tracked too
+    assert torch.equal(model.scale, ref.scale)
