@@ -179,7 +179,8 @@ def _refused(model: nn.Module, weights, match: str, **options) -> None:
 def test_missing_shard(tmp_path):
     _save_sharded(tmp_path, _small().state_dict())
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    _refused(_small(), tmp_path, r"shard .*model-00002-of-00002.safetensors is missing.*'1\.weight'")
+    _refused(_small(), tmp_path,
+             r"shard .*model-00002-of-00002.safetensors is missing.*'1\.weight'")
 
 
 def test_shape_mismatch(tmp_path):

@@ -10,7 +10,7 @@ stored, so a bad checkpoint fails with the model untouched.
 [Note: loading without materialising]
 The registry asks a :class:`WeightsPlan` for each parameter's value while it
 uploads one module at a time (``ParamRegistry._take``): a value is read from
-its file (``safe_open``, memory-mapped), converted to the parameter's dtype,
+its file (``pread``, see [Note: reading with pread]), converted to the parameter's dtype,
 stored and dropped before the next module is read. The process holds a few
 module-sized buffers at once, never the model, so a model built on the meta
 device (``with torch.device("meta"):``) can be larger than host memory.
@@ -348,6 +348,6 @@ def _check(reader: CheckpointReader, name: str, t: torch.Tensor, what: str) -> N
         raise ValueError(f"tensor {name!r} in {file} has shape {shape}, the model's "
                          f"{what} has {tuple(t.shape)}")
     if dtype is None or dtype.is_floating_point != t.is_floating_point():
-        raise ValueError(f"tensor {name!r} in {file} has dtype {reader.dtype_name(name)}, the model's "
-                         f"{what} is {t.dtype}: a {'float' if t.is_floating_point() else 'non-float'}"
-                         " is expected")
+        kind = "float" if t.is_floating_point() else "non-float"
+        raise ValueError(f"tensor {name!r} in {file} has dtype {reader.dtype_name(name)}, "
+                         f"the model's {what} is {t.dtype}: a {kind} is expected")
