@@ -194,3 +194,31 @@ def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
     detach(model)   # nothing resident any more
     with tierd.connect(daemon, job="placed") as c:
         assert c.stats()["jobs"]["placed"]["gpu_resident_bytes"] == 0
+
+
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+def test_clipping_loops_keep_resident_state_on_the_device(how):
+    from tierd.optim.buckets import BucketState
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3,
+                            max_grad_norm=0.5 if how == "max_grad_norm" else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(5)
+    losses, ref_losses = [], []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if how == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step(); opt.zero_grad()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step(); ref_opt.zero_grad()
+        losses.append(loss.item()); ref_losses.append(ref_loss.item())
+    assert losses == ref_losses
+    buckets = [b for f in opt._fused for b in f.buckets]
+    assert buckets and all(b.state is BucketState.RESIDENT for b in buckets)   # kept, not dropped
+    assert_same_weights(model, ref)   # the reads write resident state back first

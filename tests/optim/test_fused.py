@@ -94,7 +94,7 @@ def test_broken_window_contract_raises_instead_of_training_wrong(daemon):
 def test_fused_false_and_clipping_use_the_deferred_path(daemon):
     model, ref = _pair(gpt2, daemon)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, fused=False)
-    assert opt._fused == []
+    assert all(not f.fusing for f in opt._fused)   # buckets kept for placement only
     with pytest.raises(ValueError, match="fused=True"):
         tierd.optim.AdamW(model.parameters(), fused=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="accumulation_steps"):

@@ -115,11 +115,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._retire_earlier()
         self._create_states()
         for session, tps in self._by_session(self._owned()).items():
-            use = fused if fused is not None else (
-                max_grad_norm is None
-                and (placement or session.config.optimizer_placement) == "gpu-stream")
-            if use:
-                self._register(session, tps, prefetch_bytes)
+            on_device = (placement or session.config.optimizer_placement) == "gpu-stream"
+            use = fused if fused is not None else max_grad_norm is None and on_device
+            if use or on_device:   # not fusing: the buckets placement may keep resident
+                self._register(session, tps, prefetch_bytes, fusing=bool(use))
 
     def _create_states(self) -> None:
         """Zero moments for every parameter (but those a resumed attach found in
@@ -168,13 +167,14 @@ class StreamedOptimizer(torch.optim.Optimizer):
         """A fused update ran in backward and ``step()`` has not closed the window."""
         return any(f.updated or f.active for f in self._fused)
 
-    def _register(self, session, tps: list[TieredParam], prefetch_bytes: int | None) -> None:
+    def _register(self, session, tps: list[TieredParam], prefetch_bytes: int | None, *,
+                  fusing: bool) -> None:
         mine = set(tps)
         groups = [(g, [p.tiered for p in g["params"] if p.tiered in mine])
                   for g in self.param_groups]
         depth = session.config.gpu_budget_bytes if prefetch_bytes is None else prefetch_bytes
         depth = min(depth, session.lease_cap)   # leases in flight pin pool space
-        fused = FusedUpdates(self, session, groups, depth)
+        fused = FusedUpdates(self, session, groups, depth, fusing=fusing)
         session.optimizers.append(fused)
         self._fused.append(fused)
 
@@ -205,8 +205,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # gradients changed through p.grad (clip_grad_norm_): the update must
         # stay in step() from now on ([Note: gradients users touch])
         touched = any(session.grad_views.any_ops() for session in sessions)
-        for f in self._fused:   # this step updates the pool's copy of resident state
-            f.drop_resident()
         for session in sessions:
             session.settle()
         coef = self._clip_coef()
@@ -224,8 +222,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _stop_fusing(self) -> None:
         """Update in ``step()`` (deferred) from now on: the loop changes gradients
         between backward and step, which a fused update would run before."""
-        for f in list(self._fused):
-            _unregister(f)
+        for f in self._fused:
+            f.fusing = False
 
     def _retire_earlier(self) -> None:
         """A new optimizer over parameters an earlier one fuses into backward
@@ -333,35 +331,52 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _step_block(self, group: dict, block: list[TieredParam],
                     coef: torch.Tensor | None) -> None:
         session = block[0].session
-        keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp)))
+        resident = {tp: self._resident_work(tp) for tp in block}
+        keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         views = session.leases.views(keys)
         on_device = False
         for tp in block:
-            on_device |= self._step_param(group, tp, views, coef)
+            on_device |= self._step_param(group, tp, views, coef, resident[tp])
         if on_device:
             # [Note: release after the event] in tierd.client.releases: the
             # copies back into the pool must land before the leases go.
             torch.cuda.current_stream(session.device).synchronize()
         session.leases.release(keys, written=True)
 
-    def _block_keys(self, tp: TieredParam) -> list[str]:
+    def _resident_work(self, tp: TieredParam) -> dict[str, torch.Tensor] | None:
+        """The device tensors of ``tp``'s state when placement keeps it on the
+        GPU ([Note: resident optimizer state]); None when it streams."""
+        for f in self._fused:
+            work = f.resident_work(tp)
+            if work is not None:
+                return work
+        return None
+
+    def _block_keys(self, tp: TieredParam, resident: dict | None) -> list[str]:
+        if resident is not None:   # only the gradient comes from the pool
+            return [tp.grad_key]
         keys = self.state_keys(tp) + [tp.grad_key]
         if tp.has_master:
             keys.append(tp.key)
         return keys
 
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
-                    coef: torch.Tensor | None) -> bool:
+                    coef: torch.Tensor | None, resident: dict | None = None) -> bool:
         device = self._compute_device(tp)
         on_device = device.type != "cpu"
         shared = tp.session.leases.shared
         names = {"param": tp.master_key, "grad": tp.grad_key,
                  **{n: self.state_key(tp, n) for n in self.state_names}}
+        if resident is not None:   # master and moments stay on the device, updated there
+            names = {"grad": tp.grad_key}
         # a shared key is never changed in place: its new version is published
         work = {n: (views[k].to(device, non_blocking=True) if on_device
                     else views[k].clone() if k in shared else views[k])
                 for n, k in names.items()}
+        if resident is not None:
+            work["param"] = resident[tp.master_key]
+            work.update({n: resident[self.state_key(tp, n)] for n in self.state_names})
         ops = tp.session.grad_views.ops(tp)
         if ops:   # the loop's in-place changes of p.grad, replayed in order
             replay(ops, work["grad"])
@@ -371,9 +386,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.update_param(group, tp, work["param"], work["grad"],
                           {n: work[n] for n in self.state_names})
         changed = coef is not None or bool(ops)   # p.grad keeps the changed gradient
-        written = ["param", *self.state_names] + (["grad"] if changed else [])
+        written = [] if resident is not None else ["param", *self.state_names]
+        written += ["grad"] if changed else []
         new = [(names[n], work[n]) for n in written]
-        if tp.has_master:
+        if tp.has_master and resident is None:
             new.append((tp.key, work["param"].to(tp.param.dtype)))
         publish = [(k, t) for k, t in new if k in shared]
         for k, t in new:

@@ -52,7 +52,10 @@ The pool's copy is then older (``dirty``) until the host is about to read
 the pool (``settle``: ``state_dict``, ``commit``, ``detach``, a deferred
 ``step()``), which writes it back first, so commits and reads see every
 value. Gradients that earlier backwards of a window summed in the pool are
-brought in for the update.
+brought in for the update. An optimizer that updates in ``step()``
+(clipping: ``fusing`` off) keeps its buckets for this alone: ``step()``
+updates a pinned bucket's device state in place with the gradient from the
+pool (:meth:`FusedUpdates.resident_work`).
 
 The first backward only learns (delivery counts and order); its window is
 updated by ``step()`` (deferred path). On the CPU the same code runs on the
@@ -81,9 +84,12 @@ class FusedUpdates:
     """
 
     def __init__(self, opt, session, groups: list[tuple[dict, list[TieredParam]]],
-                 prefetch_bytes: int) -> None:
+                 prefetch_bytes: int, *, fusing: bool = True) -> None:
         self.opt = opt
         self.session = session
+        # False: updates run in step() (clipping); the buckets still hold the
+        # state placement keeps on the device ([Note: resident optimizer state])
+        self.fusing = fusing
         self.prefetch_bytes = prefetch_bytes
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[TieredParam, Bucket] = {}
@@ -140,7 +146,7 @@ class FusedUpdates:
                     "optimizer consumes gradients inside backward; call opt.zero_grad() "
                     "after step(), or pass fused=False to keep accumulating across steps")
             self.opt.needs_zero_grad = False   # zeroed through p.grad (model.zero_grad())
-        self.active = self.learned and self.backwards + 1 == self.window
+        self.active = self.fusing and self.learned and self.backwards + 1 == self.window
         self._got.clear()
         self._seen.clear()
         self._updated.clear()
@@ -243,6 +249,21 @@ class FusedUpdates:
                 if bucket.dirty:
                     write_back(self.session, self.opt, bucket)
                 bucket.to_host()
+
+    def resident_work(self, tp: TieredParam) -> dict[str, torch.Tensor] | None:
+        """The device state of ``tp``'s pinned bucket for an update in
+        ``step()`` (fetched and kept now if it is not yet); None when its
+        state streams. The caller changes it: the pool's copy is older after."""
+        b = self.bucket_of.get(tp)
+        if b is None or not b.pinned:
+            return None
+        if b.state is BucketState.HOST:
+            self._fetch(b)
+            if b.copy is not None:
+                self.session.copy.wait(b.copy)
+            self._keep(b)
+        b.dirty = True
+        return b.work
 
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets if b.state is BucketState.RESIDENT)
