@@ -29,6 +29,16 @@ from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.optim.fused import FusedUpdates
 
 
+def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
+    """The device tensors of ``tp``'s state when placement keeps it on the
+    GPU ([Note: resident optimizer state] in tierd.optim.fused); None when it streams."""
+    for f in fused:
+        work = f.resident_work(tp)
+        if work is not None:
+            return work
+    return None
+
+
 def _unregister(f: FusedUpdates) -> None:
     """Stop ``f`` fusing its optimizer's updates into backward."""
     f.drop_resident()   # device-resident state goes back to the pool first
@@ -331,7 +341,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _step_block(self, group: dict, block: list[TieredParam],
                     coef: torch.Tensor | None) -> None:
         session = block[0].session
-        resident = {tp: self._resident_work(tp) for tp in block}
+        resident = {tp: _resident_work(self._fused, tp) for tp in block}
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         views = session.leases.views(keys)
@@ -343,15 +353,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
             # copies back into the pool must land before the leases go.
             torch.cuda.current_stream(session.device).synchronize()
         session.leases.release(keys, written=True)
-
-    def _resident_work(self, tp: TieredParam) -> dict[str, torch.Tensor] | None:
-        """The device tensors of ``tp``'s state when placement keeps it on the
-        GPU ([Note: resident optimizer state]); None when it streams."""
-        for f in self._fused:
-            work = f.resident_work(tp)
-            if work is not None:
-                return work
-        return None
 
     def _block_keys(self, tp: TieredParam, resident: dict | None) -> list[str]:
         if resident is not None:   # only the gradient comes from the pool
