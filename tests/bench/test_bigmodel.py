@@ -1,0 +1,193 @@
+"""``python -m tierd.bench.bigmodel``: the ``--tiny`` CPU run trains each system
+in its own process and writes the issue's schema; later calls merge into the
+file; the watchdog ends an attempt that runs out of host memory or time; the
+ladder stops at its first failure; a smaller batch follows only a GPU
+out-of-memory in a step. Checks behaviour and the output's shape, never a
+timing: figures are for people (and GPUs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, subprocess_env
+from tierd.bench import bigmodel, bigmodel_results
+from tierd.bench.bigmodel_attempt import meminfo
+from tierd.bench.bigmodel_models import BASES, build_meta, shape_of
+from tierd.bench.bigmodel_systems import deepspeed_config
+
+SCHEMA = {"model": str, "system": str, "params": int, "batch": int,
+          "tokens_per_s": (float, type(None)), "tflops": (float, type(None)),
+          "peak_gpu_gb": float, "peak_host_gb": float, "error": (str, type(None))}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def bench(out, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "tierd.bench.bigmodel", "--out", str(out),
+                           "--cache-dir", str(out / "cache"), *args], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_tiny_run_trains_each_system_and_merges_later_calls(tmp_path):
+    # deepspeed is not installed here: its row must say so, not be left out
+    systems = "tierd,fsdp2" if HAS_DEEPSPEED else "tierd,fsdp2,deepspeed"
+    bench(tmp_path, "--tiny", "--systems", systems)
+    result = json.loads((tmp_path / "bigmodel.json").read_text())
+    assert result["device"] == "cpu" and result["commit"]
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == systems.split(",")
+    tiny = shape_of("tiny")
+    for system in ("tierd", "fsdp2"):
+        r = rows[system]
+        for key, kind in SCHEMA.items():
+            assert isinstance(r[key], kind), (system, key, r[key])
+        assert r["error"] is None and r["model"] == "tiny" and r["batch"] == 2
+        assert r["params"] == tiny.params == sum(p.numel() for p in build_meta(tiny, 32)
+                                                 .parameters())
+        assert len(r["step_times"]) == len(r["losses"]) == 1 + 2   # --tiny: 1 warm-up + 2
+        assert all(math.isfinite(x) and x > 0 for x in r["losses"])
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_s"])
+        assert r["tflops"] == pytest.approx(r["tokens_per_s"] * tiny.flops_per_token(32) / 1e12)
+    if not HAS_DEEPSPEED:
+        assert "No module named 'deepspeed'" in rows["deepspeed"]["error"]
+        assert rows["deepspeed"]["tokens_per_s"] is None
+    assert result["largest"] == {"tierd": tiny.params, "fsdp2": tiny.params,
+                                 "deepspeed": None}
+
+    # a ladder whose first rung is killed for host memory: one row, the
+    # ladder stops there, and the rows of the first call stay
+    floor = (meminfo()[0] + meminfo()[1]) / 2**30 + 1   # more than the machine has
+    proc = bench(tmp_path, "--tiny", "--largest", "--systems", "tierd",
+                 "--host-floor-gib", str(floor))
+    merged = json.loads((tmp_path / "bigmodel.json").read_text())
+    ladder = [r for r in merged["rows"] if r["model"].startswith("tiny-L")]
+    assert [r["model"] for r in ladder] == ["tiny-L1"]
+    assert "available memory fell to" in ladder[0]["error"]
+    assert merged["rows"][:len(rows)] == result["rows"]
+    assert merged["largest"] == result["largest"]
+    assert "tiny-L1" in proc.stderr   # the summary table
+
+
+def test_an_attempt_past_its_time_is_killed_and_its_row_says_so(tmp_path):
+    bench(tmp_path, "--tiny", "--systems", "fsdp2", "--timeout", "0.5")
+    (r,) = json.loads((tmp_path / "bigmodel.json").read_text())["rows"]
+    assert r["error"].startswith("killed: ran past its 0.5 s limit (--timeout)")
+    assert r["tokens_per_s"] is None
+    assert not list((tmp_path / "cache").iterdir())   # its scratch is gone
+
+
+def fake_attempt(outcomes: dict):
+    """An ``attempt`` that returns what a worker would have, per batch."""
+    tried = []
+
+    def attempt(spec, timeout):
+        tried.append(spec.batch)
+        kind = outcomes[spec.batch]
+        raw = {"phase": "step 1/3", "peak_gpu_gb": 1.0, "peak_host_gb": 2.0, "device": "x"}
+        if kind == "ok":
+            return {**raw, "done": True, "step_s": [1.0, 0.5, 0.5, 0.5, 0.5], "losses": [1.0]}
+        return {**raw, "error": f"step 1/3: {kind}", "oom_in_step": kind == "OutOfMemoryError"}
+    attempt.tried = tried
+    return attempt
+
+
+def test_a_smaller_batch_is_tried_only_after_a_gpu_out_of_memory(tmp_path):
+    args = bigmodel.parse_args(["--out", str(tmp_path), "--batch", "8,2,4"])
+    attempt = fake_attempt({8: "OutOfMemoryError", 4: "ok", 2: "ok"})
+    r = bigmodel.best_batch("tierd", "8B", args, attempt)
+    assert attempt.tried == [8, 4] and r["batch"] == 4 and r["error"] is None
+    assert r["step_s"] == 0.5 and "B=8: out of GPU memory (step 1/3)" in r["notes"]
+
+    attempt = fake_attempt({8: "CapacityError", 4: "ok", 2: "ok"})
+    r = bigmodel.best_batch("tierd", "8B", args, attempt)
+    assert attempt.tried == [8] and r["error"] == "step 1/3: CapacityError"
+
+    attempt = fake_attempt({8: "OutOfMemoryError", 4: "OutOfMemoryError",
+                            2: "OutOfMemoryError"})
+    r = bigmodel.best_batch("fsdp2", "13B", args, attempt)
+    assert attempt.tried == [8, 4, 2] and r["batch"] == 2
+    assert r["error"].startswith("out of GPU memory at every batch tried")
+
+
+def test_the_ladder_stops_at_its_first_failure():
+    def run_model(system, model):
+        return {"model": model, "system": system,
+                "error": "killed" if shape_of(model).layers >= 48 else None}
+    rows = bigmodel.climb("deepspeed", ["L24", "L32", "L48", "L64"], run_model)
+    assert [(r["model"], r["error"]) for r in rows] == [("L24", None), ("L32", None),
+                                                        ("L48", "killed")]
+
+
+def test_merge_replaces_the_same_model_and_system_and_keeps_the_rest():
+    def r(model, system, error=None, **extra):
+        return {"model": model, "system": system, "params": shape_of(model).params,
+                "error": error, **extra}
+    old = {"commit": "a", "device": "H200", "rows": [r("8B", "tierd"), r("8B", "fsdp2", "x")]}
+    new = [r("8B", "fsdp2"), r("L80", "tierd"), r("8B", "tierd", "not run", not_run=True),
+           r("13B", "deepspeed", "not run", not_run=True)]
+    merged = bigmodel_results.merge(old, new, "b")
+    assert [(x["model"], x["system"], x["error"]) for x in merged["rows"]] == [
+        ("8B", "tierd", None), ("8B", "fsdp2", None), ("L80", "tierd", None),
+        ("13B", "deepspeed", "not run")]
+    assert merged["commit"] == "b" and merged["device"] == "H200"
+    assert merged["largest"] == {"tierd": shape_of("L80").params,
+                                 "fsdp2": shape_of("8B").params, "deepspeed": None}
+
+
+def test_model_names_and_sizes_match_the_llama_shapes():
+    for name in ("8B", "13B"):
+        assert shape_of(name).params == sum(p.numel() for p in build_meta(BASES[name], 2048)
+                                            .parameters())
+    assert round(shape_of("8B").params / 1e9, 2) == 8.03
+    assert round(shape_of("13B").params / 1e9, 2) == 13.02
+    assert shape_of("L80").layers == 80 and shape_of("L80").hidden == 4096
+    assert shape_of("L33").params - shape_of("L32").params == shape_of("8B").layer_params
+    with pytest.raises(ValueError, match="unknown model '7B'"):
+        shape_of("7B")
+
+
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys):
+    for flags, says in ((["--systems", "tierd,megatron"], "unknown ['megatron']"),
+                        (["--models", "8B,7B"], "unknown model '7B'"),
+                        (["--batch", "4,x"], "--batch '4,x': give comma-separated"),
+                        (["--tierd-nvme-gib", "8"], "--tierd-nvme-gib needs --tierd-pool-gib")):
+        with pytest.raises(SystemExit) as exc:
+            bigmodel.main(["--out", str(tmp_path / "out"), *flags])
+        assert exc.value.code == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepspeed_is_configured_for_zero3_cpu_offload():
+    cfg = deepspeed_config(batch=4, hidden=4096, lr=1e-5)
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 1
+    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["lr"] == 1e-5
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["reduce_bucket_size"] == 4096 * 4096
+    json.dumps(cfg)   # what DeepSpeed parses
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_tiny_deepspeed_trains_with_cpu_adam(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")   # the CPU smoke run, even on a GPU host
+    bench(tmp_path, "--tiny", "--systems", "deepspeed", timeout=600)
+    (r,) = json.loads((tmp_path / "bigmodel.json").read_text())["rows"]
+    assert r["error"] is None and "optimizer DeepSpeedCPUAdam" in r["notes"]
+    assert all(math.isfinite(x) for x in r["losses"])
+
+
+def test_flops_per_token_counts_matmul_parameters_and_attention():
+    s = shape_of("8B")
+    assert s.flops_per_token(2048) == 6 * (s.params - s.vocab * s.hidden) + \
+        12 * 32 * 4096 * 2048

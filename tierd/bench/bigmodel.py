@@ -1,0 +1,277 @@
+"""8B and 13B Llama, T=2048, one GPU: tierd vs DeepSpeed ZeRO-3 offload vs FSDP2 CPU offload.
+
+    python -m tierd.bench.bigmodel --out DIR                        # 8B and 13B, every system
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models 8B --batch 8,4
+    python -m tierd.bench.bigmodel --out DIR --largest --systems fsdp2 --ladder 16,20,24,28
+    python -m tierd.bench.bigmodel --out DIR --tiny                 # CPU smoke run, same code
+
+Models are ``LlamaForCausalLM`` from config with random weights (names in
+``tierd.bench.bigmodel_models``: 8B, 13B, L<layers> at the 8B width), sdpa
+attention, activation checkpointing, bf16 compute, labels = inputs. Systems
+(``tierd.bench.bigmodel_systems``): ``tierd`` (built on the GPU in bf16, then
+``attach(model, compute_dtype="bf16")`` with default arguments and
+``tierd.optim.AdamW``), ``deepspeed`` (ZeRO-3, parameters and optimizer
+offloaded to pinned CPU memory, DeepSpeedCPUAdam), ``fsdp2`` (``fully_shard``
+per layer and root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32
+reduce, torch's CPU AdamW). Every attempt (system, model, batch) runs in a
+fresh process, world size 1, watched by this one (``bigmodel_attempt``): killed
+past ``--timeout`` or when the machine's available memory falls under
+``--host-floor-gib``. Batches are tried from the largest down; the first that
+completes its steps is the row's, the ones that ran out of GPU memory are in
+its ``notes``. ``--largest`` walks ``--ladder`` (layer counts at the 8B width)
+upward per system until the first model that fails, a row per model.
+
+Figures: ``step_s`` the median of the measured steps (CUDA-synchronised,
+after ``--warmup``); ``tokens_per_s`` = B*T / step_s; ``tflops`` = model FLOPs
+per second, 6 per matmul parameter per token (every parameter but the input
+embedding, a table lookup) plus 12*layers*hidden*T for attention; the
+recompute of activation checkpointing is NOT counted (the GPU does about 4/3
+of that work). ``peak_gpu_gb`` = ``max_memory_allocated`` (and
+``peak_gpu_reserved_gb``); ``peak_host_gb`` = the machine's used memory at its
+peak during the attempt minus before it (the daemon's pool and every pinned
+buffer included).
+
+``DIR/bigmodel.json``: ``{"commit", "device", "rows": [{"model", "system",
+"params", "batch", "tokens_per_s", "tflops", "peak_gpu_gb", "peak_host_gb",
+"error", ...}], "largest": {"tierd", "deepspeed", "fsdp2"}}`` (``largest``: the
+parameters of the largest model each system completed, None if none). An
+existing file is merged into: a new row replaces the row of the same model
+and system; so slices of the work can run as separate calls. Each attempt's
+output is in ``DIR/logs/``.
+
+[Note: what to expect]  (prediction written before measuring)
+Training state per parameter: tierd bf16 weight + fp32 master + AdamW moments
+= 14 B (+ gradients while they are reduced); DeepSpeed ZeRO-3 offload keeps
+bf16 params, fp32 master, moments and fp32 gradients on the host, ~18 B;
+FSDP2 keeps fp32 params, fp32 gradients and moments on the host, 16 B. The
+machine has 128 GiB of RAM of which ~70 GiB can be page-locked.
+- 8B (8.03B params, 48.2 GFLOP/token): DeepSpeed needs ~145 GB of host memory
+  (~80 GB of it pinned) and FSDP2 ~128 GB (64 GB pinned): both should fail on
+  host memory (a row with the error; the watchdog if the kernel does not
+  refuse first). tierd keeps ~100 GB of its 112 GB state on the GPU next to
+  B=4-8 activations (~20-30 GB with checkpointing, fp32 logits dominate) and
+  streams the rest: 200-260 TFLOPS, ~4,500-5,500 tokens/s — if the embedded
+  daemon's pool and NVMe hold the first (measuring) step's state; with 32 GiB
+  of NVMe they did not before.
+- 13B (13.0B, 82.2 GFLOP/token): DeepSpeed ~235 GB, FSDP2 ~210 GB of host
+  memory: both fail. tierd streams ~70-80 GB of state per step in and out,
+  ~1.5 s at ~50 GB/s each way, overlapped with a ~2.5 s step: ~2,500-3,300
+  tokens/s. "2x DeepSpeed at 13B" then has no DeepSpeed figure to compare
+  with; the ladder gives the sizes where both run.
+- Largest: DeepSpeed ~L20 (5.4B) to L24 (6.3B) and FSDP2 ~L24 to L28
+  (7.2B), bounded by host memory and the page-locking limit; their step is
+  bound by the CPU AdamW (~2-4 s at 5-7B) and by bf16 weights crossing PCIe
+  three times (forward, recompute, backward). tierd: GPU (~105 GB of state)
+  + pool (~60 GB) + NVMe hold ~L80 (18.5B, 260 GB) only if the NVMe tier gets
+  ~100 GB of the 64 GiB disk's free space: expect L64 (15B) to L80.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tierd.bench import bigmodel_results as results
+from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt
+from tierd.bench.bigmodel_models import rung_name, shape_of
+from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
+
+#: the least time worth starting an attempt with (build and one step of a tiny model)
+MIN_ATTEMPT_S = 30.0
+
+
+class Budget:
+    """The call's time: attempts start only while enough is left."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def timeout(self, wanted: float) -> float | None:
+        """The time an attempt may take now, or None if too little is left."""
+        if self.deadline is None:
+            return wanted
+        left = self.deadline - time.monotonic()
+        return min(wanted, left) if left >= MIN_ATTEMPT_S else None
+
+
+def best_batch(system: str, model: str, args, attempt) -> dict:
+    """Try ``args``'s batches for ``system`` from the largest down; the row of
+    the first that completes, or of the last failure. ``attempt(spec, timeout)``
+    runs one (``run_attempt`` bound to the watch, or a fake in tests)."""
+    notes, row = [], None
+    for batch in sorted(args.batches[system], reverse=True):
+        timeout = args.budget.timeout(args.timeout)
+        if timeout is None:
+            notes.append(f"B={batch}: not run, the call's --budget-s was spent")
+            return results.not_run(model, system, args.seq, "not run: the call's --budget-s "
+                                   "was spent", notes)
+        spec = RunSpec(system=system, model=model, batch=batch, seq=args.seq,
+                       warmup=args.warmup, steps=args.steps, device=args.device,
+                       tierd_pool_bytes=args.tierd_pool, tierd_nvme_bytes=args.tierd_nvme)
+        raw = attempt(spec, timeout)
+        row = results.row(spec, raw, args.commit, notes)
+        print(results.line(row), flush=True)
+        if row["error"] is None or not raw.get("oom_in_step"):
+            return row
+        notes.append(f"B={batch}: out of GPU memory ({raw.get('phase')})")
+    row["error"] = f"out of GPU memory at every batch tried; last: {row['error']}"
+    return row
+
+
+def climb(system: str, rungs: list[str], run_model) -> list[dict]:
+    """The ladder for one system: each rung's row, up to and including the
+    first that fails (``run_model(system, model) -> row``)."""
+    rows = []
+    for model in rungs:
+        row = run_model(system, model)
+        rows.append(row)
+        if row["error"] is not None:
+            break
+    return rows
+
+
+def measure(args, record) -> None:
+    """Every row this call asks for, each handed to ``record`` when done."""
+    watch = Watch(timeout_s=args.timeout, host_floor_bytes=int(args.host_floor_gib * GiB),
+                  log_dir=args.out / "logs", cache_root=args.cache_dir)
+
+    def run_model(system: str, model: str) -> dict:
+        row = best_batch(system, model, args, lambda spec, t: run_attempt(spec, watch, t))
+        record(row)
+        return row
+
+    if args.largest:
+        rungs = [rung_name(n, args.tiny) for n in args.ladder if n >= args.ladder_from]
+        for system in args.systems:
+            climb(system, rungs, run_model)
+    else:
+        for model in args.models:
+            for system in args.systems:
+                run_model(system, model)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tierd.bench.bigmodel",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="where bigmodel.json and logs/ go")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of "
+                    f"{', '.join(SYSTEMS)} (default all)")
+    ap.add_argument("--models", default="8B,13B", help="comma-separated: 8B, 13B, L<layers> "
+                    "(8B width), tiny (default 8B,13B)")
+    ap.add_argument("--batch", default=None, help="batches to try from the largest down, "
+                    "every system (default 8,4,2,1; --largest 4,2,1; --tiny 2)")
+    for s in SYSTEMS:
+        ap.add_argument(f"--batch-{s}", default=None, help=f"{s}'s own batches (over --batch)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
+    ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps (default 2; "
+                    "--largest 1)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 3; "
+                    "--largest 2)")
+    ap.add_argument("--largest", action="store_true", help="walk --ladder per system instead "
+                    "of --models, up to the first model that fails")
+    ap.add_argument("--ladder", default="24,32,48,64,80,96", help="layer counts at the 8B "
+                    "width (8B has 32; each layer is 218M parameters)")
+    ap.add_argument("--ladder-from", type=int, default=0, help="start at this rung (layers)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no attempt after "
+                    "this many seconds of the call (for calls with a time limit)")
+    ap.add_argument("--host-floor-gib", type=float, default=3.0, help="kill an attempt when "
+                    "the machine's available memory falls under this")
+    ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
+        "XDG_CACHE_HOME") or Path.home() / ".cache"), help="attempts' scratch (tierd's NVMe "
+        "files), removed after each")
+    ap.add_argument("--tierd-pool-gib", type=float, default=None, help="start tierd's daemon "
+                    "with this pool (default: the embedded daemon's own sizing)")
+    ap.add_argument("--tierd-nvme-gib", type=float, default=None, help="and this NVMe size")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny model, T=32")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="default: cuda if present (cpu with --tiny)")
+    ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
+    args = ap.parse_args(argv)
+    try:
+        return resolve(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated whole numbers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: give numbers >= 1")
+    return values
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on the mode, and every value checked before anything runs."""
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad or not args.systems:
+        raise ValueError(f"--systems: unknown {bad}; use some of {', '.join(SYSTEMS)}")
+    tiny, largest = args.tiny, args.largest
+    args.models = ["tiny"] if tiny and args.models == "8B,13B" else \
+        [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        shape_of(m)   # an unknown name is refused here
+    args.seq = args.seq or (32 if tiny else 2048)
+    args.warmup = args.warmup if args.warmup is not None else (1 if largest or tiny else 2)
+    args.steps = args.steps if args.steps is not None else (2 if largest or tiny else 3)
+    if args.seq < 1 or args.warmup < 0 or args.steps < 1:
+        raise ValueError("--seq and --steps must be >= 1, --warmup >= 0")
+    default = "2" if tiny else "4,2,1" if largest else "8,4,2,1"
+    base = _ints(args.batch or default, "--batch")
+    args.batches = {s: _ints(getattr(args, f"batch_{s}"), f"--batch-{s}")
+                    if getattr(args, f"batch_{s}") else base for s in SYSTEMS}
+    args.ladder = sorted(_ints(args.ladder, "--ladder"))
+    if args.tiny and args.ladder == [24, 32, 48, 64, 80, 96]:
+        args.ladder = [1, 2, 3]
+    args.device = args.device or ("cpu" if tiny else _cuda_or_cpu())
+    if args.tiny and args.tierd_pool_gib is None:
+        args.tierd_pool_gib, args.tierd_nvme_gib = 0.25, args.tierd_nvme_gib or 0.25
+    args.tierd_pool = None if args.tierd_pool_gib is None else int(args.tierd_pool_gib * GiB)
+    args.tierd_nvme = None if args.tierd_nvme_gib is None else int(args.tierd_nvme_gib * GiB)
+    if args.tierd_nvme is not None and args.tierd_pool is None:
+        raise ValueError("--tierd-nvme-gib needs --tierd-pool-gib (the daemon is started "
+                         "with both, or with neither by tierd itself)")
+    args.budget = Budget(args.budget_s)
+    args.commit = args.commit or _git_commit()
+    return args
+
+
+def _cuda_or_cpu() -> str:
+    """Without creating a CUDA context here: every byte of the GPU is the workers'."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=here)
+    return proc.stdout.strip() or None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bigmodel.json"
+    done: list[dict] = []
+
+    def record(row: dict) -> None:   # written as it goes: a call cut short keeps its rows
+        done.append(row)
+        results.save(path, results.merge(results.load(path), [row], args.commit))
+
+    measure(args, record)
+    print(results.table(results.load(path)["rows"], done), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

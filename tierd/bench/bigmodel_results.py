@@ -1,0 +1,142 @@
+"""The rows of ``tierd.bench.bigmodel`` and the ``bigmodel.json`` they are merged into."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from tierd.bench.bigmodel_models import shape_of
+from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
+
+#: the issue's schema; every row has these keys (extra keys follow them)
+ROW_KEYS = ("model", "system", "params", "batch", "tokens_per_s", "tflops", "peak_gpu_gb",
+            "peak_host_gb", "error")
+
+
+def _base(model: str, system: str, seq: int) -> dict:
+    shape = shape_of(model)
+    return {"model": model, "system": system, "params": shape.params, "layers": shape.layers,
+            "hidden": shape.hidden, "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
+
+
+def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str]) -> dict:
+    """The row of one attempt from what its worker wrote and its parent saw."""
+    base = _base(spec.model, spec.system, spec.seq)
+    times = raw.get("step_s") or []
+    measured = times[spec.warmup:]
+    ok = bool(raw.get("done")) and raw.get("error") is None and raw.get("killed") is None \
+        and len(measured) == spec.steps
+    step = statistics.median(measured) if ok else None
+    tokens = spec.batch * spec.seq / step if step else None
+    error = None if ok else _error(raw, spec)
+    return {
+        "model": spec.model, "system": spec.system, "params": base["params"],
+        "batch": spec.batch, "tokens_per_s": tokens,
+        "tflops": tokens * base["flops_per_token"] / 1e12 if tokens else None,
+        "peak_gpu_gb": raw.get("peak_gpu_gb"), "peak_host_gb": raw.get("peak_host_gb"),
+        "error": error, **base, "step_s": step, "step_times": times,
+        "losses": raw.get("losses") or [], "warmup": spec.warmup, "steps": spec.steps,
+        "peak_gpu_reserved_gb": raw.get("peak_gpu_reserved_gb"),
+        "setup_peak_gpu_gb": raw.get("setup_peak_gpu_gb"),
+        "setup_s": raw.get("setup_s"), "wall_s": raw.get("wall_s"),
+        "notes": [*notes, *(raw.get("notes") or [])], "device": raw.get("device"),
+        "commit": commit, "log": raw.get("log"),
+    }
+
+
+def _error(raw: dict, spec: RunSpec) -> str:
+    where = f" (at {raw['phase']})" if raw.get("phase") else ""
+    if raw.get("killed"):
+        return raw["killed"] + where
+    if raw.get("error"):
+        return raw["error"]
+    if raw.get("done"):
+        return f"finished {len(raw.get('step_s') or [])} steps of {spec.warmup + spec.steps}"
+    tail = (raw.get("log_tail") or "").strip().splitlines()[-5:]
+    return (f"the worker exited with status {raw.get('returncode')}{where} without a result; "
+            f"its log ends: {' | '.join(tail)}")[:2000]
+
+
+def not_run(model: str, system: str, seq: int, why: str, notes: list[str]) -> dict:
+    """A row for an attempt that never started; it does not replace a measured row."""
+    return {"model": model, "system": system, "params": shape_of(model).params, "batch": None,
+            "tokens_per_s": None, "tflops": None, "peak_gpu_gb": None, "peak_host_gb": None,
+            "error": why, **_base(model, system, seq), "notes": list(notes), "not_run": True}
+
+
+def load(path: Path) -> dict:
+    """The results so far (an empty result if there is no file yet)."""
+    if not path.exists():
+        return {"commit": None, "device": None, "rows": [], "largest": largest([])}
+    data = json.loads(path.read_text())
+    if not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path} has no 'rows' list: not a bigmodel.json; use another --out")
+    return data
+
+
+def merge(old: dict, new_rows: list[dict], commit: str | None) -> dict:
+    """``old`` with ``new_rows`` in: a row replaces the one of the same model and
+    system (in place, so the order stays), unless it is a not-run row and a
+    row is there already."""
+    rows = list(old["rows"])
+    where = {(r["model"], r["system"]): i for i, r in enumerate(rows)}
+    for r in new_rows:
+        i = where.get((r["model"], r["system"]))
+        if i is None:
+            where[(r["model"], r["system"])] = len(rows)
+            rows.append(r)
+        elif not r.get("not_run"):
+            rows[i] = r
+    devices = [r.get("device") for r in new_rows if r.get("device")]
+    return {"commit": commit or old.get("commit"),
+            "device": devices[-1] if devices else old.get("device"),
+            "rows": rows, "largest": largest(rows)}
+
+
+def largest(rows: list[dict]) -> dict:
+    """Per system, the parameters of the largest model it completed (None if none)."""
+    out = {}
+    for system in SYSTEMS:
+        sizes = [r["params"] for r in rows if r["system"] == system and r["error"] is None]
+        out[system] = max(sizes) if sizes else None
+    return out
+
+
+def save(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+
+
+def _fmt(value, spec: str) -> str:
+    """``value`` formatted, or a dash as wide."""
+    if value is None:
+        return "-".rjust(int(spec.split(".")[0].rstrip("df") or 0))
+    return format(value, spec)
+
+
+def line(r: dict) -> str:
+    """One attempt, for the progress output."""
+    what = f"{r['model']:>6} {r['system']:>9} B={r['batch']}"
+    if r["error"] is None:
+        return (f"{what}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s, "
+                f"{r['tflops']:.1f} TFLOPS, GPU {_fmt(r['peak_gpu_gb'], '.1f')} GB, host "
+                f"{_fmt(r['peak_host_gb'], '.1f')} GB")
+    return f"{what}: {r['error'][:300]}"
+
+
+def table(rows: list[dict], this_call: list[dict]) -> str:
+    """Every row of the file; those measured in this call marked with *."""
+    mine = {id(r) for r in this_call}
+    keys = {(r["model"], r["system"]) for r in this_call}
+    out = [f"  {'model':>6} {'system':>9} {'params':>7} {'B':>3} {'tokens/s':>9} {'TFLOPS':>7} "
+           f"{'GPU GB':>7} {'host GB':>7}  error"]
+    for r in rows:
+        mark = "*" if id(r) in mine or (r["model"], r["system"]) in keys else " "
+        out.append(f"{mark} {r['model']:>6} {r['system']:>9} {r['params'] / 1e9:6.2f}B "
+                   f"{_fmt(r['batch'], '3d')} {_fmt(r['tokens_per_s'], '9.0f')} "
+                   f"{_fmt(r['tflops'], '7.1f')} {_fmt(r['peak_gpu_gb'], '7.1f')} "
+                   f"{_fmt(r['peak_host_gb'], '7.1f')}  {(r['error'] or '')[:100]}")
+    return "\n".join(out)

@@ -1,0 +1,222 @@
+"""The three systems of ``tierd.bench.bigmodel``, each set up as its users would.
+
+Each ``setup_*`` builds the model its own way and returns a :class:`Trainer`
+whose ``step(ids)`` runs one training step (forward with labels = inputs,
+backward, optimizer step, gradients cleared) and returns the loss. Each runs
+in a fresh worker process (``tierd.bench.bigmodel_worker``), world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tierd.bench.bigmodel_models import Shape, build, build_meta, init_materialised
+
+BF16 = torch.bfloat16
+SYSTEMS = ("tierd", "deepspeed", "fsdp2")
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    """One system ready to train: ``step(ids) -> loss`` and what was noticed."""
+
+    step: Callable[[torch.Tensor], torch.Tensor]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One attempt, as the parent hands it to the worker."""
+
+    system: str
+    model: str
+    batch: int
+    seq: int
+    warmup: int
+    steps: int
+    device: str                      # "cuda" or "cpu"
+    lr: float = 1e-5
+    tierd_pool_bytes: int | None = None    # None: the embedded daemon's own sizing
+    tierd_nvme_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system={self.system!r}; use one of {SYSTEMS}")
+        for f in ("batch", "seq", "steps"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f}={getattr(self, f)} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}; use 'cuda' or 'cpu'")
+
+
+def _autocast_step(model, opt, device: torch.device) -> Callable:
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=BF16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
+# ------------------------------------------------------------------ tierd
+def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+    """Built in bf16 on the compute device (random init there is fast and needs
+    no host memory), then ``attach`` with default arguments: it copies each
+    module's values into the store and frees the device copies
+    (``ParamRegistry._take``), then places what fits back on the GPU."""
+    import tierd
+    import tierd.optim
+    notes = []
+    model = build(shape, spec.seq, device, BF16)
+    options = {}
+    if spec.tierd_pool_bytes is not None:   # a private daemon of the given sizes
+        from tierd.client.embedded import start_daemon
+        daemon = start_daemon(pool=spec.tierd_pool_bytes, nvme_size=spec.tierd_nvme_bytes)
+        import atexit
+        atexit.register(daemon.stop)
+        options["client"] = tierd.connect(daemon.socket)
+        notes.append(f"daemon pool {spec.tierd_pool_bytes / 2**30:.2f} GiB, NVMe "
+                     f"{(spec.tierd_nvme_bytes or 0) / 2**30:.2f} GiB (set by flags)")
+    model = tierd.attach(model, compute_dtype="bf16", **options)
+    opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr)
+    return Trainer(step=_autocast_step(model, opt, device), notes=notes)
+
+
+# ------------------------------------------------------------------ one-process "world"
+def single_process_env() -> None:
+    """The environment a launcher gives rank 0 of a world of 1 (a free port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+
+
+# ------------------------------------------------------------------ DeepSpeed
+def deepspeed_config(batch: int, hidden: int, lr: float) -> dict:
+    """ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory, bf16,
+    AdamW through the config (with CPU offload DeepSpeed picks DeepSpeedCPUAdam).
+    The bucket sizes are the ones Hugging Face's Trainer fills in for "auto"
+    from the hidden size (what most users of ZeRO-3 offload run)."""
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999],
+                                                  "eps": 1e-8, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        },
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+    """Built inside ``zero.Init`` (each module partitioned to pinned CPU memory as
+    it is made, in bf16), then ``deepspeed.initialize``; the engine runs bf16
+    itself (no autocast)."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from tierd.bench.bigmodel_models import checkpointed, llama_config
+    single_process_env()
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    cfg = deepspeed_config(spec.batch, shape.hidden, spec.lr)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = LlamaForCausalLM(llama_config(shape, spec.seq))
+    model = checkpointed(model)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=cfg)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()   # also clears the gradients
+        return loss.detach()
+    return Trainer(step=step, notes=[f"optimizer {type(optimizer.optimizer).__name__}"
+                                     if hasattr(optimizer, "optimizer") else
+                                     f"optimizer {type(optimizer).__name__}"])
+
+
+# ------------------------------------------------------------------ FSDP2
+def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+    """``fully_shard`` on each decoder layer and the root with CPU offload
+    (pinned on CUDA) and bf16 parameters / fp32 reduction; the model is built on
+    meta, materialised on the CPU and initialised there (its rotary buffers on
+    the compute device: FSDP2 does not move buffers)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    single_process_env()
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,))
+    model = build_meta(shape, spec.seq)
+    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=BF16,
+                                                            reduce_dtype=torch.float32),
+                  offload_policy=CPUOffloadPolicy(pin_memory=cuda))
+    for layer in model.model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    model.to_empty(device="cpu")
+    init_materialised(model, device)
+    notes = [] if cuda else ["CPU run: offloaded parameters not pinned (no CUDA)"]
+    opt = cpu_adamw(list(model.parameters()), spec.lr, notes)
+    return Trainer(step=_fallback_step(model, opt, device, notes), notes=notes)
+
+
+def cpu_adamw(params: list, lr: float, notes: list[str], fused: bool = True):
+    """torch AdamW on the offloaded parameters: the fused CPU kernel where torch
+    accepts it, else foreach (said in ``notes``)."""
+    if fused:
+        try:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            notes.append(f"fused AdamW refused ({exc}); foreach")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=True)
+
+
+def _fallback_step(model, opt, device: torch.device, notes: list[str]) -> Callable:
+    """The autocast step; if the first fused update fails (a kernel missing for
+    these tensors, found only when it runs), foreach from then on."""
+    state = {"opt": opt, "checked": False}
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=BF16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        try:
+            state["opt"].step()
+        except (RuntimeError, NotImplementedError) as exc:
+            if state["checked"] or isinstance(exc, torch.OutOfMemoryError):
+                raise
+            notes.append(f"fused AdamW failed at its first step ({str(exc)[:200]}); foreach")
+            state["opt"] = cpu_adamw(list(model.parameters()), state["opt"].defaults["lr"],
+                                     notes, fused=False)
+            state["opt"].step()
+        state["checked"] = True
+        state["opt"].zero_grad()
+        return loss.detach()
+    return step
+
+
+SETUPS = {"tierd": setup_tierd, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2}
