@@ -116,6 +116,15 @@ def test_a_smaller_batch_is_tried_only_after_a_gpu_out_of_memory(tmp_path):
     assert r["error"].startswith("out of GPU memory at every batch tried")
 
 
+def test_an_attempt_whose_timeout_does_not_fit_the_budget_is_not_started(tmp_path):
+    args = bigmodel.parse_args(["--out", str(tmp_path), "--batch", "4", "--timeout", "300",
+                                "--budget-s", "299"])
+    attempt = fake_attempt({4: "ok"})
+    r = bigmodel.best_batch("deepspeed", "13B", args, attempt)
+    assert attempt.tried == [] and r["not_run"] and "--budget-s" in r["error"]
+    assert r["params"] == shape_of("13B").params   # the row still says what it was
+
+
 def test_the_ladder_stops_at_its_first_failure():
     def run_model(system, model):
         return {"model": model, "system": system,
@@ -179,8 +188,7 @@ def test_deepspeed_is_configured_for_zero3_cpu_offload():
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
-def test_tiny_deepspeed_trains_with_cpu_adam(tmp_path, monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")   # the CPU smoke run, even on a GPU host
+def test_tiny_deepspeed_trains_with_cpu_adam(tmp_path):
     bench(tmp_path, "--tiny", "--systems", "deepspeed", timeout=600)
     (r,) = json.loads((tmp_path / "bigmodel.json").read_text())["rows"]
     assert r["error"] is None and "optimizer DeepSpeedCPUAdam" in r["notes"]

@@ -81,22 +81,19 @@ from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt
 from tierd.bench.bigmodel_models import rung_name, shape_of
 from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
 
-#: the least time worth starting an attempt with (build and one step of a tiny model)
-MIN_ATTEMPT_S = 30.0
-
-
 class Budget:
-    """The call's time: attempts start only while enough is left."""
+    """The call's time: an attempt starts only if its whole ``--timeout`` fits in
+    what is left, so a row that says "ran past its limit" always means the
+    attempt needed more than ``--timeout``, never that the call ran short."""
 
     def __init__(self, seconds: float | None) -> None:
         self.deadline = None if seconds is None else time.monotonic() + seconds
 
     def timeout(self, wanted: float) -> float | None:
-        """The time an attempt may take now, or None if too little is left."""
-        if self.deadline is None:
+        """``wanted`` if that much time is left, else None."""
+        if self.deadline is None or self.deadline - time.monotonic() >= wanted:
             return wanted
-        left = self.deadline - time.monotonic()
-        return min(wanted, left) if left >= MIN_ATTEMPT_S else None
+        return None
 
 
 def best_batch(system: str, model: str, args, attempt) -> dict:
@@ -178,8 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "width (8B has 32; each layer is 218M parameters)")
     ap.add_argument("--ladder-from", type=int, default=0, help="start at this rung (layers)")
     ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no attempt after "
-                    "this many seconds of the call (for calls with a time limit)")
+    ap.add_argument("--budget-s", type=float, default=None, help="the call's time: an "
+                    "attempt starts only if its --timeout fits in what is left (the others "
+                    "get a not-run row, which does not replace a measured one)")
     ap.add_argument("--host-floor-gib", type=float, default=3.0, help="kill an attempt when "
                     "the machine's available memory falls under this")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(

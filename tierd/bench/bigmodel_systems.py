@@ -75,20 +75,31 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
     (``ParamRegistry._take``), then places what fits back on the GPU."""
     import tierd
     import tierd.optim
-    notes = []
+    notes: list[str] = []
     model = build(shape, spec.seq, device, BF16)
     options = {}
-    if spec.tierd_pool_bytes is not None:   # a private daemon of the given sizes
-        from tierd.client.embedded import start_daemon
-        daemon = start_daemon(pool=spec.tierd_pool_bytes, nvme_size=spec.tierd_nvme_bytes)
-        import atexit
-        atexit.register(daemon.stop)
-        options["client"] = tierd.connect(daemon.socket)
-        notes.append(f"daemon pool {spec.tierd_pool_bytes / 2**30:.2f} GiB, NVMe "
-                     f"{(spec.tierd_nvme_bytes or 0) / 2**30:.2f} GiB (set by flags)")
+    if spec.tierd_pool_bytes is not None:
+        options["client"] = _private_daemon(spec, notes)
+    if device.type == "cpu":   # the CPU smoke run, even where CUDA is present
+        options["device"] = device
     model = tierd.attach(model, compute_dtype="bf16", **options)
     opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr)
     return Trainer(step=_autocast_step(model, opt, device), notes=notes)
+
+
+def _private_daemon(spec: RunSpec, notes: list[str]):
+    """A client of a daemon of the sizes the flags gave (stopped at exit)."""
+    import atexit
+
+    import tierd
+    from tierd.client.embedded import start_daemon
+    daemon = start_daemon(pool=spec.tierd_pool_bytes, nvme_size=spec.tierd_nvme_bytes)
+    atexit.register(daemon.stop)
+    nvme = "its default" if spec.tierd_nvme_bytes is None else \
+        f"{spec.tierd_nvme_bytes / 2**30:.2f} GiB"
+    notes.append(f"daemon pool {spec.tierd_pool_bytes / 2**30:.2f} GiB, NVMe {nvme} "
+                 "(set by flags)")
+    return tierd.connect(daemon.socket)
 
 
 # ------------------------------------------------------------------ one-process "world"
@@ -133,6 +144,8 @@ def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device) -> Traine
     """Built inside ``zero.Init`` (each module partitioned to pinned CPU memory as
     it is made, in bf16), then ``deepspeed.initialize``; the engine runs bf16
     itself (no autocast)."""
+    if device.type == "cpu":   # the CPU smoke run, even where CUDA is present
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from transformers import LlamaForCausalLM
 
