@@ -19,7 +19,7 @@ from tests.conftest import ROOT, subprocess_env
 from tierd.bench import bigmodel, bigmodel_results
 from tierd.bench.bigmodel_attempt import meminfo
 from tierd.bench.bigmodel_models import BASES, build_meta, shape_of
-from tierd.bench.bigmodel_systems import deepspeed_config
+from tierd.bench.bigmodel_systems import RunSpec, deepspeed_config
 
 SCHEMA = {"model": str, "system": str, "params": int, "batch": int,
           "tokens_per_s": (float, type(None)), "tflops": (float, type(None)),
@@ -55,7 +55,9 @@ def test_tiny_run_trains_each_system_and_merges_later_calls(tmp_path):
         assert all(math.isfinite(x) and x > 0 for x in r["losses"])
         assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_s"])
         assert r["tflops"] == pytest.approx(r["tokens_per_s"] * tiny.flops_per_token(32) / 1e12)
+    assert list(rows["tierd"]["setup_phases"]) == ["build", "daemon", "attach", "optimizer"]
     if not HAS_DEEPSPEED:
+        assert rows["deepspeed"]["error"].startswith("setup: import deepspeed: Module")
         assert "No module named 'deepspeed'" in rows["deepspeed"]["error"]
         assert rows["deepspeed"]["tokens_per_s"] is None
     assert result["largest"] == {"tierd": tiny.params, "fsdp2": tiny.params,
@@ -123,6 +125,16 @@ def test_an_attempt_whose_timeout_does_not_fit_the_budget_is_not_started(tmp_pat
     r = bigmodel.best_batch("deepspeed", "13B", args, attempt)
     assert attempt.tried == [] and r["not_run"] and "--budget-s" in r["error"]
     assert r["params"] == shape_of("13B").params   # the row still says what it was
+
+
+def test_a_worker_that_died_without_a_result_is_a_row_saying_how():
+    spec = RunSpec(system="fsdp2", model="8B", batch=4, seq=2048, warmup=2, steps=3,
+                   device="cuda")
+    raw = {"phase": "step 1/5", "returncode": -9, "log_tail": "a\nlast line\n"}
+    r = bigmodel_results.row(spec, raw, "abc", [])
+    assert r["error"].startswith("the worker was killed by signal 9 (SIGKILL from outside")
+    assert "(at step 1/5)" in r["error"] and r["error"].endswith("a | last line")
+    assert r["tokens_per_s"] is None and r["commit"] == "abc"
 
 
 def test_the_ladder_stops_at_its_first_failure():

@@ -40,7 +40,9 @@ def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str]) -> dict:
         "losses": raw.get("losses") or [], "warmup": spec.warmup, "steps": spec.steps,
         "peak_gpu_reserved_gb": raw.get("peak_gpu_reserved_gb"),
         "setup_peak_gpu_gb": raw.get("setup_peak_gpu_gb"),
-        "setup_s": raw.get("setup_s"), "wall_s": raw.get("wall_s"),
+        "setup_s": raw.get("setup_s"), "setup_phases": raw.get("setup_phases") or {},
+        "wall_s": raw.get("wall_s"),
+        "lowest_available_gib": raw.get("lowest_available_gib"),
         "notes": [*notes, *(raw.get("notes") or [])], "device": raw.get("device"),
         "commit": commit, "log": raw.get("log"),
     }
@@ -55,8 +57,12 @@ def _error(raw: dict, spec: RunSpec) -> str:
     if raw.get("done"):
         return f"finished {len(raw.get('step_s') or [])} steps of {spec.warmup + spec.steps}"
     tail = (raw.get("log_tail") or "").strip().splitlines()[-5:]
-    return (f"the worker exited with status {raw.get('returncode')}{where} without a result; "
-            f"its log ends: {' | '.join(tail)}")[:2000]
+    code = raw.get("returncode")
+    how = f"was killed by signal {-code}" if isinstance(code, int) and code < 0 else \
+        f"exited with status {code}"
+    oom = " (SIGKILL from outside: the kernel's OOM killer?)" if code == -9 else ""
+    return (f"the worker {how}{oom}{where} without a result; its log ends: "
+            f"{' | '.join(tail)}")[:2000]
 
 
 def not_run(model: str, system: str, seq: int, why: str, notes: list[str]) -> dict:

@@ -1,6 +1,8 @@
 """The three systems of ``tierd.bench.bigmodel``, each set up as its users would.
 
-Each ``setup_*`` builds the model its own way and returns a :class:`Trainer`
+Each ``setup_*(spec, shape, device, mark)`` builds the model its own way,
+calling ``mark(name)`` as it enters each part (so a row can say where an
+attempt ended and how long each part took), and returns a :class:`Trainer`
 whose ``step(ids)`` runs one training step (forward with labels = inputs,
 backward, optimizer step, gradients cleared) and returns the loss. Each runs
 in a fresh worker process (``tierd.bench.bigmodel_worker``), world size 1.
@@ -19,6 +21,8 @@ from tierd.bench.bigmodel_models import Shape, build, build_meta, init_materiali
 
 BF16 = torch.bfloat16
 SYSTEMS = ("tierd", "deepspeed", "fsdp2")
+#: called by a setup as it enters each named part
+Mark = Callable[[str], None]
 
 
 @dataclass(kw_only=True)
@@ -68,7 +72,7 @@ def _autocast_step(model, opt, device: torch.device) -> Callable:
 
 
 # ------------------------------------------------------------------ tierd
-def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -> Trainer:
     """Built in bf16 on the compute device (random init there is fast and needs
     no host memory), then ``attach`` with default arguments: it copies each
     module's values into the store and frees the device copies
@@ -76,13 +80,17 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
     import tierd
     import tierd.optim
     notes: list[str] = []
+    mark("build")
     model = build(shape, spec.seq, device, BF16)
     options = {}
     if spec.tierd_pool_bytes is not None:
+        mark("daemon")
         options["client"] = _private_daemon(spec, notes)
     if device.type == "cpu":   # the CPU smoke run, even where CUDA is present
         options["device"] = device
+    mark("attach")
     model = tierd.attach(model, compute_dtype="bf16", **options)
+    mark("optimizer")
     opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr)
     return Trainer(step=_autocast_step(model, opt, device), notes=notes)
 
@@ -140,23 +148,27 @@ def deepspeed_config(batch: int, hidden: int, lr: float) -> dict:
     }
 
 
-def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -> Trainer:
     """Built inside ``zero.Init`` (each module partitioned to pinned CPU memory as
     it is made, in bf16), then ``deepspeed.initialize``; the engine runs bf16
     itself (no autocast)."""
+    mark("import deepspeed")
     if device.type == "cpu":   # the CPU smoke run, even where CUDA is present
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from transformers import LlamaForCausalLM
 
     from tierd.bench.bigmodel_models import checkpointed, llama_config
+    mark("init_distributed")
     single_process_env()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     cfg = deepspeed_config(spec.batch, shape.hidden, spec.lr)
     torch.manual_seed(0)
+    mark("build in zero.Init")
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = LlamaForCausalLM(llama_config(shape, spec.seq))
     model = checkpointed(model)
+    mark("deepspeed.initialize")
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=cfg)
 
@@ -171,7 +183,7 @@ def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device) -> Traine
 
 
 # ------------------------------------------------------------------ FSDP2
-def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
+def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -> Trainer:
     """``fully_shard`` on each decoder layer and the root with CPU offload
     (pinned on CUDA) and bf16 parameters / fp32 reduction; the model is built on
     meta, materialised on the CPU and initialised there (its rotary buffers on
@@ -179,10 +191,12 @@ def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    mark("init_process_group")
     single_process_env()
     cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (1,))
+    mark("fully_shard on meta")
     model = build_meta(shape, spec.seq)
     policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=BF16,
                                                             reduce_dtype=torch.float32),
@@ -190,8 +204,10 @@ def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device) -> Trainer:
     for layer in model.model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
+    mark("materialise on the CPU")
     model.to_empty(device="cpu")
     init_materialised(model, device)
+    mark("optimizer")
     notes = [] if cuda else ["CPU run: offloaded parameters not pinned (no CUDA)"]
     opt = cpu_adamw(list(model.parameters()), spec.lr, notes)
     return Trainer(step=_fallback_step(model, opt, device, notes), notes=notes)

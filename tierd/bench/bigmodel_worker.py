@@ -5,7 +5,7 @@
 SPEC is a :class:`tierd.bench.bigmodel_systems.RunSpec` as JSON. RESULT is
 rewritten (atomically) after every phase, so a parent that kills this
 process for time or host memory still knows how far it got: ``phase``,
-``setup_s``, ``step_s`` (every step, CUDA-synchronised), ``losses``,
+``setup_s`` (and ``setup_phases``: seconds per named part), ``step_s`` (every step, CUDA-synchronised), ``losses``,
 ``peak_gpu_gb`` / ``peak_gpu_reserved_gb`` (``max_memory_allocated`` /
 ``max_memory_reserved`` during the steps; ``setup_peak_gpu_gb`` while the
 system built the model), ``notes``, and at the end
@@ -41,6 +41,7 @@ class Progress:
     state: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._phase, self._since = None, 0.0
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.state.update(phase="starting", device=name, step_s=[], losses=[], notes=[],
                           peak_gpu_gb=0.0, peak_gpu_reserved_gb=0.0, done=False, error=None,
@@ -54,6 +55,16 @@ class Progress:
         self.state.update(items)
         self.write()
 
+    def setup_phase(self, name: str) -> None:
+        """The setup enters phase ``name``; the one before it took until now."""
+        now = time.perf_counter()
+        phases = self.state.setdefault("setup_phases", {})
+        if self._phase is not None:
+            phases[self._phase] = now - self._since
+        self._phase, self._since = name, now
+        print(f"[bigmodel] setup: {name}", flush=True)
+        self.update(phase=f"setup: {name}")
+
     def write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.state))
@@ -63,10 +74,10 @@ class Progress:
 def run(spec: RunSpec, progress: Progress) -> None:
     device = progress.device
     shape = shape_of(spec.model)
-    progress.update(phase="setup")
     t0 = time.perf_counter()
-    trainer = SETUPS[spec.system](spec, shape, device)
-    progress.update(phase="setup done", setup_s=time.perf_counter() - t0, notes=trainer.notes)
+    trainer = SETUPS[spec.system](spec, shape, device, progress.setup_phase)
+    progress.setup_phase("done")
+    progress.update(setup_s=time.perf_counter() - t0, notes=trainer.notes)
     if device.type == "cuda":   # the row's peaks are the training steps'; building's is kept
         progress.state["setup_peak_gpu_gb"] = progress.state["peak_gpu_gb"]
         torch.cuda.reset_peak_memory_stats(device)
@@ -83,6 +94,8 @@ def run(spec: RunSpec, progress: Progress) -> None:
         progress.state["step_s"].append(time.perf_counter() - t0)
         progress.state["losses"].append(value)
         progress.update(notes=trainer.notes)
+        print(f"[bigmodel] step {i + 1}/{total}: {progress.state['step_s'][-1]:.3f} s, loss "
+              f"{value:.4f}, peak GPU {progress.state['peak_gpu_gb']:.1f} GB", flush=True)
     progress.update(phase="done", done=True)
 
 
