@@ -19,7 +19,7 @@ from tests.conftest import ROOT, subprocess_env
 from tierd.bench import bigmodel, bigmodel_results
 from tierd.bench.bigmodel_attempt import meminfo
 from tierd.bench.bigmodel_models import BASES, build_meta, shape_of
-from tierd.bench.bigmodel_systems import RunSpec, deepspeed_config
+from tierd.bench.bigmodel_systems import CpuAdamW, RunSpec, deepspeed_config
 
 SCHEMA = {"model": str, "system": str, "params": int, "batch": int,
           "tokens_per_s": (float, type(None)), "tflops": (float, type(None)),
@@ -197,6 +197,19 @@ def test_deepspeed_is_configured_for_zero3_cpu_offload():
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert zero["reduce_bucket_size"] == 4096 * 4096
     json.dumps(cfg)   # what DeepSpeed parses
+
+
+def test_fsdp2_optimizer_falls_back_to_foreach_when_the_fused_kernel_fails_first():
+    import torch
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.complex64))   # no fused kernel takes it
+    p.grad = torch.ones(4, dtype=torch.complex64)
+    notes = []
+    opt = CpuAdamW([p], lr=0.1, notes=notes)
+    opt.step()
+    assert "foreach instead" in notes[1] and notes[-1] == "optimizer torch AdamW (foreach)"
+    assert not torch.equal(p.detach(), torch.ones(4, dtype=torch.complex64))   # it updated
+    opt.zero_grad()
+    assert p.grad is None
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")

@@ -209,43 +209,49 @@ def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
     init_materialised(model, device)
     mark("optimizer")
     notes = [] if cuda else ["CPU run: offloaded parameters not pinned (no CUDA)"]
-    opt = cpu_adamw(list(model.parameters()), spec.lr, notes)
-    return Trainer(step=_fallback_step(model, opt, device, notes), notes=notes)
+    opt = CpuAdamW(model.parameters(), spec.lr, notes)
+    return Trainer(step=_autocast_step(model, opt, device), notes=notes)
 
 
-def cpu_adamw(params: list, lr: float, notes: list[str], fused: bool = True):
+class CpuAdamW:
     """torch AdamW on the offloaded parameters: the fused CPU kernel where torch
-    accepts it, else foreach (said in ``notes``)."""
-    if fused:
+    accepts it, else foreach. Fused is given up at construction or, since a
+    kernel missing for these tensors shows only when it runs, at the first
+    step (before it updates anything); ``notes`` says which one runs."""
+
+    def __init__(self, params, lr: float, notes: list[str]) -> None:
+        self.params, self.lr, self.notes = list(params), lr, notes
+        self.checked = False
         try:
-            return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
+            self.opt = self._make(fused=True)
         except (RuntimeError, ValueError, TypeError) as exc:
-            notes.append(f"fused AdamW refused ({exc}); foreach")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=True)
+            self._fall_back(f"refused ({exc})")
 
+    def _make(self, fused: bool) -> torch.optim.AdamW:
+        kind = {"fused": True} if fused else {"foreach": True}
+        opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.01, **kind)
+        self.notes.append(f"optimizer torch AdamW ({next(iter(kind))})")
+        return opt
 
-def _fallback_step(model, opt, device: torch.device, notes: list[str]) -> Callable:
-    """The autocast step; if the first fused update fails (a kernel missing for
-    these tensors, found only when it runs), foreach from then on."""
-    state = {"opt": opt, "checked": False}
+    def _fall_back(self, why: str) -> None:
+        self.notes.append(f"fused AdamW {why[:300]}; foreach instead")
+        self.opt = self._make(fused=False)
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=BF16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+    def step(self) -> None:
+        if self.checked:
+            self.opt.step()
+            return
         try:
-            state["opt"].step()
+            self.opt.step()
         except (RuntimeError, NotImplementedError) as exc:
-            if state["checked"] or isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, torch.OutOfMemoryError) or not self.opt.defaults.get("fused"):
                 raise
-            notes.append(f"fused AdamW failed at its first step ({str(exc)[:200]}); foreach")
-            state["opt"] = cpu_adamw(list(model.parameters()), state["opt"].defaults["lr"],
-                                     notes, fused=False)
-            state["opt"].step()
-        state["checked"] = True
-        state["opt"].zero_grad()
-        return loss.detach()
-    return step
+            self._fall_back(f"failed at its first step ({exc})")
+            self.opt.step()
+        self.checked = True
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
 
 
 SETUPS = {"tierd": setup_tierd, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2}
