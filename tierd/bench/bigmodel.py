@@ -5,6 +5,17 @@
     python -m tierd.bench.bigmodel --out DIR --largest --systems fsdp2 --ladder 16,20,24,28
     python -m tierd.bench.bigmodel --out DIR --tiny                 # CPU smoke run, same code
 
+On a machine whose commands may run 10 minutes, run slices into one DIR (each
+call merges into ``DIR/bigmodel.json``); ``--budget-s`` starts an attempt only
+if its whole ``--timeout`` still fits, e.g.:
+
+    python -m tierd.bench.bigmodel --out /tmp/sanity --models tiny --batch 2 --timeout 240
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models 8B --batch 8 --timeout 540
+    python -m tierd.bench.bigmodel --out DIR --systems deepspeed --models 8B,13B --batch 8 \
+        --timeout 260 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --largest --systems tierd --ladder 48,64,80,96 \
+        --ladder-from 64 --timeout 540 --budget-s 550   # one rung; the next call: --ladder-from 80
+
 Models are ``LlamaForCausalLM`` from config with random weights (names in
 ``tierd.bench.bigmodel_models``: 8B, 13B, L<layers> at the 8B width), sdpa
 attention, activation checkpointing, bf16 compute, labels = inputs. Systems
@@ -80,6 +91,7 @@ from tierd.bench import bigmodel_results as results
 from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt
 from tierd.bench.bigmodel_models import rung_name, shape_of
 from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
+
 
 class Budget:
     """The call's time: an attempt starts only if its whole ``--timeout`` fits in
@@ -161,7 +173,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default="8B,13B", help="comma-separated: 8B, 13B, L<layers> "
                     "(8B width), tiny (default 8B,13B)")
     ap.add_argument("--batch", default=None, help="batches to try from the largest down, "
-                    "every system (default 8,4,2,1; --largest 4,2,1; --tiny 2)")
+                    "every system (default 8,4,2,1; --largest 1; --tiny 2)")
     for s in SYSTEMS:
         ap.add_argument(f"--batch-{s}", default=None, help=f"{s}'s own batches (over --batch)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
@@ -174,7 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ladder", default="24,32,48,64,80,96", help="layer counts at the 8B "
                     "width (8B has 32; each layer is 218M parameters)")
     ap.add_argument("--ladder-from", type=int, default=0, help="start at this rung (layers)")
-    ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s")
+    ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s (default 540)")
     ap.add_argument("--budget-s", type=float, default=None, help="the call's time: an "
                     "attempt starts only if its --timeout fits in what is left (the others "
                     "get a not-run row, which does not replace a measured one)")
@@ -223,7 +235,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.steps = args.steps if args.steps is not None else (2 if largest or tiny else 3)
     if args.seq < 1 or args.warmup < 0 or args.steps < 1:
         raise ValueError("--seq and --steps must be >= 1, --warmup >= 0")
-    default = "2" if tiny else "4,2,1" if largest else "8,4,2,1"
+    default = "2" if tiny else "1" if largest else "8,4,2,1"
     base = _ints(args.batch or default, "--batch")
     args.batches = {s: _ints(getattr(args, f"batch_{s}"), f"--batch-{s}")
                     if getattr(args, f"batch_{s}") else base for s in SYSTEMS}

@@ -5,12 +5,12 @@
 SPEC is a :class:`tierd.bench.bigmodel_systems.RunSpec` as JSON. RESULT is
 rewritten (atomically) after every phase, so a parent that kills this
 process for time or host memory still knows how far it got: ``phase``,
-``setup_s`` (and ``setup_phases``: seconds per named part), ``step_s`` (every step, CUDA-synchronised), ``losses``,
-``peak_gpu_gb`` / ``peak_gpu_reserved_gb`` (``max_memory_allocated`` /
-``max_memory_reserved`` during the steps; ``setup_peak_gpu_gb`` while the
-system built the model), ``notes``, and at the end
-``done`` or ``error`` (with ``oom_in_step``: the GPU ran out of memory during
-a training step, so a smaller batch may fit).
+``setup_s`` (and ``setup_phases``: seconds per named part), ``step_s`` (every
+step, CUDA-synchronised), ``losses``, ``peak_gpu_gb`` /
+``peak_gpu_reserved_gb`` (``max_memory_allocated`` / ``max_memory_reserved``
+during the steps; ``setup_peak_gpu_gb`` while the system built the model),
+``notes``, and at the end ``done`` or ``error`` (with ``oom_in_step``: the GPU
+ran out of memory during a training step, so a smaller batch may fit).
 """
 
 from __future__ import annotations
