@@ -40,6 +40,11 @@ def main() -> None:
     ap.add_argument("--compute-dtype", default="fp32")
     ap.add_argument("--resident-below", type=int, default=0,
                     help="attach's resident_below_bytes (small params stay on the device)")
+    ap.add_argument("--gpu-memory-bytes", type=int, default=None,
+                    help="attach's gpu_memory_bytes (on the CPU: placement against it)")
+    ap.add_argument("--last-rank-gpu-memory-bytes", type=int, default=None,
+                    help="the last rank asks for another cap (every rank gets the smallest)")
+    ap.add_argument("--device", default=None, help="attach's device (default: its own choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -56,6 +61,9 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     odd = args.last_rank_n_embd is not None and rank == world - 1
+    cap = args.gpu_memory_bytes
+    if args.last_rank_gpu_memory_bytes is not None and rank == world - 1:
+        cap = args.last_rank_gpu_memory_bytes
     model = gpt2(seed=args.seed, n_embd=args.last_rank_n_embd if odd else args.n_embd)
     data = batches(args.steps * args.accumulate, batch=args.global_batch, seed=args.seed + 1)
     share = args.global_batch // world
@@ -64,7 +72,8 @@ def main() -> None:
         if args.tierd:
             model = tierd.attach(model, job=args.job, resume=args.resume,
                                  compute_dtype=args.compute_dtype,
-                                 resident_below_bytes=args.resident_below)
+                                 resident_below_bytes=args.resident_below,
+                                 gpu_memory_bytes=cap, device=args.device)
             opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
                                     max_grad_norm=args.clip,
                                     accumulation_steps=args.accumulate)
@@ -78,6 +87,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             for micro in range(args.accumulate):
                 ids = data[step * args.accumulate + micro][rank * share:(rank + 1) * share]
+                ids = ids if args.device is None else ids.to(args.device)
                 loss = model(input_ids=ids, labels=ids).loss / args.accumulate
                 loss.backward()
                 result["losses"].append(loss.item())
@@ -92,7 +102,12 @@ def main() -> None:
         if args.tierd:
             stats = tierd.client.attach.session_of(model).client.stats()
             result["job"] = stats["jobs"].get(args.job)
-            result["session"] = tierd.client.attach.session_of(model).stats()
+            session = tierd.client.attach.session_of(model)
+            result["session"] = session.stats()
+            plan = session.placer.plan
+            result["plan"] = None if plan is None else {
+                "places": {i: p.value for i, p in plan.places.items()},
+                "device_bytes": plan.device_bytes, "streamed_bytes": plan.streamed_bytes}
             tierd.detach(model)
     except Exception as exc:   # the test reads what each rank saw
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -57,6 +57,7 @@ from tierd.client.store import Store
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
+from tierd.optim.resident import device_values
 
 _SESSION_ATTR = "_tierd_session"
 
@@ -133,7 +134,7 @@ class AttachSession:
             dtype=config.compute_dtype, deliver=self._deliver_grad)
         tps = [tp for tp in self.params.values() if not tp.resident]
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
-        cap = None if ranks is not None else resolve_cap(self.device, config.gpu_memory_bytes)
+        cap = resolve_cap(self.device, config.gpu_memory_bytes)
         self.placer = Placer(self, cap, explicit=config.gpu_memory_bytes is not None)
         self.hooks = ModuleHooks(self)
         self.activations = None if config.activations is None else ActivationTiering(
@@ -238,16 +239,17 @@ class AttachSession:
         self.counters.hook_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------- movement
-    def settle(self, *, synchronize: bool = True) -> None:
+    def settle(self, *, synchronize: bool = True, write_resident: bool = True) -> None:
         """Bring every parameter back to rest: freed, no lease pending; with
         ``synchronize`` also every copy landed (before the host reads the pool)
-        and no value kept for the next step."""
+        and no value kept for the next step; resident optimizer state is
+        written to the pool unless ``write_resident`` is False."""
         self.grads.flush()
         self.mover.settle(synchronize=synchronize)
         if synchronize:
             t0 = time.perf_counter()
             for opt in self.optimizers:
-                opt.settle()
+                opt.settle(write_resident=write_resident)
             self.copy.synchronize()
             self.releases.drain(block=True)
             self.counters.wait_seconds += time.perf_counter() - t0
@@ -260,8 +262,8 @@ class AttachSession:
 
     def finish_update(self) -> None:
         """The end of ``opt.step()`` on every rank (nothing without ranks)."""
-        if self.share is not None:
-            self.share.finish_update(self.settle)
+        if self.share is not None:   # resident units stay: no rank reads them from the pool
+            self.share.finish_update(lambda: self.settle(write_resident=False))
 
     # ------------------------------------------------------------- values
     def zero_grad(self, tps: list[TieredParam] | None = None) -> None:
@@ -288,9 +290,13 @@ class AttachSession:
             self.leases.release(keys)
 
     def read_values(self, tps: list[TieredParam]) -> dict[TieredParam, torch.Tensor]:
-        """Current values (fp32 master if any), as new CPU tensors in the original dtype."""
-        got = self.read([tp.master_key for tp in tps])
-        return {tp: got[tp.master_key].to(tp.orig_dtype) for tp in tps}
+        """Current values (fp32 master if any), as new CPU tensors in the original dtype.
+        Under torch.distributed a rank's own resident copy is read (the pool
+        has its owner's, written back by the owner alone)."""
+        local = {} if self.share is None else device_values(self, tps)
+        got = self.read([tp.master_key for tp in tps if tp not in local])
+        return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
+                else got[tp.master_key].to(tp.orig_dtype) for tp in tps}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients by parameter name (for inspection)."""

@@ -53,6 +53,36 @@ publishes are acknowledged by the daemon, a barrier of the node's ranks, then
 drop the leases held on shared keys and lease them again, which yields the
 new versions. After ``step()`` returns on any rank, every owner of its node
 has published, so the next forward reads the updated weights.
+
+[Note: resident units are replicas]
+Placement ([Note: the GPU is the first tier] in ``tierd.client.placement``)
+keeps some units on every rank's device. Two ways keep the ranks' copies of
+such a unit equal; per step, with P its parameters, G ranks, b bytes per
+compute-dtype element and s the fp32 state bytes per parameter (16 for AdamW
+with the master):
+
+- *replicas* (DDP): the unit's gradient is all-reduced, every rank runs the
+  same update on the same averaged gradient and its own copy of master and
+  moments. Interconnect: one all-reduce of P*b (ring: 2(G-1)/G * P*b per
+  rank); PCIe: 0. Device memory: P*(b+s) on every rank.
+- *owner updates and broadcasts*: the gradient is reduced to the owner only
+  (P*b, a reduce costs what half an all-reduce does), the owner updates and
+  broadcasts the new compute copy (P*b again): about the same interconnect
+  bytes as the all-reduce, but the broadcast cannot start before the update
+  ends, so it sits on the step's critical path, where the all-reduce overlaps
+  backward. Device memory: P*b on every rank plus P*s on the owner only.
+
+The bytes over the interconnect are the same to within a broadcast's latency;
+owner-broadcast saves (G-1)*P*s of device memory per unit across the ranks,
+which placement could spend on other units, but serialises a broadcast after
+every update and needs the other ranks to wait for it before the next
+forward. tierd keeps replicas (what DDP does): no extra collective on the
+critical path and nothing of a resident unit crosses PCIe. This is reasoned,
+not measured (one GPU was available). Replicas need the plan to be the same
+on every rank, so it is agreed ([Note: one plan for every rank] in
+``tierd.client.placer``), and the node's copy in the daemon is written back
+by the unit's owner alone, when the host reads the pool (commit,
+``state_dict()``, detach, a new plan); the other ranks read their own copy.
 """
 
 from __future__ import annotations
@@ -121,6 +151,13 @@ class Ranks:
         collective(lambda: dist.all_reduce(out, group=self.node), "sum of the clip norm")
         return out
 
+    def agree_max(self, values: list[int], what: str) -> list[int]:
+        """The elementwise largest of ``values`` over every rank of the job
+        (negate an entry for the smallest)."""
+        out = torch.tensor(values, dtype=torch.int64)
+        collective(lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.control), what)
+        return out.tolist()
+
     def from_leader(self, obj, what: str):
         """The leader's ``obj`` on every rank of the node."""
         box = [obj]
@@ -179,7 +216,8 @@ def join(process_group, *, socket_path: Path | None, job: str | None, model: nn.
     mine = dict(rank=dist.get_rank(), host=socketlib.gethostname(),
                 socket=str(socket_path) if socket_path else None, job=job,
                 model=signature(model, config), device=str(device),
-                gpus=torch.cuda.device_count() if device.type == "cuda" else 0)
+                gpus=torch.cuda.device_count() if device.type == "cuda" else 0,
+                backend=str(dist.get_backend(process_group)))
     everyone: list[dict] = [None] * len(ranks)   # type: ignore[list-item]
     collective(lambda: dist.all_gather_object(everyone, mine, group=control), "attach")
     check_agreement(everyone)
@@ -209,7 +247,8 @@ def join(process_group, *, socket_path: Path | None, job: str | None, model: nn.
 
 def check_agreement(everyone: list[dict]) -> None:
     """Raise StateError unless every rank (one dict each: rank, host, job,
-    model signature, device, GPUs of its host) can share the job."""
+    model signature, device, GPUs of its host, backend of the caller's group)
+    can share the job. NCCL needs a GPU of its own per rank; gloo does not."""
     jobs = {i["job"] for i in everyone}
     if len(jobs) > 1:
         raise StateError(f"the ranks attach in different jobs {sorted(jobs)}; pass the same "
@@ -222,6 +261,8 @@ def check_agreement(everyone: list[dict]) -> None:
             f"{[i['rank'] for i in odd]} differ from rank {first['rank']} (first difference: "
             f"{_first_difference(odd[0]['model'], first['model'])}); build the same model "
             "with the same attach options on every rank")
+    if all(i.get("backend") == "gloo" for i in everyone):
+        return   # gloo stages CUDA tensors through the host: ranks may share a GPU
     by_host: dict[str, list[dict]] = {}
     for i in everyone:
         by_host.setdefault(i["host"], []).append(i)
@@ -277,7 +318,8 @@ class GradReducer:
 
     ``buckets`` are tuples of TieredParams (one per unit), ``owners`` the
     local rank owning each, ``deliver(tp, grad)`` is called on the owner
-    for every parameter some rank had a gradient for.
+    for every parameter some rank had a gradient for, and on every rank for
+    the parameters of replicated buckets (:meth:`replicate`).
     """
 
     def __init__(self, ranks: Ranks, buckets: list[tuple], owners: list[int],
@@ -294,6 +336,7 @@ class GradReducer:
         self.expected: dict = {}              # tp -> deliveries in the first backward
         self.order: list[int] | None = None   # agreed launch order
         self.reduced_bytes = 0                # bytes this rank sent into reductions
+        self.everywhere: frozenset[int] = frozenset()   # buckets every rank updates
         self._got: dict = {}
         self._grads: dict = {}            # tp -> fp32 sum of this backward's deliveries
         self._completed: list[int] = []   # buckets in the order their last gradient came
@@ -347,6 +390,11 @@ class GradReducer:
         self._done.clear()
         self._cursor = 0
 
+    def replicate(self, buckets: frozenset[int]) -> None:
+        """From the next backward on, reduce ``buckets`` to every rank and hand
+        them out everywhere ([Note: resident units are replicas])."""
+        self.everywhere = frozenset(buckets)
+
     # ------------------------------------------------------------ internals
     def _launch_ready(self) -> None:
         while self._cursor < len(self.order) and self.order[self._cursor] in self._ready:
@@ -367,7 +415,7 @@ class GradReducer:
         flat = torch.cat(parts + had).to(self.dtype)
         self.reduced_bytes += flat.numel() * flat.element_size()
         r = self.ranks
-        if r.nodes == 1:   # only the node's owner needs the sum
+        if r.nodes == 1 and b not in self.everywhere:   # only the node's owner needs the sum
             dst = r.node_ranks[self.owners[b]]
             work = collective(lambda: dist.reduce(flat, dst=dst, group=r.group, async_op=True),
                               "the gradient reduction")
@@ -386,7 +434,7 @@ class GradReducer:
             collective(work.wait, "the gradient reduction")
             if self.stats is not None:
                 self.stats.wait_seconds += time.perf_counter() - t0
-            if self.owners[b] == self.ranks.local_rank:
+            if self.owners[b] == self.ranks.local_rank or b in self.everywhere:
                 self._hand_out(b, flat)
 
     def _hand_out(self, b: int, flat: torch.Tensor) -> None:

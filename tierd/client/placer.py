@@ -20,6 +20,23 @@ that step is measured anew: one slow step, never an out-of-memory error.
 On the CPU nothing is measured: placement runs only with an explicit
 ``gpu_memory_bytes`` (for tests), against that budget.
 
+[Note: one plan for every rank]
+Under torch.distributed the units placed whole are replicas on every rank
+([Note: resident units are replicas] in ``tierd.client.distributed``), and
+their gradients are all-reduced where the others are reduced to an owner,
+so every rank must hold the same plan and change it at the same step. Each
+rank measures its own step; what the plan depends on is agreed in one small
+gloo all-reduce (MAX, a MIN as the MAX of negatives) over every rank: the cap
+at attach (the smallest; none if any rank streams everything), then at each
+training step whether the inputs changed or a step outgrew the plan on any
+rank, whether every rank is ready, and the smallest budget; when a plan is
+made, each unit's optimizer bytes (only its owner has them) and whether
+every rank can keep it as a replica (else at most its weights are kept).
+Forwards without autograd (evaluation, perhaps on one rank only) leave the
+plan alone, as they leave DDP's buffers alone. A plan is applied only
+between accumulation windows, so a replica never misses a gradient its
+owner summed.
+
 [Note: placement and activation tiering share one budget]
 Activation tiering decides first, placement second. ``activations="auto"``
 plans against its own budget (``ActivationConfig.budget_bytes``) with every
@@ -40,6 +57,7 @@ import torch
 
 from tierd.client.placement import Place, Placement, UnitBytes, plan_placement
 from tierd.client.torch_internals import tree_flatten
+from tierd.optim.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
 
@@ -50,8 +68,8 @@ _MARGIN_FRACTION = 0.04
 class PlacerState(enum.Enum):
     """What the placer does with the running step.
 
-    OFF: no placement (``gpu_memory_bytes=0``, the CPU without it, or under
-        torch.distributed).
+    OFF: no placement (``gpu_memory_bytes=0``, or the CPU without it; under
+        torch.distributed: on any rank).
     MEASURING: the step streams what no plan holds and its device peak is measured.
     PLACED: a plan is applied; each step's peak is checked against it.
     """
@@ -84,7 +102,9 @@ def resolve_cap(device: torch.device, requested: int | float | None) -> int | No
 
 
 class Placer:
-    """Placement of one attached model's units (see the Notes above).
+    """Placement of one attached model's units (see the Notes above); under
+    torch.distributed every rank holds the same plan ([Note: one plan for
+    every rank]), its resident units kept as replicas.
 
     Example:
         >>> placer = Placer(session, cap=40 << 30)   # doctest: +SKIP
@@ -93,23 +113,38 @@ class Placer:
 
     def __init__(self, session, cap: int | None, *, explicit: bool) -> None:
         self._session = session
-        self.cap = cap
-        cuda = session.device.type == "cuda"
-        self._cuda = cuda
-        # an explicit cap is the user's; free memory at attach also has to leave
-        # room for the allocator's slack
-        fraction = int(_MARGIN_FRACTION * (cap or 0))
-        self._margin = 0 if not cuda else fraction if explicit else max(_MARGIN_MIN, fraction)
-        self._base = torch.cuda.memory_allocated(session.device) if cuda else 0
-        self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
+        self._ranks = None if session.share is None else session.share.ranks
+        self._cuda = session.device.type == "cuda"
+        self._base = torch.cuda.memory_allocated(session.device) if self._cuda else 0
         self.plan: Placement | None = None
         self._placed: list = []          # TieredParams made resident by the plan
+        self._replicas: list = []        # under ranks: ReplicaUpdates of others' units
         self._signature = None           # root inputs' shapes of the measured step
         self._non_model = 0              # measured non-model peak the plan assumed
         self._measured_steps = 0
         self.replans = 0
+        self.cap, self._explicit = cap, explicit
+        self.state = PlacerState.OFF     # under ranks until :meth:`join_ranks`
+        if self._ranks is None:
+            self._configure(cap, explicit)
+
+    def _configure(self, cap: int | None, explicit: bool) -> None:
+        self.cap = cap
+        # an explicit cap is the user's; free memory at attach also has to leave
+        # room for the allocator's slack
+        fraction = int(_MARGIN_FRACTION * (cap or 0))
+        self._margin = (0 if not self._cuda else fraction if explicit
+                        else max(_MARGIN_MIN, fraction))
+        self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
         if cap is not None and explicit:
             self._check_cap(cap)
+
+    def join_ranks(self) -> None:
+        """Under torch.distributed, once every rank has its session: place
+        within the smallest cap of any rank ([Note: one plan for every rank])."""
+        low, explicit = self._ranks.agree_max([-(self.cap or 0), int(self._explicit)],
+                                              "agreeing on gpu_memory_bytes")
+        self._configure(-low or None, bool(explicit))
 
     def _check_cap(self, cap: int) -> None:
         need = max((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
@@ -126,29 +161,46 @@ class Placer:
         """A root forward begins a step (``signature``: its inputs' shapes)."""
         if self.state is PlacerState.OFF:
             return
-        if self._signature is not None and signature != self._signature:
+        if self._ranks is not None and not torch.is_grad_enabled():
+            return   # not a training step: [Note: one plan for every rank]
+        changed = self._signature is not None and signature != self._signature
+        non_model = self._read_step()
+        grew = (self.state is PlacerState.PLACED
+                and non_model > self._non_model + self._margin // 2)
+        ready, budget = self._ready(), max(0, self.cap - non_model - self._margin)
+        if self._ranks is not None:
+            got = self._ranks.agree_max([int(changed), int(grew), int(not ready), -budget],
+                                        "agreeing on the placement")
+            changed, grew, ready, budget = bool(got[0]), bool(got[1]), not got[2], -got[3]
+        if changed:
             log.info("tierd placement: the inputs changed (%s -> %s); streaming everything "
                      "and measuring this step", self._signature, signature)
             self._reset()
-        non_model = self._read_step()
-        if self.state is PlacerState.MEASURING:
-            if self._ready():
-                self._place(non_model)
-        elif non_model > self._non_model + self._margin // 2:
+        elif self.state is PlacerState.MEASURING:
+            if ready:
+                self._place(non_model, budget)
+        elif grew:
             self.replans += 1
             log.info("tierd placement: the step needed %d bytes besides the plan, %d planned; "
                      "placing again", non_model, self._non_model)
             self._reset()
-            self._place(non_model)
+            if ready:
+                self._place(non_model, budget)
         self._signature = signature
         self._start_measuring()
 
     def _ready(self) -> bool:
-        """A whole step was measured, and activation tiering has its final plan."""
+        """A whole step was measured, and activation tiering has its final plan;
+        under ranks also no window is half-way ([Note: one plan for every rank])."""
         if self._measured_steps < 1:
             return False
         act = self._session.activations
-        return act is None or act.stage.name == "DONE"
+        if act is not None and act.stage.name != "DONE":
+            return False
+        session = self._session
+        return self._ranks is None or (
+            all(f.backwards == 0 for f in session.optimizers)
+            and not any(tp.grad_in_pool for tp in session.params.values()))
 
     def _start_measuring(self) -> None:
         if self._cuda:
@@ -173,9 +225,22 @@ class Placer:
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members), state))
         return out
 
-    def _place(self, non_model: int) -> None:
-        budget = max(0, self.cap - non_model - self._margin)
-        plan = plan_placement(self.unit_bytes(), budget)
+    def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
+        """Under ranks: each unit's optimizer bytes as its owner counts them,
+        0 where some rank cannot keep the unit as a replica."""
+        session, n = self._session, len(units)
+        odd = [int(not can_replicate(session, session.registry.members(u)))
+               for u in session.units]
+        got = self._ranks.agree_max([u.state_bytes for u in units] + odd,
+                                    "agreeing on the units' optimizer bytes")
+        return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i])
+                for i, u in enumerate(units)]
+
+    def _place(self, non_model: int, budget: int) -> None:
+        units = self.unit_bytes()
+        if self._ranks is not None:
+            units = self._agreed(units)
+        plan = plan_placement(units, budget)
         self._apply(plan)
         self.plan, self._non_model = plan, non_model
         self.state = PlacerState.PLACED
@@ -202,6 +267,10 @@ class Placer:
         self._placed = weights
         resident = [tp for i in plan.units_at(Place.RESIDENT)
                     for tp in session.registry.members(units[i])]
+        if self._ranks is not None:   # [Note: resident units are replicas]
+            resident = session.share.replicable(resident)
+            self._replicas = replicate(session, resident)
+            session.share.replicate(resident)
         for opt in session.optimizers:
             opt.pin(resident)
         session.mover.replan(keep_trace=True)
@@ -212,10 +281,15 @@ class Placer:
             return
         session = self._session
         session.settle()
+        drop_replicas(session, self._replicas)
+        self._replicas = []
         for opt in session.optimizers:
             opt.unpin(self._placed)
         if self._placed:
             session.registry.set_resident(self._placed, False)
+        if self._ranks is not None:   # every rank reads what the owners wrote back
+            session.share.replicate(())
+            session.share.sync(session.settle, "streaming the resident units again")
         self._placed, self.plan = [], None
         session.mover.replan()   # the units placed whole left the trace: learn it again
         session.client.report_device(0)

@@ -4,7 +4,9 @@ Only built when the model is attached with several ranks; see [Note: one copy
 per node], [Note: shared and private keys] and [Note: when an update is
 visible] in ``tierd.client.distributed``. It decides which rank owns each
 parameter's optimizer state, reduces gradients to owners, and publishes the
-owner's new versions of shared keys.
+owner's new versions of shared keys. Parameters of units placement keeps on
+every rank's device are *replicated* ([Note: resident units are replicas]):
+their gradients reach every rank, and no rank reads them from the pool.
 """
 
 from __future__ import annotations
@@ -56,6 +58,25 @@ class RankShare:
                                    dtype=dtype, stats=counters)
         for tp in registry.params.values():
             leases.shared.update((tp.key, tp.master_key))
+        #: every rank updates these on its device (see :meth:`replicate`)
+        self.replicated: frozenset[TieredParam] = frozenset()
+
+    def replicable(self, tps) -> list[TieredParam]:
+        """The parameters of every gradient bucket made only of ``tps`` (a
+        replica needs its whole bucket: its gradients come in one reduction)."""
+        chosen = set(tps)
+        return [tp for bucket in self.reducer.buckets if chosen.issuperset(bucket)
+                for tp in bucket]
+
+    def bucket_tps(self, tp: TieredParam) -> tuple[TieredParam, ...]:
+        """The parameters whose gradients are reduced with ``tp``'s."""
+        return self.reducer.buckets[self.reducer.bucket_of[tp]]
+
+    def replicate(self, tps) -> None:
+        """From the next backward on, every rank gets (and updates) the averaged
+        gradients of ``tps``, whole gradient buckets (:meth:`replicable`)."""
+        self.replicated = frozenset(tps)
+        self.reducer.replicate(frozenset(self.reducer.bucket_of[tp] for tp in tps))
 
     def owns(self, tp: TieredParam) -> bool:
         """This rank keeps ``tp``'s optimizer state."""
@@ -97,14 +118,20 @@ class RankShare:
     def finish_update(self, settle: Callable[[], None]) -> None:
         """The end of ``opt.step()`` on every rank ([Note: when an update is
         visible]): resident parameters another rank owns are read again."""
-        settle()
-        self._leases.confirm_publishes()
-        self.ranks.barrier("the end of opt.step()")
-        self._leases.renew_shared()
-        stale = [tp for tp in self._registry.resident()
-                 if tp.param.requires_grad and not self.owns(tp)]
+        self.sync(settle, "the end of opt.step()")
+        stale = [tp for tp in self._registry.resident() if tp.param.requires_grad
+                 and not self.owns(tp) and tp not in self.replicated]
         if stale:
             values = self._store.get_many([tp.key for tp in stale])
             with torch.no_grad():
                 for tp in stale:
                     tp.param.data.copy_(values[tp.key])
+
+    def sync(self, settle: Callable[[], None], what: str) -> None:
+        """Once every rank of the node is here, each reads what the others
+        published before: settle, have the daemon take this rank's publishes,
+        a barrier, then lease the shared keys' current versions."""
+        settle()
+        self._leases.confirm_publishes()
+        self.ranks.barrier(what)
+        self._leases.renew_shared()

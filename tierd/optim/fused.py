@@ -208,9 +208,9 @@ class FusedUpdates:
         self.updated = False
         self.backwards = 0
 
-    def settle(self) -> None:
+    def settle(self, *, write_resident: bool = True) -> None:
         """Nothing fetched, every copy out landed, resident state written to
-        the pool (before the host reads the pool)."""
+        the pool (before the host reads the pool; not with ``write_resident=False``)."""
         if not self.active:
             self._release_fetched()
             for done, nbytes in self._outstanding:
@@ -218,7 +218,7 @@ class FusedUpdates:
                 self._fetched_bytes -= nbytes
             self._outstanding.clear()
             for b in self.buckets:
-                if b.dirty:
+                if b.dirty and write_resident:
                     write_back(self.session, self.opt, b)
 
     # ------------------------------------------------------------ residency
@@ -363,7 +363,7 @@ class FusedUpdates:
             shared = session.leases.shared
             b.to_fetched({k: v.clone() if b.pinned or k in shared else v
                           for k, v in views.items()}, None)
-        if session.leases.shared:   # the daemon answers while the copy runs
+        if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
         self._fetched_bytes += b.nbytes
 

@@ -1,0 +1,109 @@
+"""Placement under torch.distributed (gloo): every rank keeps the resident
+units on its device as replicas, the rest streams from the node's one copy.
+
+Ranks are real processes sharing a real daemon (``tests/client/dist_worker.py``).
+On the CPU placement runs against an explicit ``gpu_memory_bytes``; the caps
+below give this model (2-layer GPT-2, fp32, AdamW) a plan with units of
+every kind: 266240 keeps the layer norms whole, most weights, and streams the
+MLPs; 626240 keeps the tied embedding and an attention projection whole and
+every other unit's weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.client.test_distributed import TOL, assert_matches, run_ranks
+from tests.conftest import start_daemon
+
+MIXED_CAP = 266240
+EMBEDDING_CAP = 626240
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory) -> dict:
+    """Plain torch, one process, global batch 4, 4 steps."""
+    return run_ranks(tmp_path_factory.mktemp("ref4"), [None], "--steps", "4")[0]
+
+
+def _assert_replicas(results: list[dict]) -> None:
+    """Every rank holds the same plan and bitwise the same values."""
+    first = results[0]
+    for r in results:
+        assert "error" not in r and "exited" not in r, r
+        assert r["session"]["placement"] == "placed", r["session"]
+        assert r["plan"] == first["plan"]
+        for name, want in first["weights"].items():
+            assert torch.equal(r["weights"][name], want), f"rank {r['rank']}: {name}"
+
+
+def test_ranks_keep_resident_units_as_replicas_within_the_smallest_cap(
+        daemon_factory, tmp_path, reference4):
+    daemon = daemon_factory(pool="256MiB")
+    # the last rank asks for far more: both plan within the smallest cap
+    results = run_ranks(tmp_path, [daemon.socket] * 2, "--steps", "4", "--tierd",
+                        "--gpu-memory-bytes", str(MIXED_CAP),
+                        "--last-rank-gpu-memory-bytes", str(1 << 30))
+    _assert_replicas(results)
+    assert_matches(results, reference4)
+    plan = results[0]["plan"]
+    assert plan["device_bytes"] <= MIXED_CAP
+    assert set(plan["places"].values()) == {"resident", "weights", "stream"}
+    for r in results:
+        assert r["session"]["resident_bytes"] > 0
+        assert r["session"]["placement_replans"] == 0
+
+
+def test_resident_replicas_commit_and_resume(daemon_factory, tmp_path_factory, reference4):
+    """A commit holds the owners' resident values; a resumed run continues
+    bitwise as one that never stopped (placement does not change the math)."""
+    full = run_ranks(tmp_path_factory.mktemp("full"), [daemon_factory(pool="256MiB").socket] * 2,
+                     "--steps", "4", "--tierd", "--job", "full",
+                     "--gpu-memory-bytes", str(MIXED_CAP))
+    _assert_replicas(full)
+    node = tmp_path_factory.mktemp("node")
+    args = ("--tierd", "--job", "res", "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    first = start_daemon(node, pool="256MiB")
+    try:   # placed from its second step on: the commit after it writes resident state back
+        before = run_ranks(tmp_path_factory.mktemp("first"), [first.socket] * 2,
+                           "--steps", "2", "--commit-at", "1", *args)
+    finally:
+        first.stop()
+    _assert_replicas(before)
+    assert "resident" in before[0]["plan"]["places"].values()
+    again = start_daemon(node, pool="256MiB")   # same NVMe dir: recovers the commit
+    try:
+        resumed = run_ranks(tmp_path_factory.mktemp("second"), [again.socket] * 2,
+                            "--steps", "4", "--resume", "--start-step", "2", *args)
+    finally:
+        again.stop()
+    _assert_replicas(resumed)
+    for r, f in zip(resumed, full):
+        assert r["losses"] == f["losses"][2:]
+        for name, want in f["weights"].items():
+            assert torch.equal(r["weights"][name], want), name
+    for name, want in reference4["weights"].items():
+        torch.testing.assert_close(resumed[0]["weights"][name], want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_on_one_gpu_keep_replicas_bitwise_like_streaming(daemon_factory,
+                                                                    tmp_path_factory):
+    """Two gloo ranks share cuda:0: placed (whatever fits in 256 MiB is
+    resident) gives bitwise the values of everything streamed."""
+    daemon = daemon_factory(pool="256MiB")
+    args = ("--steps", "4", "--tierd", "--device", "cuda:0")
+    placed = run_ranks(tmp_path_factory.mktemp("placed"), [daemon.socket] * 2, *args,
+                       "--job", "placed", "--gpu-memory-bytes", str(256 << 20))
+    streamed = run_ranks(tmp_path_factory.mktemp("streamed"), [daemon.socket] * 2, *args,
+                         "--job", "streamed", "--gpu-memory-bytes", "0")
+    _assert_replicas(placed)
+    assert "resident" in placed[0]["plan"]["places"].values()
+    for r in streamed:
+        assert "error" not in r, r
+    for p, s in zip(placed, streamed):
+        assert p["losses"] == s["losses"]
+        for name, want in s["weights"].items():
+            assert torch.equal(p["weights"][name], want), name
