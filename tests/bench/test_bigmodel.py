@@ -46,6 +46,7 @@ def test_tiny_run_trains_each_system_and_merges_later_calls(tmp_path):
     tiny = shape_of("tiny")
     for system in ("tierd", "fsdp2"):
         r = rows[system]
+        assert tuple(r)[:len(bigmodel_results.ROW_KEYS)] == bigmodel_results.ROW_KEYS
         for key, kind in SCHEMA.items():
             assert isinstance(r[key], kind), (system, key, r[key])
         assert r["error"] is None and r["model"] == "tiny" and r["batch"] == 2

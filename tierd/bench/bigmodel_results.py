@@ -135,12 +135,11 @@ def line(r: dict) -> str:
 
 def table(rows: list[dict], this_call: list[dict]) -> str:
     """Every row of the file; those measured in this call marked with *."""
-    mine = {id(r) for r in this_call}
     keys = {(r["model"], r["system"]) for r in this_call}
     out = [f"  {'model':>6} {'system':>9} {'params':>7} {'B':>3} {'tokens/s':>9} {'TFLOPS':>7} "
            f"{'GPU GB':>7} {'host GB':>7}  error"]
     for r in rows:
-        mark = "*" if id(r) in mine or (r["model"], r["system"]) in keys else " "
+        mark = "*" if (r["model"], r["system"]) in keys else " "
         out.append(f"{mark} {r['model']:>6} {r['system']:>9} {r['params'] / 1e9:6.2f}B "
                    f"{_fmt(r['batch'], '3d')} {_fmt(r['tokens_per_s'], '9.0f')} "
                    f"{_fmt(r['tflops'], '7.1f')} {_fmt(r['peak_gpu_gb'], '7.1f')} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -77,7 +78,8 @@ def run(spec: RunSpec, progress: Progress) -> None:
     t0 = time.perf_counter()
     trainer = SETUPS[spec.system](spec, shape, device, progress.setup_phase)
     progress.setup_phase("done")
-    progress.update(setup_s=time.perf_counter() - t0, notes=trainer.notes)
+    progress.state["notes"] = trainer.notes   # the same list: what a step adds shows
+    progress.update(setup_s=time.perf_counter() - t0)
     if device.type == "cuda":   # the row's peaks are the training steps'; building's is kept
         progress.state["setup_peak_gpu_gb"] = progress.state["peak_gpu_gb"]
         torch.cuda.reset_peak_memory_stats(device)
@@ -92,8 +94,10 @@ def run(spec: RunSpec, progress: Progress) -> None:
         value = float(loss)   # waits for the step's work
         sync(device)
         progress.state["step_s"].append(time.perf_counter() - t0)
-        progress.state["losses"].append(value)
-        progress.update(notes=trainer.notes)
+        if not math.isfinite(value):   # kept out of the JSON, which has no NaN
+            progress.state["notes"].append(f"loss {value} at step {i + 1}")
+        progress.state["losses"].append(value if math.isfinite(value) else None)
+        progress.update()
         print(f"[bigmodel] step {i + 1}/{total}: {progress.state['step_s'][-1]:.3f} s, loss "
               f"{value:.4f}, peak GPU {progress.state['peak_gpu_gb']:.1f} GB", flush=True)
     progress.update(phase="done", done=True)
