@@ -13,8 +13,8 @@ if its whole ``--timeout`` still fits, e.g.:
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models 8B --batch 8 --timeout 540
     python -m tierd.bench.bigmodel --out DIR --systems deepspeed --models 8B,13B --batch 8 \
         --timeout 260 --budget-s 540
-    python -m tierd.bench.bigmodel --out DIR --largest --systems tierd --ladder 48,64,80,96 \
-        --ladder-from 64 --timeout 540 --budget-s 550   # one rung; the next call: --ladder-from 80
+    python -m tierd.bench.bigmodel --out DIR --largest --systems tierd --ladder 48,64,72,80 \
+        --ladder-from 64 --timeout 540 --budget-s 550   # one rung; the next call: --ladder-from 72
 
 Models are ``LlamaForCausalLM`` from config with random weights (names in
 ``tierd.bench.bigmodel_models``: 8B, 13B, L<layers> at the 8B width), sdpa
@@ -61,20 +61,22 @@ machine has 128 GiB of RAM of which ~70 GiB can be page-locked.
   host memory (a row with the error; the watchdog if the kernel does not
   refuse first). tierd keeps ~100 GB of its 112 GB state on the GPU next to
   B=4-8 activations (~20-30 GB with checkpointing, fp32 logits dominate) and
-  streams the rest: 200-260 TFLOPS, ~4,500-5,500 tokens/s — if the embedded
+  streams the rest: 200-260 TFLOPS, ~4,100-5,400 tokens/s — if the embedded
   daemon's pool and NVMe hold the first (measuring) step's state; with 32 GiB
   of NVMe they did not before.
-- 13B (13.0B, 82.2 GFLOP/token): DeepSpeed ~235 GB, FSDP2 ~210 GB of host
+- 13B (13.0B, 82.1 GFLOP/token): DeepSpeed ~235 GB, FSDP2 ~210 GB of host
   memory: both fail. tierd streams ~70-80 GB of state per step in and out,
-  ~1.5 s at ~50 GB/s each way, overlapped with a ~2.5 s step: ~2,500-3,300
+  ~1.5 s at ~50 GB/s each way, overlapped with a ~2.5 s B=4 step: ~2,500-3,300
   tokens/s. "2x DeepSpeed at 13B" then has no DeepSpeed figure to compare
   with; the ladder gives the sizes where both run.
 - Largest: DeepSpeed ~L20 (5.4B) to L24 (6.3B) and FSDP2 ~L24 to L28
   (7.2B), bounded by host memory and the page-locking limit; their step is
   bound by the CPU AdamW (~2-4 s at 5-7B) and by bf16 weights crossing PCIe
-  three times (forward, recompute, backward). tierd: GPU (~105 GB of state)
-  + pool (~60 GB) + NVMe hold ~L80 (18.5B, 260 GB) only if the NVMe tier gets
-  ~100 GB of the 64 GiB disk's free space: expect L64 (15B) to L80.
+  three times (forward, recompute, backward). tierd's three tiers hold about
+  GPU ~120 GB (139 less B=1 activations and workspace) + pool <= ~75 GB (the
+  page-locking limit) + NVMe (whatever the 64 GiB disk has free, ~40 GB) =
+  ~235 GB of 14 B/param state: ~16.5B, so expect L64 (15.0B) to L72 (16.7B);
+  L80 (18.5B, ~260 GB) needs ~25 GB more than that.
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ladder", default="24,32,48,64,80,96", help="layer counts at the 8B "
                     "width (8B has 32; each layer is 218M parameters)")
     ap.add_argument("--ladder-from", type=int, default=0, help="start at this rung (layers)")
-    ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s (default 540)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="one attempt at most, s "
+                    "(default 540)")
     ap.add_argument("--budget-s", type=float, default=None, help="the call's time: an "
                     "attempt starts only if its --timeout fits in what is left (the others "
                     "get a not-run row, which does not replace a measured one)")
