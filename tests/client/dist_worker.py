@@ -34,6 +34,10 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--short-seq-from", type=int, default=None,
+                    help="from this step on, sequences are 8 tokens (new input shapes)")
+    ap.add_argument("--short-last-window", action="store_true",
+                    help="the last step has one micro-batch, not --accumulate")
     ap.add_argument("--tierd", action="store_true", help="attach (else plain torch)")
     ap.add_argument("--ddp", action="store_true", help="plain torch DDP (a reference)")
     ap.add_argument("--job", default="ddp")
@@ -85,8 +89,11 @@ def main() -> None:
         for step in range(args.start_step, args.steps):
             if args.die_at_step == step and rank == args.die_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-            for micro in range(args.accumulate):
+            micros = 1 if args.short_last_window and step == args.steps - 1 else args.accumulate
+            for micro in range(micros):
                 ids = data[step * args.accumulate + micro][rank * share:(rank + 1) * share]
+                if args.short_seq_from is not None and step >= args.short_seq_from:
+                    ids = ids[:, :8]
                 ids = ids if args.device is None else ids.to(args.device)
                 loss = model(input_ids=ids, labels=ids).loss / args.accumulate
                 loss.backward()

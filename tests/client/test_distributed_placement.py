@@ -107,3 +107,30 @@ def test_two_ranks_on_one_gpu_keep_replicas_bitwise_like_streaming(daemon_factor
         assert p["losses"] == s["losses"]
         for name, want in s["weights"].items():
             assert torch.equal(p["weights"][name], want), name
+
+
+def test_replicas_follow_accumulation_windows(daemon_factory, tmp_path_factory):
+    """Windows of two backwards, then a last one of one (updated in step()):
+    the replicas sum a window's gradients as the owner sums them in the pool."""
+    args = ("--steps", "3", "--accumulate", "2", "--short-last-window")
+    ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], *args)[0]
+    results = run_ranks(tmp_path_factory.mktemp("ranks"),
+                        [daemon_factory(pool="256MiB").socket] * 2, *args, "--tierd",
+                        "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    _assert_replicas(results)
+    assert "resident" in results[0]["plan"]["places"].values()
+    assert_matches(results, ref)
+
+
+def test_new_input_shapes_stream_everything_then_every_rank_places_again(
+        daemon_factory, tmp_path_factory):
+    """A shorter sequence at step 3: every rank streams again (the owners write
+    their resident units back first), measures, and places again at step 4."""
+    args = ("--steps", "5", "--short-seq-from", "3")
+    ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], *args)[0]
+    results = run_ranks(tmp_path_factory.mktemp("ranks"),
+                        [daemon_factory(pool="256MiB").socket] * 2, *args, "--tierd",
+                        "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    _assert_replicas(results)
+    assert "resident" in results[0]["plan"]["places"].values()
+    assert_matches(results, ref)
