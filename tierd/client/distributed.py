@@ -57,32 +57,37 @@ has published, so the next forward reads the updated weights.
 [Note: resident units are replicas]
 Placement ([Note: the GPU is the first tier] in ``tierd.client.placement``)
 keeps some units on every rank's device. Two ways keep the ranks' copies of
-such a unit equal; per step, with P its parameters, G ranks, b bytes per
-compute-dtype element and s the fp32 state bytes per parameter (16 for AdamW
-with the master):
+such a unit equal. Per step and unit, with P parameters, G ranks, b bytes per
+compute-dtype element and s bytes of fp32 optimizer state per parameter
+(AdamW: 12 with a separate master, 8 without):
 
-- *replicas* (DDP): the unit's gradient is all-reduced, every rank runs the
-  same update on the same averaged gradient and its own copy of master and
-  moments. Interconnect: one all-reduce of P*b (ring: 2(G-1)/G * P*b per
-  rank); PCIe: 0. Device memory: P*(b+s) on every rank.
+- *replicas* (what DDP does): the unit's gradient is all-reduced, and every
+  rank runs the same update on the same averaged gradient with its own
+  master and moments. Interconnect: one all-reduce of P*b, a ring sending
+  2(G-1)/G * P*b per rank, launched while backward runs. PCIe: none.
+  Device memory: P*(b+s) on every rank.
 - *owner updates and broadcasts*: the gradient is reduced to the owner only
-  (P*b, a reduce costs what half an all-reduce does), the owner updates and
-  broadcasts the new compute copy (P*b again): about the same interconnect
-  bytes as the all-reduce, but the broadcast cannot start before the update
-  ends, so it sits on the step's critical path, where the all-reduce overlaps
-  backward. Device memory: P*b on every rank plus P*s on the owner only.
+  ((G-1)/G * P*b per rank), the owner updates and broadcasts the new compute
+  copy ((G-1)/G * P*b): the same 2(G-1)/G * P*b per rank in all. Device
+  memory: P*b on every rank and P*s on the owner only, which saves
+  (G-1)*P*s across the node for placement to spend on other units. But the
+  broadcast can start only once the owner's update is done, and the next
+  forward needs it: it adds a collective on the critical path at the end of
+  every step, where the all-reduce hides under backward. (Through the
+  daemon, as streamed units are published, it would cost PCIe instead:
+  P*b out of the owner and P*b into every other rank.)
 
-The bytes over the interconnect are the same to within a broadcast's latency;
-owner-broadcast saves (G-1)*P*s of device memory per unit across the ranks,
-which placement could spend on other units, but serialises a broadcast after
-every update and needs the other ranks to wait for it before the next
-forward. tierd keeps replicas (what DDP does): no extra collective on the
-critical path and nothing of a resident unit crosses PCIe. This is reasoned,
-not measured (one GPU was available). Replicas need the plan to be the same
-on every rank, so it is agreed ([Note: one plan for every rank] in
-``tierd.client.placer``), and the node's copy in the daemon is written back
-by the unit's owner alone, when the host reads the pool (commit,
-``state_dict()``, detach, a new plan); the other ranks read their own copy.
+The interconnect bytes are equal; the owner's way trades a serialised
+broadcast per step for device memory. tierd keeps replicas: nothing of a
+resident unit crosses PCIe and nothing waits after the update. This is
+reasoned, not measured (the GPU machine had one GPU). Replicas need the same
+plan on every rank, so it is agreed ([Note: one plan for every rank] in
+``tierd.client.placer``). The node's copy in the daemon is written back by
+the unit's owner alone when the host reads the pool (commit,
+``state_dict()``, detach, a new plan; ``tierd.optim.resident.write_back``),
+as new versions of the shared keys; another rank reads its own copy
+(``AttachSession.read_values``) and gets its start from the owner once, when
+the plan is applied (``tierd.optim.replica``).
 """
 
 from __future__ import annotations

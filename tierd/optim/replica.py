@@ -134,40 +134,25 @@ def can_replicate(session, tps) -> bool:
 
 
 def replicate(session, tps: list[TieredParam]) -> list[ReplicaUpdates]:
-    """Start replicas of ``tps`` (whole gradient buckets, every rank calls
+    """Start replicas of ``tps`` (whole gradient buckets; every rank calls
     this with the same list): each bucket's owner sends its master, moments
-    and step counts over the node's group; the other ranks keep them on
-    their device. Returns this rank's new :class:`ReplicaUpdates`."""
+    and step counts, the other ranks keep them on their device. Returns this
+    rank's new :class:`ReplicaUpdates`."""
     share = session.share
-    ranks = share.ranks
-    buckets = list(dict.fromkeys(share.bucket_tps(tp) for tp in tps))
-    mine = [tp for bucket in buckets for tp in bucket if share.owns(tp)]
-    stored = session.read([k for tp in mine for k in _covering(session, tp).opt.state_keys(tp)])
     values: dict[str, torch.Tensor] = {}
     units: dict[FusedUpdates, list[list[TieredParam]]] = {}
-    for bucket in buckets:
-        owner = share.owns(bucket[0])
-        opts = [_covering(session, tp).opt for tp in bucket]
-        parts = [(tp, k) for tp, opt in zip(bucket, opts) for k in opt.state_keys(tp)]
-        sizes = [tp.param.numel() for tp, _ in parts] + [1] * len(bucket)
-        if owner:
-            steps = [torch.tensor([float(opt.state[tp.param].get("step", 0.0))])
-                     for tp, opt in zip(bucket, opts)]
-            flat = torch.cat([stored[k].reshape(-1) for _, k in parts] + steps)
-        else:
-            flat = torch.empty(sum(sizes), dtype=torch.float32)
-        src = ranks.node_ranks[share.owner_of[bucket[0]]]
-        collective(lambda: dist.broadcast(flat, src=src, group=ranks.node),
-                   "sending resident optimizer state to the replicas")
-        if owner:
+    for bucket in dict.fromkeys(share.bucket_tps(tp) for tp in tps):
+        covering = [_covering(session, tp) for tp in bucket]
+        parts = [(tp, k) for tp, f in zip(bucket, covering) for k in f.opt.state_keys(tp)]
+        flat = _from_owner(session, bucket, covering, parts)
+        if share.owns(bucket[0]):
             continue
-        pieces = flat.split(sizes)
+        pieces = flat.split([tp.param.numel() for tp, _ in parts] + [1] * len(bucket))
         for (tp, k), piece in zip(parts, pieces):
             values[k] = piece.reshape(tp.param.shape).to(session.device, copy=True)
-        for tp, opt, step in zip(bucket, opts, pieces[len(parts):]):
+        for tp, f, step in zip(bucket, covering, pieces[len(parts):]):
             if step.item() > 0:   # a parameter that never stepped has no count, as in torch
-                opt.state[tp.param]["step"] = step.item()
-        covering = [_covering(session, tp) for tp in bucket]
+                f.opt.state[tp.param]["step"] = step.item()
         for f in dict.fromkeys(covering):
             units.setdefault(f, []).append([tp for tp, c in zip(bucket, covering) if c is f])
     replicas = []
@@ -177,6 +162,26 @@ def replicate(session, tps: list[TieredParam]) -> list[ReplicaUpdates]:
         f.opt._fused.append(replica)
         replicas.append(replica)
     return replicas
+
+
+def _from_owner(session, bucket, covering, parts) -> torch.Tensor:
+    """One gradient bucket's state (``parts``: (param, key) in order, then a
+    step count per parameter) in one fp32 CPU tensor, broadcast by its owner
+    over the node's gloo group. One bucket at a time, so the host holds one
+    unit's state at most (once per plan, never per step)."""
+    share = session.share
+    ranks = share.ranks
+    if share.owns(bucket[0]):   # its state is in the pool: the plan settled first
+        stored = session.read([k for _, k in parts])
+        steps = [torch.tensor([float(f.opt.state[tp.param].get("step", 0.0))])
+                 for tp, f in zip(bucket, covering)]
+        flat = torch.cat([stored[k].reshape(-1) for _, k in parts] + steps)
+    else:
+        flat = torch.empty(sum(tp.param.numel() for tp, _ in parts) + len(bucket))
+    src = ranks.node_ranks[share.owner_of[bucket[0]]]
+    collective(lambda: dist.broadcast(flat, src=src, group=ranks.node),
+               "sending resident optimizer state to the replicas")
+    return flat
 
 
 def drop_replicas(session, replicas: list[ReplicaUpdates]) -> None:
