@@ -119,3 +119,15 @@ def test_two_ranks_on_one_gpu_keep_replicas_bitwise_like_streaming(daemon_factor
         for name, want in s["weights"].items():
             assert torch.equal(p["weights"][name], want), name
 
+
+
+def test_a_cap_too_small_on_one_rank_fails_attach_on_every_rank(daemon_factory, tmp_path):
+    daemon = daemon_factory(pool="256MiB")
+    results = run_ranks(tmp_path, [daemon.socket] * 2, "--steps", "1", "--tierd", "--job", "small",
+                        "--gpu-memory-bytes", str(EMBEDDING_CAP),
+                        "--last-rank-gpu-memory-bytes", "1000")
+    for r in results:   # the same error everywhere, no rank left waiting
+        assert r["error"].startswith("ValueError: gpu_memory_bytes=1000 is below"), r
+        assert "smallest cap that works" in r["error"] and "of any rank" in r["error"]
+    with daemon.connect(job="small") as client:   # the failed attach left nothing stored
+        assert client.keys("tierd-attach/") == []

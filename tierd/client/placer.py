@@ -144,7 +144,11 @@ class Placer:
         within the smallest cap of any rank ([Note: one plan for every rank])."""
         low, explicit = self._ranks.agree_max([-(self.cap or 0), int(self._explicit)],
                                               "agreeing on gpu_memory_bytes")
-        self._configure(-low or None, bool(explicit))
+        try:
+            self._configure(-low or None, bool(explicit))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (under torch.distributed every rank places within the "
+                             "smallest gpu_memory_bytes of any rank)") from None
 
     def _check_cap(self, cap: int) -> None:
         need = max((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
