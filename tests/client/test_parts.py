@@ -127,6 +127,27 @@ def test_fused_adamw_on_the_local_store_matches_torch_bitwise():
     assert_same_weights(model, ref)
 
 
+def test_fused_training_keeps_no_gradient_keys_after_the_learning_step():
+    """The first step sums gradients in the store; once updates run inside
+    backward those keys are deleted, and an accumulation window makes them again."""
+    ref = llama()
+    store = LocalStore()
+    model = attach(copy.deepcopy(ref), client=store, device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    grad_keys = lambda: [k for k in store.keys() if "/grad/" in k]   # noqa: E731
+    data = batches(3)
+    assert train(model, opt, data[:1]) == train(ref, ref_opt, data[:1])
+    assert grad_keys() == []
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert grad_keys() == []
+    assert_same_weights(model, ref)
+    opt.zero_grad()
+    tierd.optim.AdamW(model.parameters(), lr=1e-3, fused=False)   # sums in the store again
+    model(input_ids=data[0], labels=data[0]).loss.backward()
+    assert grad_keys()
+
+
 def test_commit_and_resume_on_the_local_store():
     store = LocalStore(job="run1")
     model = attach(gpt2(), client=store, job="run1", device="cpu")

@@ -278,6 +278,25 @@ class AttachSession:
         for tp in tps:
             tp.grad_in_pool = False
             tp.grad_norm = None
+        self._drop_unused_grads(tps)
+
+    def _drop_unused_grads(self, tps: list[TieredParam]) -> None:
+        """Delete the gradient keys no later backward writes: those of parameters
+        whose gradients a fused optimizer consumes inside every backward (a
+        window of one). The first (learning) step sums every gradient in the
+        pool; kept, those keys would hold 4 B/param of store for nothing (an
+        8B model: 32 GB). A later window that needs them makes them again."""
+        if self.share is not None:
+            return   # the node's ranks write gradient keys for each other
+        fused = [f for f in self.optimizers if f.fusing and f.learned and f.window == 1]
+        unused = [tp for tp in tps if tp.grad_created
+                  and any(tp in f.bucket_of for f in fused)]
+        if not unused:
+            return
+        self.settle()   # the last writes of those keys have landed
+        self.client.delete([tp.grad_key for tp in unused])
+        for tp in unused:
+            tp.grad_created = False
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """New CPU tensors with the stored bytes of this session's keys."""
