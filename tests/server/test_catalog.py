@@ -329,3 +329,60 @@ def test_superseded_commit_records_count_against_admission_until_the_next_commit
     catalog.finish_commit(settle(catalog, catalog.prepare_commit, s, "two"), None)
     assert record.state is ExtentState.FREED and catalog.admission.held_only_bytes == 0
     assert catalog.nvme.extents.used == catalog.entries[("job", "k")].disk.nbytes
+
+
+def _write(cat, s, key, nbytes, fill: int) -> None:
+    (p,) = settle(cat, cat.lease, s, (key,), True)
+    cat.pool.segments[p.segment].view(p.offset, nbytes)[:] = bytes([fill]) * nbytes
+    cat.release(s, (key,), True)
+
+
+def test_a_large_tensor_empties_whole_segments_not_scattered_tensors(tmp_path):
+    """[Note: room for a large tensor]: the pinned segments keep their tensors."""
+    nvme = NvmeStore(tmp_path, 64 * MiB)
+    pool = HostPool(16 * MiB, segment_size=4 * MiB)
+    cat = Catalog(pool, nvme)
+    s = cat.open_session(1, "job", pid=10, uid=0)
+    keys = [f"k{i}" for i in range(16)]          # 1 MiB each: 4 per segment
+    for i, k in enumerate(keys):
+        put(cat, s, k, MiB, i)
+    segment = {k: cat.entries[("job", k)].slot.segment.id for k in keys}
+    pinned = list(dict.fromkeys(segment.values()))[:3]
+    held = tuple(next(k for k in keys if segment[k] == sid) for sid in pinned)
+    settle(cat, cat.lease, s, held, False)       # one leased tensor in 3 of 4 segments
+    for k in reversed(keys):                     # the free segment's tensors are hottest
+        if segment[k] not in pinned:
+            read(cat, s, k)
+    put(cat, s, "big", 3 * MiB, 99)
+    for k in keys:   # room came from the one segment nothing pins
+        if segment[k] in pinned:
+            assert cat.entries[("job", k)].state is Residency.IN_POOL, k
+    assert cat.entries[("job", "big")].slot.segment.id not in pinned
+    cat.release(s, held, False)
+    put(cat, s, "huger", 6 * MiB, 98)            # above a segment: two whole ones go
+    for i, k in enumerate(keys):
+        assert read(cat, s, k) == bytes([i]) * 8
+    assert read(cat, s, "big") == bytes([99]) * 8 and read(cat, s, "huger") == bytes([98]) * 8
+    pool.close()
+    nvme.close()
+
+
+def test_nvme_copies_of_pooled_tensors_give_way_to_dirty_ones(tmp_path):
+    """Tensors read back from NVMe keep a clean copy there; when NVMe is full
+    those copies make room, so everything admitted stays writable."""
+    nvme = NvmeStore(tmp_path, 12 * MiB)
+    pool = HostPool(8 * MiB, segment_size=8 * MiB)
+    cat = Catalog(pool, nvme)
+    s = cat.open_session(1, "job", pid=10, uid=0)
+    keys = [f"k{i}" for i in range(8)]           # 2 MiB each: 16 MiB in 20 MiB of tiers
+    for i, k in enumerate(keys):
+        put(cat, s, k, 2 * MiB, i)
+    settle(cat, cat.lease, s, ("k0", "k1"), False)   # read back and kept: clean copies
+    for rnd in range(3):
+        for i, k in enumerate(keys[2:], 2):
+            _write(cat, s, k, 2 * MiB, 10 * rnd + i)
+    cat.release(s, ("k0", "k1"), False)
+    for i, k in enumerate(keys):
+        assert read(cat, s, k) == bytes([20 + i if i >= 2 else i]) * 8
+    pool.close()
+    nvme.close()

@@ -32,6 +32,7 @@ resizes the storage to 0, see the Note in ``tiered_param``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, fields
 
@@ -60,6 +61,8 @@ from tierd.errors import StateError
 from tierd.optim.resident import device_values
 
 _SESSION_ATTR = "_tierd_session"
+
+log = logging.getLogger("tierd.attach")
 
 
 @dataclass
@@ -145,11 +148,23 @@ class AttachSession:
         """Hold leases on ``keys`` for good if all held bytes stay under
         ``hold_fraction`` of the pool (see [Note: held leases] in leases.py)."""
         if self.held_bytes + nbytes > self.config.hold_fraction * self.pool_bytes:
+            if self.held_bytes and self._model_bytes() + nbytes > self.pool_bytes:
+                # the model spills to NVMe: a held key pins its pool bytes where
+                # they are, and the holes around it cannot take a large tensor
+                log.info("tierd: the model's keys exceed the pool (%d B); leasing per use "
+                         "so every key may spill", self.pool_bytes)
+                self.leases.end_holds()
+                self.held_bytes = 0
             return False
         if not self.leases.hold(keys):
             return False
         self.held_bytes += nbytes
         return True
+
+    def _model_bytes(self) -> int:
+        """Bytes of the model's values in the store (compute copies and fp32 masters)."""
+        return sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
+                   for tp in self.params.values())
 
     def owns(self, tp: TieredParam) -> bool:
         """This rank keeps ``tp``'s optimizer state (always, without torch.distributed)."""

@@ -48,6 +48,7 @@ class LeaseBatch:
         self._views: dict[str, torch.Tensor] | None = None
         self._error: Exception | None = None
         self.failed = False
+        self.why = ""   # the daemon's words when it had no room
 
     def views(self) -> dict[str, torch.Tensor] | None:
         """The leased views, or None if the daemon had no room. Any other
@@ -58,8 +59,9 @@ class LeaseBatch:
         if self._views is None and not self.failed:
             try:
                 self._views = {lease.key: lease.tensor for lease in self._pending.result()}
-            except CapacityError:
+            except CapacityError as exc:
                 self.failed = True
+                self.why = str(exc)
             except Exception as exc:
                 self._error = exc
                 raise
@@ -115,8 +117,9 @@ class LeaseTable:
         for k in keys:
             v = self.view(k)
             if v is None:
-                raise CapacityError(f"the pool has no room to lease {k!r}; give the "
-                                    "daemon a larger pool or lower the attach budgets")
+                raise CapacityError(f"the pool has no room to lease {k!r} "
+                                    f"({self._batch[k].why}); give the daemon a larger "
+                                    "pool or lower the attach budgets")
             out[k] = v
         return out
 

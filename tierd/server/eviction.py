@@ -49,3 +49,8 @@ def coldest_segment(segments: Mapping[int, list[Evictable]]) -> int | None:
     if not segments:
         return None
     return min(segments, key=lambda sid: max((e.last_use for e in segments[sid]), default=0))
+
+
+def segments_coldest_first(segments: Mapping[int, list[Evictable]]) -> list[int]:
+    """Segment ids (id -> their tensors) from the least recently used."""
+    return sorted(segments, key=lambda sid: max((e.last_use for e in segments[sid]), default=0))

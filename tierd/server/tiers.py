@@ -211,6 +211,44 @@ class Tiers:
             f"evictable for {nbytes} B more (leased or in this request); release leases, "
             f"lease smaller batches, or start the daemon with a larger --pool")
 
+    def _victims(self, job: str, nbytes: int, protect: Iterable[Entry]) -> list[Entry]:
+        """The job's pool entries that may leave, in eviction order.
+
+        [Note: room for a large tensor]
+        Freeing the least recently used tensors makes room for a small one,
+        but a tensor near the segment size needs one contiguous hole, which
+        scattered evictions rarely leave (a 235 MB fp32 matrix of an 8B model
+        in 256 MiB segments); above the segment size it needs whole segments
+        unmapped. So a tensor over an eighth of a segment empties segments
+        first: those whose every slot is an idle entry (nothing leased,
+        reserved or in transfer pins them), coldest first, each wholly; the
+        other idle entries follow, least recently used first."""
+        protected = {id(p) for p in protect}
+        idle = [e for e in self.job_entries(job)
+                if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected]
+        if 8 * nbytes <= self.pool.segment_size:
+            return eviction.least_recently_used(idle)
+        by_segment: dict[int, list[Entry]] = {}
+        for e in idle:
+            by_segment.setdefault(e.slot.segment.id, []).append(e)
+        clearable = {sid: es for sid, es in by_segment.items()
+                     if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
+        first = [e for sid in eviction.segments_coldest_first(clearable)
+                 for e in eviction.least_recently_used(clearable[sid])]
+        chosen = {id(e) for e in first}   # then the rest, should a hole open there
+        return first + eviction.least_recently_used(e for e in idle if id(e) not in chosen)
+
+    def _reclaim_nvme(self, nbytes: int) -> bool:
+        """Free the NVMe copies of tensors whose pool copy is current until an
+        extent of ``nbytes`` fits; False if it still does not."""
+        for e in list(self.entries.values()):
+            if self.nvme.extents.largest_free() >= self.nvme.extents.extent_size(nbytes):
+                return True
+            if (e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
+                    and not e.disk.holds and not e.disk.readers):   # a commit's record stays
+                self.mark_dirty(e)
+        return self.nvme.extents.largest_free() >= self.nvme.extents.extent_size(nbytes)
+
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
                        protect: Iterable[Entry]) -> bool:
         """Free or start freeing about ``nbytes`` of pool for ``job`` (see the
@@ -232,10 +270,7 @@ class Tiers:
                 freed = self._evict_segment(other, blocked)
                 if freed is not None:
                     return freed
-        protected = {id(p) for p in protect}
-        victims = eviction.least_recently_used(
-            e for e in self.job_entries(job)
-            if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected)
+        victims = self._victims(job, nbytes, protect)
         for e in victims:
             if pending >= nbytes:
                 break
@@ -246,16 +281,19 @@ class Tiers:
             try:
                 blocked.wait.append(self.start_writeback(e))
             except CapacityError:
-                # NVMe is full: only a clean victim (one with a copy there) can
-                # make room now; the swap headroom Note guarantees one exists.
+                # NVMe is full: a clean victim (one with a copy there) can make
+                # room now; else the NVMe copies of tensors also in the pool
+                # give way (the swap headroom Note counts each tensor once).
                 clean = next((v for v in victims if not v.dirty and v.disk is not None), None)
                 if clean is not None:
                     self.drop_slot(clean)
                     self.counters.evictions += 1
                     return True
-                if pending:
+                if pending or blocked.wait:   # retried once those land
                     break
-                raise
+                if not self._reclaim_nvme(e.meta().record_len()):
+                    raise
+                blocked.wait.append(self.start_writeback(e))
             pending += e.slot.nbytes
         return False
 
