@@ -146,6 +146,27 @@ def test_resident_and_streamed_units_give_bitwise_the_same_values(daemon, cap):
         assert s1.placer.plan.device_bytes <= cap
 
 
+def test_placement_with_a_pool_smaller_than_the_model(daemon_factory):
+    """Everything resident on the GPU while the pool holds only part of the
+    state: each fetched bucket's lease goes once copied, so the last buckets
+    of the first placed backward still find room (the rest spills to NVMe)."""
+    d = daemon_factory(pool="40MiB", nvme_size="512MiB", extra=("--segment-size", "4MiB"))
+    make = lambda: gpt2(n_layer=4, n_embd=256, vocab=1000)   # ~3.4M params: 54 MB of state
+    data = batches(5, batch=2, seq=16, vocab=1000)
+    runs = []
+    for memory in (0, 1 << 30):
+        model = attach(make(), client=tierd.connect(d), gpu_memory_bytes=memory)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        runs.append(([_step(model, opt, ids.cuda(), autocast=False) for ids in data],
+                     model.state_dict()))
+        if memory:
+            assert session_of(model).placer.plan.streamed_bytes == 0
+        tierd.detach(model)
+    (streamed, sd0), (placed, sd1) = runs
+    assert streamed == placed
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+
+
 def test_commit_resume_and_state_dict_with_resident_units(daemon):
     data = batches(4, batch=2, seq=16)
     model = attach(gpt2(), client=tierd.connect(daemon, job="placed"), job="placed",

@@ -347,6 +347,10 @@ class FusedUpdates:
 
     def _fetch(self, b: Bucket) -> None:
         self._reclaim(need=b.nbytes)
+        # units placed whole run no hooks, so the mover does not drain in their
+        # backward: without this the leases of every resident bucket fetched
+        # (released after their copy in) would pin the pool until the step ends
+        self.session.releases.drain()
         opt, session = self.opt, self.session
         read = [k for tp in b.tps for k in opt.state_keys(tp)]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
