@@ -40,6 +40,8 @@ class AttachConfig:
     #: (every unit streams). Within it, after a measured first step, units
     #: whose tensors fit stay on the device between steps
     #: ([Note: the GPU is the first tier] in ``tierd.client.placement``).
+    #: Under torch.distributed every rank places within the smallest of the
+    #: ranks' values ([Note: one plan for every rank] in ``tierd.client.placer``).
     gpu_memory_bytes: int | float | None = None
     #: Most bytes of streamed parameters on the compute device at once, for
     #: prefetch (the unit running now is always fetched, even above it).

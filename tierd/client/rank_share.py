@@ -117,7 +117,8 @@ class RankShare:
 
     def finish_update(self, settle: Callable[[], None]) -> None:
         """The end of ``opt.step()`` on every rank ([Note: when an update is
-        visible]): resident parameters another rank owns are read again."""
+        visible]): resident parameters another rank owns are read again,
+        but for replicas (this rank updated its own copy)."""
         self.sync(settle, "the end of opt.step()")
         stale = [tp for tp in self._registry.resident() if tp.param.requires_grad
                  and not self.owns(tp) and tp not in self.replicated]
