@@ -118,10 +118,13 @@ def test_clipping_accumulation_and_resident_params_match(daemon_factory, tmp_pat
     args = ("--steps", "2", "--accumulate", "2", "--clip", "0.5")
     ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], *args)[0]
     # biases and norms (< 4 KiB) stay on every rank's device; their owner
-    # updates them and the others read the new values after step()
+    # updates them and the others read the new values after step(). Placed:
+    # an optimizer that clips updates in step(), so units keep only weights
     results = run_ranks(tmp_path_factory.mktemp("ranks"), [daemon.socket] * 2, *args, "--tierd",
-                        "--resident-below", "4096")
+                        "--resident-below", "4096", "--gpu-memory-bytes", "626240")
     assert_matches(results, ref)
+    for r in results:
+        assert set(r["plan"]["places"].values()) == {"weights"}
 
 
 def test_bf16_ranks_match_one_bf16_process(daemon_factory, tmp_path_factory):
