@@ -12,7 +12,7 @@ import torch
 import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
-from tierd.client.placement import Place, UnitBytes, plan_placement, smallest_budget
+from tierd.client.placement import Costs, Place, Placement, UnitBytes, plan_placement, smallest_budget
 from tierd.client.placer import PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
@@ -21,6 +21,7 @@ from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 # bf16 compute, AdamW: 2 B/param of weights, 12 B/param of fp32 state
 UNITS = [UnitBytes(i, 2 * n, 12 * n) for i, n in enumerate([100, 300, 200, 50])]
 TOTAL = sum(u.param_bytes + u.state_bytes for u in UNITS)
+DEVICE_PLACES = [Place.STREAM, Place.WEIGHTS, Place.RESIDENT]
 
 
 # ------------------------------------------------------------------ the planner
@@ -45,7 +46,7 @@ def test_largest_saving_per_byte_first_weights_then_state():
     everything_streamed = sum(u.streamed(Place.STREAM) for u in UNITS)
     assert plan.streamed_bytes == everything_streamed - 3 * weights
     # no other placement within this budget moves fewer bytes
-    for places in itertools.product(list(Place), repeat=len(UNITS)):
+    for places in itertools.product(DEVICE_PLACES, repeat=len(UNITS)):
         held = sum(u.device_bytes(p) for u, p in zip(UNITS, places))
         if held <= weights:
             assert sum(u.streamed(p) for u, p in zip(UNITS, places)) >= plan.streamed_bytes
@@ -72,6 +73,75 @@ def test_units_without_state_only_keep_weights_and_bad_budgets_fail():
     assert smallest_budget(UNITS) == 2 * 300 + 12 * 300
     with pytest.raises(ValueError, match="budget_bytes"):
         plan_placement(UNITS, -1)
+
+
+# ------------------------------------------------------------------ CPU updates
+# bf16 compute and AdamW with an fp32 gradient: 2 + 12 + 4 B/param
+HOST_UNITS = [UnitBytes(i, 2 * n, 12 * n, 4 * n) for i, n in enumerate([100, 300, 200, 50])]
+HOST_WEIGHTS = sum(u.param_bytes for u in HOST_UNITS)
+
+
+def _step_time(plan, costs):
+    return plan.seconds(costs.copy_bytes_per_s, costs.compute_s, costs.host_bytes_per_s)
+
+
+def test_a_slow_host_gets_no_cpu_updates():
+    costs = Costs(copy_bytes_per_s=1000.0, host_bytes_per_s=1.0)
+    plan = plan_placement(HOST_UNITS, HOST_WEIGHTS // 2, cpu="auto", costs=costs)
+    assert Place.CPU not in plan.places.values() and plan.host_bytes == 0
+    assert plan == plan_placement(HOST_UNITS, HOST_WEIGHTS // 2)
+
+
+def test_slow_pcie_moves_streamed_units_to_the_cpu_until_it_is_as_slow():
+    budget = HOST_UNITS[0].param_bytes + HOST_UNITS[3].param_bytes   # two units' weights
+    device_only = plan_placement(HOST_UNITS, budget)
+    costs = Costs(copy_bytes_per_s=1000.0, host_bytes_per_s=500.0)
+    plan = plan_placement(HOST_UNITS, budget, cpu="auto", costs=costs)
+    assert plan.units_at(Place.STREAM)   # the host would be slower with them
+    # units holding device bytes stay where they are
+    for i, place in device_only.places.items():
+        if place is not Place.STREAM:
+            assert plan.places[i] is place
+    on_host = plan.units_at(Place.CPU)
+    assert on_host and plan.device_bytes == device_only.device_bytes
+    assert _step_time(plan, costs) < _step_time(device_only, costs)
+    pcie_s = plan.streamed_bytes / costs.copy_bytes_per_s
+    host_s = plan.host_bytes / costs.host_bytes_per_s
+    # one more unit on the CPU would make the host the slower side, one fewer PCIe
+    for u in HOST_UNITS:
+        if plan.places[u.index] is Place.STREAM:
+            assert host_s + u.host_bytes(Place.CPU) / costs.host_bytes_per_s > pcie_s
+    # no choice of places for the streamed units predicts a shorter step
+    streamed = [u.index for u in HOST_UNITS if device_only.places[u.index] is Place.STREAM]
+    for choice in itertools.product([Place.STREAM, Place.CPU], repeat=len(streamed)):
+        places = dict(device_only.places) | dict(zip(streamed, choice))
+        other = Placement(places, device_only.device_bytes,
+                          sum(u.streamed(places[u.index]) for u in HOST_UNITS),
+                          sum(u.host_bytes(places[u.index]) for u in HOST_UNITS))
+        assert _step_time(other, costs) >= _step_time(plan, costs)
+
+
+def test_a_fast_host_and_slow_pcie_update_every_streamed_unit_on_the_cpu():
+    costs = Costs(copy_bytes_per_s=1.0, host_bytes_per_s=1e9)
+    plan = plan_placement(HOST_UNITS, 0, cpu="auto", costs=costs)
+    assert plan.units_at(Place.CPU) == [0, 1, 2, 3]
+    assert plan.streamed_bytes == sum(2 * u.param_bytes + u.grad_bytes for u in HOST_UNITS)
+
+
+def test_optimizer_placement_cpu_keeps_whole_units_and_updates_the_rest_on_the_cpu():
+    budget = HOST_WEIGHTS   # room for every compute copy, yet no WEIGHTS under "cpu"
+    plan = plan_placement(HOST_UNITS, budget, cpu="all")
+    assert Place.WEIGHTS not in plan.places.values() and Place.STREAM not in plan.places.values()
+    assert plan.units_at(Place.RESIDENT) and plan.units_at(Place.CPU)
+    assert plan.device_bytes <= budget
+    everything = plan_placement(HOST_UNITS, TOTAL, cpu="all")
+    assert set(everything.places.values()) == {Place.RESIDENT}
+    with pytest.raises(ValueError, match="cpu="):
+        plan_placement(HOST_UNITS, 0, cpu="sometimes")
+    with pytest.raises(ValueError, match="costs"):
+        plan_placement(HOST_UNITS, 0, cpu="auto")
+    with pytest.raises(ValueError, match="host_bytes_per_s"):
+        Costs(copy_bytes_per_s=1.0, host_bytes_per_s=0.0)
 
 
 # ------------------------------------------------------------------ applied (CPU)

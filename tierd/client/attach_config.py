@@ -16,7 +16,7 @@ from tierd.client.mover import MoverConfig
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_PLACEMENTS = ("gpu-stream", "cpu")
+_PLACEMENTS = ("gpu-stream", "cpu", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,10 @@ class AttachConfig:
     #: Parameters smaller than this stay on the compute device all the time.
     resident_below_bytes: int = 0
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
-    #: (per block on the compute device) or "cpu" (in place in the pool).
+    #: (per block on the compute device), "cpu" (every unit whose state is
+    #: not resident on the device: in place in the pool, on host threads,
+    #: overlapped with backward) or "auto" (placement chooses per unit by
+    #: measured cost; [Note: choosing CPU updates] in tierd.client.placement).
     optimizer_placement: str = "gpu-stream"
     #: Keep lasting pool leases on the model's keys (compute-dtype params,
     #: then optimizer states) while they take at most this fraction of the

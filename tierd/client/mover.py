@@ -213,6 +213,8 @@ class Mover:
         self.leases.release([tp.key])
 
     def _start_swap_in(self, tp: TieredParam) -> None:
+        for opt in self.optimizers:   # a CPU update may still write its compute copy
+            opt.host.wait_for(tp)
         self._leased.discard(tp)
         for opt in self.optimizers:
             master = opt.fetched_master(tp)

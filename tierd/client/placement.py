@@ -1,11 +1,11 @@
 """Where each unit's tensors live between steps: the placement planner.
 
 Plain code (no torch, no I/O): it gets each unit's byte counts, the device
-bytes it may use and the machine's copy bandwidth, and returns a place per
+bytes it may use and the machine's measured costs, and returns a place per
 unit. ``tierd.client.placer`` measures and applies it.
 
 [Note: the GPU is the first tier]
-A unit's bytes can live in three places between steps:
+A unit's bytes can live in four places between steps:
 
 - ``STREAM``: compute copy, fp32 master and optimizer moments in the pool.
   Every step copies the compute copy in for forward and for backward (unless
@@ -17,6 +17,11 @@ A unit's bytes can live in three places between steps:
   Costs the compute copy's bytes, saves its three crossings.
 - ``RESIDENT``: compute copy, master and moments stay on the device; the
   update runs there with no PCIe traffic. Costs all the unit's bytes.
+- ``CPU``: as ``STREAM``, but master and moments never leave the pool: the
+  update runs there on the host's threads, overlapped with backward
+  ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
+  A step moves the compute copy in for forward and backward and the fp32
+  gradient out (:meth:`UnitBytes.streamed`), and costs host time instead.
 
 What a step costs is the larger of its compute and its PCIe time, so every
 byte kept off PCIe helps until PCIe hides under compute, and never hurts.
@@ -28,6 +33,27 @@ ratio while they fit; a unit moves to ``RESIDENT`` only through ``WEIGHTS``.
 With bf16 compute (2 B/param) and AdamW (12 B/param of fp32 state) that
 keeps as many units' weights as fit first, then their state. Where the whole
 model fits, everything is ``RESIDENT`` and a step moves nothing.
+
+[Note: choosing CPU updates]
+Device bytes are spent first, as above: they save PCIe bytes at no other
+cost. Of the units left streaming, a CPU update trades PCIe bytes (with
+bf16 and AdamW, 2+2+12+12 B/param each way together becomes 2+2+4) for host
+time (12 B/param of state read and written by the update threads). With the
+step's compute, the copies and the host updates running at once, the step
+takes the longest of the three (:meth:`Placement.seconds`). ``cpu="auto"``
+moves streamed units to ``CPU``, the most PCIe bytes saved per byte of host
+work first, while each move shortens that predicted time: with a slow host
+nothing moves; with slow PCIe units move until the host's time reaches the
+copies'. Units holding device bytes stay where they are. ``cpu="all"``
+(``optimizer_placement="cpu"``: every unit not resident is CPU-updated)
+spends the device budget on whole units only (``WEIGHTS`` would stream the
+state to the device for its update) and updates the rest on the host;
+``cpu="none"`` never updates on the host.
+
+A ``CPU`` unit's compute copy streams like a ``STREAM`` unit's rather than
+staying on the device: the device bytes are already spent on the units that
+save the most, and a compute copy kept on the device would have to be
+refreshed from the host's result over PCIe anyway.
 """
 
 from __future__ import annotations
@@ -37,25 +63,31 @@ from dataclasses import dataclass
 
 
 class Place(enum.Enum):
-    """Where a unit's tensors live between steps (see the Note above)."""
+    """Where a unit's tensors live between steps (see the Notes above)."""
 
     STREAM = "stream"
     WEIGHTS = "weights"
     RESIDENT = "resident"
+    CPU = "cpu"
+
+
+_CPU_MODES = ("none", "auto", "all")
 
 
 @dataclass(frozen=True)
 class UnitBytes:
-    """One unit's bytes: its compute copy and its optimizer state (fp32 master,
-    when separate, and moments; 0 when nothing updates it on the device)."""
+    """One unit's bytes: its compute copy, its optimizer state (fp32 master,
+    when separate, and moments; 0 when nothing updates it on the device) and
+    its fp32 gradient (what a CPU update copies out)."""
 
     index: int
     param_bytes: int
     state_bytes: int
+    grad_bytes: int = 0
 
     def device_bytes(self, place: Place) -> int:
         """Device bytes held between steps at ``place``."""
-        if place is Place.STREAM:
+        if place in (Place.STREAM, Place.CPU):
             return 0
         if place is Place.WEIGHTS:
             return self.param_bytes
@@ -67,7 +99,33 @@ class UnitBytes:
             return 3 * self.param_bytes + 2 * self.state_bytes
         if place is Place.WEIGHTS:
             return 2 * self.state_bytes
+        if place is Place.CPU:
+            return 2 * self.param_bytes + self.grad_bytes
         return 0
+
+    def host_bytes(self, place: Place) -> int:
+        """Optimizer state bytes the host's threads update per step at ``place``."""
+        return self.state_bytes if place is Place.CPU else 0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the machine measured, for [Note: choosing CPU updates].
+
+    ``copy_bytes_per_s``: PCIe bytes per second, both ways together;
+    ``host_bytes_per_s``: optimizer state bytes per second the host's update
+    threads get through; ``compute_s``: the step's compute (0: unknown)."""
+
+    copy_bytes_per_s: float
+    host_bytes_per_s: float
+    compute_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("copy_bytes_per_s", "host_bytes_per_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be > 0 (bytes per second)")
+        if self.compute_s < 0:
+            raise ValueError(f"compute_s={self.compute_s} must be >= 0 (0: unknown)")
 
 
 @dataclass(frozen=True)
@@ -77,19 +135,25 @@ class Placement:
     places: dict[int, Place]
     device_bytes: int       # held on the device between steps
     streamed_bytes: int     # PCIe bytes per step, both ways together
+    host_bytes: int = 0     # optimizer state updated on the host per step
 
     def units_at(self, place: Place) -> list[int]:
         return [i for i, p in self.places.items() if p is place]
 
-    def seconds(self, bandwidth: float, compute_s: float = 0.0) -> float:
-        """Predicted step time: the larger of compute and the copies
-        (``bandwidth`` in bytes/s, both ways together)."""
-        return max(compute_s, self.streamed_bytes / bandwidth)
+    def seconds(self, bandwidth: float, compute_s: float = 0.0,
+                host_bytes_per_s: float = float("inf")) -> float:
+        """Predicted step time: the longest of compute, the copies
+        (``bandwidth`` in bytes/s, both ways together) and the host's updates."""
+        return max(compute_s, self.streamed_bytes / bandwidth,
+                   self.host_bytes / host_bytes_per_s)
 
 
-def plan_placement(units: list[UnitBytes], budget_bytes: int) -> Placement:
+def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "none",
+                   costs: Costs | None = None) -> Placement:
     """Places within ``budget_bytes`` of device memory that save the most PCIe
-    bytes (see [Note: the GPU is the first tier]).
+    bytes (see [Note: the GPU is the first tier]); ``cpu`` ("none", "auto"
+    with ``costs``, "all") says which streamed units update on the host
+    ([Note: choosing CPU updates]).
 
     Example:
         >>> units = [UnitBytes(0, 2, 12), UnitBytes(1, 2, 12)]
@@ -98,13 +162,42 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int) -> Placement:
         >>> p = plan_placement(units, 16)     # both weights, then one unit's state
         >>> [p.places[0].name, p.places[1].name], p.device_bytes
         (['RESIDENT', 'WEIGHTS'], 16)
+        >>> plan_placement(units, 14, cpu="all").units_at(Place.CPU)
+        [1]
     """
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
+    if cpu not in _CPU_MODES:
+        raise ValueError(f"cpu={cpu!r}; use one of {_CPU_MODES}")
+    if cpu == "auto" and costs is None:
+        raise ValueError("cpu='auto' needs the measured costs (costs=Costs(...))")
+    places = _place_on_device(units, budget_bytes, whole=cpu == "all")
+    if cpu == "all":
+        places.update({u.index: Place.CPU for u in units
+                       if places[u.index] is Place.STREAM and u.state_bytes})
+    elif cpu == "auto":
+        _move_to_host(units, places, costs)
+    return _placement(units, places)
+
+
+def _placement(units: list[UnitBytes], places: dict[int, Place]) -> Placement:
+    return Placement(places, sum(u.device_bytes(places[u.index]) for u in units),
+                     sum(u.streamed(places[u.index]) for u in units),
+                     sum(u.host_bytes(places[u.index]) for u in units))
+
+
+def _place_on_device(units: list[UnitBytes], budget_bytes: int, *,
+                     whole: bool) -> dict[int, Place]:
+    """The greedy of [Note: the GPU is the first tier]; ``whole``: a unit goes
+    to ``RESIDENT`` in one move or stays streamed (no ``WEIGHTS``)."""
     places = {u.index: Place.STREAM for u in units}
     # (saved bytes per device byte, order, unit, the move)
     moves = []
     for order, u in enumerate(units):
+        if whole:
+            saved = u.streamed(Place.CPU) / max(1, u.device_bytes(Place.RESIDENT))
+            moves.append((saved, order, u, Place.RESIDENT))
+            continue
         if u.param_bytes:
             moves.append((3.0, order, u, Place.WEIGHTS))
         if u.state_bytes:
@@ -113,14 +206,34 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int) -> Placement:
     left = budget_bytes
     for _, _, u, place in moves:
         current = places[u.index]
-        if place is Place.RESIDENT and current is not Place.WEIGHTS and u.param_bytes:
+        if not whole and place is Place.RESIDENT and current is not Place.WEIGHTS \
+                and u.param_bytes:
             continue   # its weights did not fit: its state will not either
         cost = u.device_bytes(place) - u.device_bytes(current)
         if cost <= left:
             places[u.index] = place
             left -= cost
-    return Placement(places, sum(u.device_bytes(places[u.index]) for u in units),
-                     sum(u.streamed(places[u.index]) for u in units))
+    return places
+
+
+def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs) -> None:
+    """Streamed units to ``CPU`` while the predicted step time falls
+    ([Note: choosing CPU updates])."""
+    def seconds() -> float:
+        return _placement(units, places).seconds(costs.copy_bytes_per_s, costs.compute_s,
+                                                 costs.host_bytes_per_s)
+
+    candidates = [u for u in units if places[u.index] is Place.STREAM and u.state_bytes]
+    candidates.sort(key=lambda u: -(u.streamed(Place.STREAM) - u.streamed(Place.CPU))
+                    / u.host_bytes(Place.CPU))
+    now = seconds()
+    for u in candidates:
+        places[u.index] = Place.CPU
+        after = seconds()
+        if after < now:
+            now = after
+        else:
+            places[u.index] = Place.STREAM
 
 
 def smallest_budget(units: list[UnitBytes]) -> int:

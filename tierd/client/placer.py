@@ -224,9 +224,10 @@ class Placer:
         registry, out = self._session.registry, []
         for unit in self._session.units:
             members = set(registry.members(unit))
-            state = sum(b.nbytes for f in self._session.optimizers for b in f.buckets
-                        if all(tp in members for tp in b.tps))
-            out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members), state))
+            mine = [b for f in self._session.optimizers for b in f.buckets
+                    if all(tp in members for tp in b.tps)]
+            out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
+                                 sum(b.nbytes for b in mine), sum(b.grad_bytes for b in mine)))
         return out
 
     def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
@@ -237,22 +238,27 @@ class Placer:
                for u in session.units]
         got = self._ranks.agree_max([u.state_bytes for u in units] + odd,
                                     "agreeing on the units' optimizer bytes")
-        return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i])
+        return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i], u.grad_bytes)
                 for i, u in enumerate(units)]
 
     def _place(self, non_model: int, budget: int) -> None:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
-        plan = plan_placement(units, budget)
+        # CPU updates: what the optimizers' placement allows, at measured costs
+        cpu, costs = next((c for c in (f.host.choice() for f in self._session.optimizers)
+                           if c[0] != "none"), ("none", None))
+        plan = plan_placement(units, budget, cpu=cpu, costs=costs)
         self._apply(plan)
         self.plan, self._non_model = plan, non_model
         self.state = PlacerState.PLACED
         self._session.client.report_device(plan.device_bytes)
-        log.info("tierd placement: %d units resident, %d weights only, %d streamed; %d device "
-                 "bytes held, %d PCIe bytes a step (budget %d = cap %d - step %d - margin %d)",
+        log.info("tierd placement: %d units resident, %d weights only, %d streamed, %d updated "
+                 "on the CPU; %d device bytes held, %d PCIe bytes a step (budget %d = cap %d "
+                 "- step %d - margin %d)",
                  len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
-                 len(plan.units_at(Place.STREAM)), plan.device_bytes, plan.streamed_bytes,
+                 len(plan.units_at(Place.STREAM)), len(plan.units_at(Place.CPU)),
+                 plan.device_bytes, plan.streamed_bytes,
                  budget, self.cap, non_model, self._margin)
 
     def _apply(self, plan: Placement) -> None:
@@ -260,7 +266,8 @@ class Placer:
         session.settle()   # no copy in flight, no value kept: every parameter HOST
         units = session.units
         weights = list(dict.fromkeys(tp for i, p in plan.places.items()
-                                     if p is not Place.STREAM for tp in units[i].params))
+                                     if p in (Place.WEIGHTS, Place.RESIDENT)
+                                     for tp in units[i].params))
         if weights:
             keys = [tp.key for tp in weights]
             session.leases.acquire(keys)
@@ -275,8 +282,11 @@ class Placer:
             resident = session.share.replicable(resident)
             self._replicas = replicate(session, resident)
             session.share.replicate(resident)
+        on_host = [tp for i in plan.units_at(Place.CPU)
+                   for tp in session.registry.members(units[i])]
         for opt in session.optimizers:
             opt.pin(resident)
+            opt.host.place(on_host)
         session.mover.replan(keep_trace=True)
 
     def _reset(self) -> None:
@@ -289,6 +299,7 @@ class Placer:
         self._replicas = []
         for opt in session.optimizers:
             opt.unpin(self._placed)
+            opt.host.place(None)   # back to the optimizer's own placement
         if self._placed:
             session.registry.set_resident(self._placed, False)
         if self._ranks is not None:   # every rank reads what the owners wrote back

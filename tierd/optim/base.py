@@ -14,8 +14,10 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
   lease for the block's keys, the update on the compute device ("gpu-stream")
   or in place in the pool ("cpu"), then one release. Used for the first step
   (while the fused path learns the order), with ``max_grad_norm`` (the global
-  norm needs every gradient first), with ``placement="cpu"`` and with
-  ``fused=False``.
+  norm needs every gradient first), with ``placement="cpu"`` under
+  torch.distributed and with ``fused=False``. Fused with ``placement="cpu"``,
+  the update runs on host threads in the pool, overlapped with backward
+  ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
     return None
 
 
+def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
+    """``tp``'s state is updated on the CPU ([Note: CPU updates overlapped with
+    backward] in tierd.optim.cpu_update)."""
+    return any(f.bucket_of[tp].cpu for f in fused if tp in f.bucket_of)
+
+
 def _unregister(f: FusedUpdates) -> None:
     """Stop ``f`` fusing its optimizer's updates into backward."""
+    f.host.close()      # CPU updates still running end first
     f.drop_resident()   # device-resident state goes back to the pool first
     f.settle()
     f.session.optimizers.remove(f)
@@ -67,8 +76,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     Clipping uses the deferred path (correct, slower: gradients go through
     the pool). ``placement`` overrides the attach config's ``optimizer_placement``.
 
-    ``fused`` (default: whenever there is no clipping and the placement is
-    "gpu-stream") updates inside backward. The window (backwards per step) is
+    ``fused`` (default: whenever there is no clipping, and for placement
+    "cpu" not under torch.distributed) updates inside backward. The window (backwards per step) is
     ``accumulation_steps``, or by default the length of the first window; a
     shorter window (the last of an epoch) is updated in ``step()``. Contract:
     no window is longer than that, and gradients are zeroed after ``step()``
@@ -107,8 +116,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
                         "tierd.attach(model) first and pass model.parameters() after it")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
-        if placement not in (None, "gpu-stream", "cpu"):
-            raise ValueError(f"placement={placement!r}; use 'gpu-stream', 'cpu' or None")
+        if placement not in (None, "gpu-stream", "cpu", "auto"):
+            raise ValueError(f"placement={placement!r}; use 'gpu-stream', 'cpu', 'auto' or None")
         if accumulation_steps is not None and accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1 "
                              "(or None: learned from the first window)")
@@ -125,9 +134,11 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._retire_earlier()
         self._create_states()
         for session, tps in self._by_session(self._owned()).items():
-            on_device = (placement or session.config.optimizer_placement) == "gpu-stream"
-            use = fused if fused is not None else max_grad_norm is None and on_device
-            if use or on_device:   # not fusing: the buckets placement may keep resident
+            # "cpu" fuses too (on host threads), but not under torch.distributed
+            can_fuse = (placement or session.config.optimizer_placement) != "cpu" \
+                or session.share is None
+            use = fused if fused is not None else max_grad_norm is None and can_fuse
+            if use or can_fuse:   # not fusing: the buckets placement may keep resident
                 self._register(session, tps, prefetch_bytes, fusing=bool(use))
 
     def _create_states(self) -> None:
@@ -335,8 +346,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def _compute_device(self, tp: TieredParam) -> torch.device:
         placement = self.placement or tp.session.config.optimizer_placement
-        device = tp.session.device
-        return device if placement == "gpu-stream" else torch.device("cpu")
+        if placement == "cpu" or _on_host(self._fused, tp):
+            return torch.device("cpu")
+        return tp.session.device
 
     def _step_block(self, group: dict, block: list[TieredParam],
                     coef: torch.Tensor | None) -> None:
@@ -364,7 +376,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
                     coef: torch.Tensor | None, resident: dict | None = None) -> bool:
-        device = self._compute_device(tp)
+        device = tp.session.device if resident is not None else self._compute_device(tp)
         on_device = device.type != "cpu"
         shared = tp.session.leases.shared
         names = {"param": tp.master_key, "grad": tp.grad_key,

@@ -1,6 +1,7 @@
 """An optimizer bucket's lifecycle: the parameters of one unit and param
 group whose optimizer state moves and is updated together (see [Note: fused
-update] and [Note: resident optimizer state] in ``tierd.optim.fused``)."""
+update] and [Note: resident optimizer state] in ``tierd.optim.fused``, and
+[Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ class BucketState(enum.Enum):
     RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
         moments stay on the device across steps and are updated there; no
         lease is held and the pool's copy is older while ``dirty``.
+    UPDATING: a CPU bucket (``cpu``) whose update runs on a host thread, in
+        place in the pool: its keys are leased until the thread is done, and
+        nothing may read its master, moments or compute copy before that.
     """
 
     HOST = "host"
     FETCHED = "fetched"
     DONE = "done"
     RESIDENT = "resident"
+    UPDATING = "updating"
 
 
 @dataclass(eq=False)
@@ -48,6 +53,13 @@ class Bucket:
     reserved: object = None        # new slots of its shared keys, asked at fetch
     pinned: bool = False           # its state stays on the device once fetched
     dirty: bool = False            # RESIDENT with values the pool does not have yet
+    cpu: bool = False              # updated in the pool by host threads (placement)
+    update: object = None          # UPDATING: the Future of its CPU update
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of its fp32 gradients (what a CPU update copies out)."""
+        return sum(tp.param.numel() * 4 for tp in self.tps)
 
     def _expect(self, *accepted: BucketState, action: str) -> None:
         if self.state not in accepted:
@@ -68,6 +80,19 @@ class Bucket:
         self.work, self.copy, self.readers = {}, None, []
         self.state = BucketState.DONE if all_params else BucketState.HOST
 
+    def to_updating(self, keys: list[str], update) -> None:
+        """HOST -> UPDATING: ``keys`` leased, ``update`` (a Future) runs the CPU update."""
+        self._expect(BucketState.HOST, action="start a CPU update")
+        if not self.cpu:
+            raise StateError(f"optimizer bucket {self.index} ({self.tps[0].name!r}...) is "
+                             "not placed on the CPU; its update runs on the device")
+        self.keys, self.update, self.state = keys, update, BucketState.UPDATING
+
+    def to_updated_on_host(self) -> None:
+        """UPDATING -> HOST: the CPU update ended (its leases are released)."""
+        self._expect(BucketState.UPDATING, action="end a CPU update")
+        self.keys, self.update, self.state = [], None, BucketState.HOST
+
     def to_resident(self) -> None:
         """FETCHED or RESIDENT -> RESIDENT: its state stays on the device, newer
         than the pool's ([Note: resident optimizer state])."""
@@ -78,6 +103,8 @@ class Bucket:
     def to_host(self) -> None:
         """Back to HOST: after the step (DONE), a fetch not used (FETCHED), or
         resident state written back (RESIDENT, not dirty)."""
+        self._expect(BucketState.HOST, BucketState.FETCHED, BucketState.DONE,
+                     BucketState.RESIDENT, action="go back to the host")
         if self.state is BucketState.RESIDENT and self.dirty:
             raise StateError(f"optimizer bucket {self.index} ({self.tps[0].name!r}...) holds "
                              "values the pool does not have; write them back first")

@@ -71,6 +71,7 @@ import torch
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
 from tierd.optim.buckets import Bucket, BucketState
+from tierd.optim.cpu_update import HostUpdates
 from tierd.optim.resident import fetch_pooled_grads, write_back
 from tierd.errors import StateError
 
@@ -112,6 +113,8 @@ class FusedUpdates:
         # (event-only copy out, bytes): the sources were recorded on the copy
         # stream, so dropping them here cannot let their memory be reused early
         self._outstanding: list[tuple[InflightCopy, int]] = []
+        # buckets updated on the host ([Note: CPU updates overlapped with backward])
+        self.host = HostUpdates(self)
 
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
@@ -159,6 +162,8 @@ class FusedUpdates:
         bucket = self.bucket_of.get(tp)
         if bucket is None:
             return False
+        if bucket.state is BucketState.UPDATING:   # its grad key is still read
+            self.host.wait_for_bucket(bucket)
         self._got[tp] = self._got.get(tp, 0) + 1
         if bucket.index not in self._seen:
             self._seen.append(bucket.index)
@@ -202,8 +207,9 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
+        self.host.reap()
         for b in self.buckets:
-            if b.state is not BucketState.RESIDENT:
+            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING):
                 b.to_host()
         self.updated = False
         self.backwards = 0
@@ -211,6 +217,7 @@ class FusedUpdates:
     def settle(self, *, write_resident: bool = True) -> None:
         """Nothing fetched, every copy out landed, resident state written to
         the pool (before the host reads the pool; not with ``write_resident=False``)."""
+        self.host.wait_all()
         if not self.active:
             self._release_fetched()
             for done, nbytes in self._outstanding:
@@ -228,8 +235,9 @@ class FusedUpdates:
         chosen = set(tps)
         pinned = [b for b in self.buckets if not b.pinned and all(tp in chosen for tp in b.tps)
                   and all(tp.resident for tp in b.tps)]
+        self.host.wait_all()
         for b in pinned:
-            b.pinned = True
+            b.pinned, b.cpu = True, False
         return sum(b.nbytes for b in pinned)
 
     def unpin(self, tps: list[TieredParam] | None = None) -> None:
@@ -285,8 +293,12 @@ class FusedUpdates:
         b.to_resident()
 
     def will_fetch(self, tp: TieredParam) -> bool:
-        """``tp``'s master is to be fetched for this backward's update, and is not yet."""
+        """``tp``'s master is to be fetched for this backward's update, and is not
+        yet; or a CPU update still writes its compute copy: either way, not
+        to be copied in yet."""
         b = self.bucket_of.get(tp)
+        if b is not None and b.cpu:
+            return self.host.running(b)
         if not self.active or b is None or tp in self._updated:
             return False
         if b.state is BucketState.HOST:
@@ -299,7 +311,7 @@ class FusedUpdates:
         fetched now if it was still to be and fits twice ``prefetch_bytes``
         (the most the fetches may hold). None otherwise."""
         b = self.bucket_of.get(tp)
-        if not self.active or b is None or tp in self._updated:
+        if not self.active or b is None or b.cpu or tp in self._updated:
             return None
         if b.state is BucketState.HOST:
             self.prefetch()
@@ -339,7 +351,7 @@ class FusedUpdates:
         self._reclaim()
         while self._cursor < len(self.order):
             b = self.buckets[self.order[self._cursor]]
-            if b.state is BucketState.HOST:
+            if b.state is BucketState.HOST and not b.cpu:
                 if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
                     return
                 self._fetch(b)
@@ -374,6 +386,10 @@ class FusedUpdates:
     @torch.no_grad()
     def _update(self, b: Bucket) -> None:
         t0 = time.perf_counter()
+        if b.cpu:
+            self.host.start(b, self._grads, self._updated)
+            self.session.counters.optimizer_seconds += time.perf_counter() - t0
+            return
         if b.state is BucketState.HOST:
             self._fetch(b)
         elif b.state is BucketState.RESIDENT:
