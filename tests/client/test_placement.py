@@ -107,10 +107,11 @@ def test_slow_pcie_moves_streamed_units_to_the_cpu_until_it_is_as_slow():
     assert _step_time(plan, costs) < _step_time(device_only, costs)
     pcie_s = plan.streamed_bytes / costs.copy_bytes_per_s
     host_s = plan.host_bytes / costs.host_bytes_per_s
-    # one more unit on the CPU would make the host the slower side, one fewer PCIe
+    assert host_s <= pcie_s
+    # one more unit on the CPU would make the host the slower side, no faster
     for u in HOST_UNITS:
         if plan.places[u.index] is Place.STREAM:
-            assert host_s + u.host_bytes(Place.CPU) / costs.host_bytes_per_s > pcie_s
+            assert host_s + u.host_bytes(Place.CPU) / costs.host_bytes_per_s >= pcie_s
     # no choice of places for the streamed units predicts a shorter step
     streamed = [u.index for u in HOST_UNITS if device_only.places[u.index] is Place.STREAM]
     for choice in itertools.product([Place.STREAM, Place.CPU], repeat=len(streamed)):
@@ -231,6 +232,51 @@ def test_bf16_resident_matches_bf16_streamed_bitwise():
         outs.append((train(model, opt, data), model.state_dict()))
     assert outs[0][0] == outs[1][0]
     assert all(torch.equal(outs[0][1][k], v) for k, v in outs[1][1].items())
+
+
+def _cap_for_half(make):
+    probe = attach(make(), client=LocalStore(), device="cpu")
+    cap = sum(u.nbytes for u in session_of(probe).units) // 2
+    detach(probe)
+    return cap
+
+
+def test_cpu_placement_with_a_cap_keeps_whole_units_and_updates_the_rest_on_the_cpu():
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=4 * _cap_for_half(llama), optimizer_placement="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    data = batches(6)
+    assert train(model, opt, data, accumulate=2) == train(ref, ref_opt, data, accumulate=2)
+    session = session_of(model)
+    plan = session.placer.plan
+    assert set(plan.places.values()) == {Place.RESIDENT, Place.CPU}
+    (fused,) = opt._fused
+    on_host = {tp for i in plan.units_at(Place.CPU) for tp in session.registry.members(
+        session.units[i])}
+    assert on_host and all(fused.bucket_of[tp].cpu for tp in on_host)
+    assert not any(b.cpu for b in fused.buckets if b.pinned)
+    assert fused.host.nbytes > 0
+    assert_same_weights(model, ref)
+
+
+def test_auto_placement_updates_streamed_units_on_the_cpu_when_pcie_is_slow(monkeypatch):
+    import tierd.optim.cpu_update as cpu_update
+    monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e3)   # made up: slow
+    monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)         # made up: fast
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=_cap_for_half(llama), optimizer_placement="auto")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    plan = session_of(model).placer.plan
+    assert Place.CPU in plan.places.values() and Place.STREAM not in plan.places.values()
+    assert Place.WEIGHTS in plan.places.values()   # device units untouched
+    assert opt._fused[0].host.nbytes > 0
+    assert_same_weights(model, ref)
 
 
 def test_bad_caps_fail_clearly():

@@ -39,7 +39,8 @@ def test_adamw_cpu_placement_param_groups_and_no_zero_grad(daemon):
         rest = [p for n, p in m.named_parameters() if p.ndim != 2]
         return [dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)]
 
-    opt = tierd.optim.AdamW(groups(model), lr=1e-3, betas=(0.8, 0.99), eps=1e-6)
+    # fused=False: updated in step(), so gradients may keep accumulating across steps
+    opt = tierd.optim.AdamW(groups(model), lr=1e-3, betas=(0.8, 0.99), eps=1e-6, fused=False)
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.8, 0.99), eps=1e-6,
                                 foreach=False)
     for ids in batches(3):   # never zero_grad: gradients keep accumulating, as in torch

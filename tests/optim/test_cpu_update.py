@@ -1,0 +1,139 @@
+"""CPU updates overlapped with backward (``optimizer_placement="cpu"``): on
+this machine the device is the CPU, so the gradients' copy out is trivial, but
+the host threads, their futures, the waits and the leases are real."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.store import LocalStore
+from tierd.optim.buckets import BucketState
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+
+class GatedAdamW(tierd.optim.AdamW):
+    """AdamW whose updates wait for ``gate`` (or fail with ``fail``), and say
+    which thread ran them: lets a test look at the model while they run."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: str | None = None
+        self.threads: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def update_params(self, group, tps, params, grads, moments) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.gate.wait()
+        if self.fail is not None:
+            raise RuntimeError(self.fail)
+        super().update_params(group, tps, params, grads, moments)
+
+
+def _host(opt):
+    (fused,) = opt._fused
+    return fused
+
+
+def test_cpu_updates_match_torch_bitwise_with_accumulation_on_host_threads(daemon):
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon), optimizer_placement="cpu")
+    opt = GatedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    data = batches(8)
+    # the first window is learned (updated in step()); the next three in backward
+    assert train(model, opt, data, accumulate=2) == train(ref, ref_opt, data, accumulate=2)
+    fused = _host(opt)
+    assert all(b.cpu for b in fused.buckets)
+    assert fused.host.nbytes > 0   # updates ran as host jobs
+    assert any(name.startswith("tierd-cpu-update") for name in opt.threads)
+    session = session_of(model)
+    assert not any(tp.grad_in_pool for tp in session.params.values())
+    assert_same_weights(model, ref)
+    assert all(b.state is BucketState.HOST for b in fused.buckets)
+    assert opt.state_dict()["state"][0]["step"] == ref_opt.state_dict()["state"][0]["step"]
+
+
+def test_bf16_cpu_updates_equal_the_fused_device_path():
+    data = batches(5)
+    outs = []
+    for placement in ("gpu-stream", "cpu"):
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                       optimizer_placement=placement)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        outs.append((train(model, opt, data), model.state_dict()))
+        assert any(b.cpu for b in _host(opt).buckets) == (placement == "cpu")
+    assert outs[0][0] == outs[1][0]
+    assert all(torch.equal(outs[0][1][k], v) for k, v in outs[1][1].items())
+
+
+def _one_step_pending(model, opt, ids):
+    """Backward with every CPU update held at the gate: returns the buckets
+    still UPDATING when backward ended."""
+    opt.gate.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [b for b in _host(opt).buckets if b.state is BucketState.UPDATING]
+
+
+def test_reads_commits_and_detach_while_updates_run_see_the_final_values():
+    ref = gpt2()
+    store = LocalStore(job="run1")
+    model = attach(copy.deepcopy(ref), client=store, job="run1", device="cpu",
+                   optimizer_placement="cpu")
+    opt = GatedAdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(4)
+    train(model, opt, data[:2]), train(ref, ref_opt, data[:2])
+    for i, read in enumerate(("state_dict", "commit", "detach")):
+        ids = data[2 + i] if i < 2 else batches(1, seed=7)[0]
+        assert _one_step_pending(model, opt, ids)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step(); ref_opt.zero_grad()
+        threading.Timer(0.2, opt.gate.set).start()   # the read must wait for it
+        if read == "state_dict":
+            assert_same_weights(model, ref)
+            opt.step(); opt.zero_grad()
+        elif read == "commit":
+            opt.step(); opt.zero_grad()
+            tierd.commit(model, opt, 4)
+            assert store.commits()
+            tp = session_of(model).params["transformer.wte.weight"]
+            assert torch.equal(session_of(model).read([tp.key])[tp.key],
+                               ref.transformer.wte.weight)
+        else:
+            opt.step(); opt.zero_grad()
+            plain = detach(model)
+            assert_same_weights(plain, ref)
+
+
+def test_a_failed_cpu_update_surfaces_at_the_next_step_and_nothing_hangs():
+    model = attach(gpt2(), client=LocalStore(), device="cpu", optimizer_placement="cpu")
+    opt = GatedAdamW(model.parameters(), lr=1e-3)
+    data = batches(4)
+    train(model, opt, data[:2])
+    opt.fail = "boom in the update"
+    with pytest.raises(RuntimeError, match="boom in the update") as raised:
+        train(model, opt, data[2:])
+    assert any("CPU update of optimizer bucket" in n for n in raised.value.__notes__)
+    fused = _host(opt)
+    assert all(b.state is not BucketState.UPDATING for b in fused.buckets)
+    opt.fail = None
+    session_of(model).settle()   # raised once; the leases went back
+    detach(model)
+
+
+def test_an_optimizer_over_cpu_placement_without_zero_grad_is_told_the_fix():
+    model = attach(gpt2(), client=LocalStore(), device="cpu", optimizer_placement="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(3)
+    with pytest.raises(tierd.StateError, match="zero_grad"):
+        for ids in data:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
