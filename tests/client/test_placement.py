@@ -12,7 +12,8 @@ import torch
 import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
-from tierd.client.placement import Costs, Place, Placement, UnitBytes, plan_placement, smallest_budget
+from tierd.client.placement import (Costs, Place, Placement, UnitBytes, plan_placement,
+                                    smallest_budget)
 from tierd.client.placer import PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
