@@ -207,12 +207,12 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        self.host.reap()
         for b in self.buckets:
             if b.state not in (BucketState.RESIDENT, BucketState.UPDATING):
                 b.to_host()
         self.updated = False
         self.backwards = 0
+        self.host.reap()   # the window is closed first: a failed CPU update raises here
 
     def settle(self, *, write_resident: bool = True) -> None:
         """Nothing fetched, every copy out landed, resident state written to
