@@ -97,7 +97,8 @@ def test_reads_commits_and_detach_while_updates_run_see_the_final_values():
         ref(input_ids=ids, labels=ids).loss.backward()
         ref_opt.step(); ref_opt.zero_grad()
         threading.Timer(0.2, opt.gate.set).start()   # the read must wait for it
-        if read == "state_dict":
+        if read == "state_dict":   # the torch optimizer's too: step counts are final
+            assert opt.state_dict()["state"][0]["step"] == ref_opt.state_dict()["state"][0]["step"]
             assert_same_weights(model, ref)
             opt.step(); opt.zero_grad()
         elif read == "commit":

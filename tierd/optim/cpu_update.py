@@ -141,8 +141,7 @@ class HostUpdates:
         self.seconds = 0.0       # thread time spent updating
         self.nbytes = 0          # state bytes updated
         self._probed: float | None = None
-        self._hooks = [fused.opt.register_state_dict_pre_hook(lambda _: self.wait_all()),
-                       fused.opt.register_load_state_dict_pre_hook(lambda *_: self.wait_all())]
+        self._hooks: list = []   # on the torch optimizer's state_dict, once updates run
         if self.mode == "cpu":
             self.place(None)
 
@@ -238,6 +237,9 @@ class HostUpdates:
                       sum(tp.param.numel() * 4 * (1 + len(opt.state_names)) for tp, _ in items))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(_THREADS, thread_name_prefix="tierd-cpu-update")
+        if not self._hooks:   # the step counts are bumped by the threads
+            self._hooks = [opt.register_state_dict_pre_hook(lambda _: self.wait_all()),
+                           opt.register_load_state_dict_pre_hook(lambda *_: self.wait_all())]
         b.to_updating(keys, self._executor.submit(run_job, opt, job))
         self._running[b] = job
 
@@ -320,3 +322,4 @@ class HostUpdates:
         self.wait_all()
         for h in self._hooks:
             h.remove()
+        self._hooks = []
