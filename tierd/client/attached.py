@@ -304,8 +304,9 @@ class AttachSession:
         if self.share is not None:
             return   # the node's ranks write gradient keys for each other
         fused = [f for f in self.optimizers if f.fusing and f.learned and f.window == 1]
+        # (a CPU-updated bucket writes its gradients to their keys every step)
         unused = [tp for tp in tps if tp.grad_created
-                  and any(tp in f.bucket_of for f in fused)]
+                  and any(tp in f.bucket_of and not f.bucket_of[tp].cpu for f in fused)]
         if not unused:
             return
         self.settle()   # the last writes of those keys have landed
