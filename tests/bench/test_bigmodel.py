@@ -10,14 +10,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.conftest import ROOT, subprocess_env
 from tierd.bench import bigmodel, bigmodel_results
-from tierd.bench.bigmodel_attempt import meminfo
+from tierd.bench.bigmodel_attempt import meminfo, sweep_scratch
 from tierd.bench.bigmodel_models import BASES, build_meta, shape_of
 from tierd.bench.bigmodel_systems import CpuAdamW, RunSpec, deepspeed_config
 
@@ -84,6 +87,62 @@ def test_an_attempt_past_its_time_is_killed_and_its_row_says_so(tmp_path):
     assert r["error"].startswith("killed: ran past its 0.5 s limit (--timeout)")
     assert r["tokens_per_s"] is None
     assert not list((tmp_path / "cache").iterdir())   # its scratch is gone
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_an_attempt_dies_with_the_bench_that_started_it(tmp_path, sig):
+    # a long attempt, and its bench stopped from outside (as a caller's time limit would)
+    cache = tmp_path / "cache"
+    bench_proc = subprocess.Popen(
+        [sys.executable, "-m", "tierd.bench.bigmodel", "--out", str(tmp_path), "--cache-dir",
+         str(cache), "--tiny", "--systems", "fsdp2", "--steps", "100000"],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := _children(bench_proc.pid)):
+            assert bench_proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        bench_proc.send_signal(sig)
+        bench_proc.wait()
+    deadline = time.monotonic() + 60
+    while any(_running(w) for w in workers):
+        assert time.monotonic() < deadline, f"attempt {workers} outlived its bench"
+        time.sleep(0.1)
+    left = list(cache.glob("bigmodel-*"))
+    if sig == signal.SIGTERM:
+        assert left == []   # the bench unwound: its attempt's scratch is gone
+    else:   # nothing ran after SIGKILL: the next call sweeps it
+        assert len(left) == 1 and sweep_scratch(cache) == left and not left[0].exists()
+
+
+def test_the_sweep_leaves_the_scratch_of_a_running_bench(tmp_path):
+    mine = tmp_path / "bigmodel-8B-tierd-B8-abc"
+    mine.mkdir()
+    (mine / "owner.pid").write_text(str(os.getpid()))
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    assert sweep_scratch(tmp_path) == [] and mine.exists() and other.exists()
 
 
 def fake_attempt(outcomes: dict):

@@ -82,15 +82,15 @@ machine has 128 GiB of RAM of which ~70 GiB can be page-locked.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tierd.bench import bigmodel_results as results
-from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt
+from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt, sweep_scratch
 from tierd.bench.bigmodel_models import rung_name, shape_of
 from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
 
@@ -150,6 +150,8 @@ def measure(args, record) -> None:
     """Every row this call asks for, each handed to ``record`` when done."""
     watch = Watch(timeout_s=args.timeout, host_floor_bytes=int(args.host_floor_gib * GiB),
                   log_dir=args.out / "logs", cache_root=args.cache_dir)
+    for path in sweep_scratch(args.cache_dir):
+        print(f"removed {path}: an earlier call's attempt scratch", file=sys.stderr)
 
     def run_model(system: str, model: str) -> dict:
         row = best_batch(system, model, args, lambda spec, t: run_attempt(spec, watch, t))
@@ -273,6 +275,9 @@ def _git_commit() -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # stopped from outside (a caller's time limit): unwind, so the running
+    # attempt is ended and its scratch removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bigmodel.json"
     done: list[dict] = []

@@ -13,6 +13,7 @@ when it runs past its time.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -30,6 +31,9 @@ from tierd.bench.common import subprocess_env
 GB = 1e9
 GiB = 1 << 30
 SAMPLE_S = 0.2
+PR_SET_PDEATHSIG = 1
+SCRATCH_PREFIX = "bigmodel-"
+OWNER = "owner.pid"
 #: after the worker reports done, how long its exit (and its daemon's) may take
 EXIT_GRACE_S = 60.0
 
@@ -69,7 +73,9 @@ def run_attempt(spec: RunSpec, watch: Watch, timeout_s: float | None = None) -> 
     watch.log_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{spec.model}-{spec.system}-B{spec.batch}"
     log = watch.log_dir / f"{stem}.log"
-    scratch = Path(tempfile.mkdtemp(prefix=f"bigmodel-{stem}-", dir=_mkdir(watch.cache_root)))
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{stem}-",
+                                    dir=_mkdir(watch.cache_root)))
+    (scratch / OWNER).write_text(str(os.getpid()))   # see sweep_scratch
     spec_path, result_path = scratch / "spec.json", scratch / "result.json"
     spec_path.write_text(json.dumps(asdict(spec)))
     # tierd's embedded daemon puts its NVMe files under $XDG_CACHE_HOME/tierd:
@@ -81,13 +87,40 @@ def run_attempt(spec: RunSpec, watch: Watch, timeout_s: float | None = None) -> 
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tierd.bench.bigmodel_worker", str(spec_path),
                  str(result_path)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)   # its own process group: killed as one
-        watched = _watch(proc, result_path, watch, timeout_s or watch.timeout_s)
+                start_new_session=True,   # its own process group: killed as one
+                preexec_fn=_die_with_parent)
+        try:
+            watched = _watch(proc, result_path, watch, timeout_s or watch.timeout_s)
+        except BaseException:   # this process is being stopped: the attempt goes first
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         result = _read(result_path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {**result, **watched, "log": str(log), "returncode": proc.returncode,
             "log_tail": _tail(log)}
+
+
+def sweep_scratch(cache_root: Path) -> list[Path]:
+    """Remove the scratch of attempts whose parent is gone (killed before it
+    could: tierd's NVMe files there would fill the disk call after call)."""
+    removed = []
+    for path in sorted(cache_root.glob(f"{SCRATCH_PREFIX}*")):
+        try:
+            owner = int((path / OWNER).read_text())
+        except (OSError, ValueError):
+            continue   # not one of ours, or still being made
+        try:
+            os.kill(owner, 0)
+            continue   # its bench still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _watch(proc: subprocess.Popen, result_path: Path, watch: Watch, timeout_s: float) -> dict:
@@ -132,6 +165,16 @@ def _stop_group(proc: subprocess.Popen) -> None:
         time.sleep(SAMPLE_S)
     if _group_alive(pgid):
         _signal_group(pgid, signal.SIGKILL)
+
+
+def _die_with_parent() -> None:
+    """In the worker before it runs: the kernel kills it when this process
+    dies (a bench call cut off by its caller leaves no attempt running on the
+    GPU; an embedded daemon follows its worker the same way)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass   # not Linux: the watch loop is then the only guard
 
 
 def _signal_group(pgid: int, sig: int) -> None:
