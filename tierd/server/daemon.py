@@ -32,7 +32,7 @@ from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
 from tierd.server.metrics import Metrics, serve_metrics
 from tierd.server.sessions import ControlSessions
 from tierd.server.sockets import ctl_path
-from tierd.server.transfers import RecordTransfers
+from tierd.server.transfers import RecordTransfers, checksum_threads
 
 log = logging.getLogger("tierd.daemon")
 
@@ -81,7 +81,9 @@ class Daemon:
             self.nvme.close(remove=False)
             raise
         self.executor = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tierd-io")
-        self.records = RecordTransfers(self.nvme, self.executor)
+        self.checksums = ThreadPoolExecutor(checksum_threads(cfg.io_threads),
+                                            thread_name_prefix="tierd-sum")
+        self.records = RecordTransfers(self.nvme, self.executor, self.checksums)
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -149,6 +151,7 @@ class Daemon:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=DRAIN_SECONDS)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.checksums.shutdown(wait=False, cancel_futures=True)
         self.router.close(linger=0)
         self.zctx.term()
         self.sessions.close()
