@@ -202,16 +202,17 @@ class NvmeStore:
         return recordio.checksum(bufs[-1])
 
     def write_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Checksum and write a whole record (one thread; the daemon spreads
-        the pieces over its I/O threads instead)."""
+        """Checksum and write a whole record, the header last (one thread; the
+        daemon spreads the pieces over its I/O and checksum threads instead)."""
         pieces = recordio.pieces_of(len(data))
-        sums = [recordio.checksum(data[s:s + n]) for s, n in pieces]
+        base = offset + meta.header_len()
+        sums = []
+        for s, n in pieces:
+            sums.append(recordio.checksum(data[s:s + n]))
+            self.write_from(base + s, [data[s:s + n]])
         header = recordio.encode_header(meta, sums)
         try:
-            base = offset + len(header)
-            for i, (s, n) in enumerate(pieces):
-                self.write_from(offset if i == 0 else base + s,
-                                [header, data[s:s + n]] if i == 0 else [data[s:s + n]])
+            self.write_from(offset, [header])
         finally:
             header.close()
 

@@ -9,13 +9,14 @@ a 4 KiB aligned offset::
         meta    msgpack [key, job, dtype, shape, nbytes, version, chunk, sums]
     data    (the pool slot's bytes, 4 KiB aligned length)
 
-``sums`` holds one checksum per ``chunk`` bytes of data, so the I/O threads
-checksum the pieces of a large tensor in parallel, each right before writing
-(or right after reading) its piece. The first piece goes out in the same
-``pwritev`` as the header. The algorithm is recorded in the header: CRC-32C
-(the ``crc32c`` package, hardware accelerated) when installed, else zlib's
-CRC-32; a record is verified with the algorithm it names, on any machine that
-has it. Reading checks the magic, the version, every meta field against what
+``sums`` holds one checksum per ``chunk`` bytes of data, so the pieces of a
+large tensor are checksummed in parallel, beside their I/O (see the Note on
+checksums in :mod:`tierd.server.transfers`). The header goes out last, after
+every data piece: a record torn by a crash or a failed write has no header
+that matches the catalog's, and reads as damaged. The algorithm is recorded
+in the header: CRC-32C (the ``crc32c`` package, hardware accelerated) when
+installed, else zlib's CRC-32; a record is verified with the algorithm it
+names, on any machine that has it. Reading checks the magic, the version, every meta field against what
 the catalog expects (so a stale or misplaced record is caught, not only a
 flipped bit) and every piece's checksum; any mismatch is an IntegrityError
 naming the key.

@@ -389,7 +389,8 @@ def config_of(args: argparse.Namespace) -> BenchConfig:
     kw = {"request_sizes": (1 * MiB, 8 * MiB), "depths": (1, 8)} if args.quick else {}
     return BenchConfig(nbytes=nbytes, tensor_bytes=tensor,
                        sample_bytes=min(nbytes, (64 if args.quick else 1024) * MiB),
-                       rounds=args.rounds or (1 if args.quick else 3), **kw)
+                       rounds=args.rounds if args.rounds is not None else (1 if args.quick else 3),
+                       **kw)
 
 
 def main(argv=None) -> int:

@@ -67,10 +67,14 @@ class RecordTransfers:
         no valid header, so it is never read as whole."""
         pieces = recordio.pieces_of(len(data))
         base = offset + meta.header_len()
-        writes = [self._io(self.nvme.write_from, base + s, [data[s:s + n]]) for s, n in pieces]
-        sums = [self._sum(data[s:s + n]) for s, n in pieces]
-        results = await self._all([*writes, *sums])
-        header = recordio.encode_header(meta, results[len(writes):])
+        views = [data[s:s + n] for s, n in pieces]
+        try:
+            writes = [self._io(self.nvme.write_from, base + s, [v])
+                      for (s, _), v in zip(pieces, views)]
+            sums = await self._all([*writes, *(self._sum(v) for v in views)])
+        finally:
+            _release(views)
+        header = recordio.encode_header(meta, sums[len(writes):])
         try:
             await self._all([self._io(self.nvme.write_from, offset, [header])])
         finally:
@@ -86,13 +90,24 @@ class RecordTransfers:
         """Read the header and every piece, checksumming each as it lands,
         then check them against the header (IntegrityError naming the key)."""
         header = recordio.header_buffer(meta)
+        pieces = recordio.pieces_of(len(data))
+        views = [data[s:s + n] for s, n in pieces]
         try:
             base = offset + len(header)
             got = await self._all(
-                self._read_piece(offset, [header, data[s:s + n]]) if i == 0 else
-                self._read_piece(base + s, [data[s:s + n]])
-                for i, (s, n) in enumerate(recordio.pieces_of(len(data))))
+                self._read_piece(offset, [header, v]) if i == 0 else
+                self._read_piece(base + s, [v])
+                for i, ((s, _), v) in enumerate(zip(pieces, views)))
             algo, sums = recordio.parse_header(header, meta)
             recordio.verify_pieces(meta, algo, sums, got, data)
         finally:
+            _release(views)
             header.close()
+
+
+def _release(views: list[memoryview]) -> None:
+    """Let go of piece views now: asyncio's futures may keep them in reference
+    cycles until the next garbage collection, and a pool segment cannot be
+    unmapped while a view of it lives."""
+    for v in views:
+        v.release()

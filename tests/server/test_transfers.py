@@ -1,0 +1,180 @@
+"""NVMe records moved with the sums on their own threads (see the Note in
+tierd.server.transfers): bytes come back exact, damage in any piece or the
+header is found, a failed write leaves nothing readable, and a real daemon
+keeps every value under concurrent spills and fetches."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import tierd
+from tierd.backends import recordio
+from tierd.backends.nvme import DATA_FILE, Failpoints, NvmeStore
+from tierd.errors import IntegrityError, TierIOError
+from tierd.server.transfers import RecordTransfers, checksum_threads
+
+CHUNK = recordio.CHUNK
+SIZES = (2 * CHUNK + 12 * 1024, 4096, CHUNK)   # three pieces (the last short), one page, one piece
+
+
+def meta_of(i: int, nbytes: int) -> recordio.RecordMeta:
+    return recordio.RecordMeta(f"k{i}", "job", "uint8", (nbytes,), nbytes, 1)
+
+
+class Records:
+    """A store on a temp dir, its transfers, and aligned buffers of random bytes."""
+
+    def __init__(self, directory, failpoints: Failpoints | None = None) -> None:
+        self.store = NvmeStore(directory, 64 << 20, failpoints=failpoints)
+        self.io = ThreadPoolExecutor(4)
+        self.sums = ThreadPoolExecutor(2)
+        self.rt = RecordTransfers(self.store, self.io, self.sums)
+        self.metas = [meta_of(i, n) for i, n in enumerate(SIZES)]
+        self.offsets = [self.store.extents.alloc(m.record_len()) for m in self.metas]
+        self.data = [self.buffer(n, fill=True) for n in SIZES]
+
+    @staticmethod
+    def buffer(nbytes: int, fill: bool = False) -> mmap.mmap:
+        buf = mmap.mmap(-1, recordio.align_up(nbytes))   # page aligned, as pool slots are
+        if fill:
+            buf[:nbytes] = random.Random(nbytes).randbytes(nbytes)
+        return buf
+
+    def write_all(self) -> None:
+        async def go():
+            await asyncio.gather(*(self.rt.write(o, m, memoryview(d)[:m.nbytes])
+                                   for o, m, d in zip(self.offsets, self.metas, self.data)))
+        asyncio.run(go())
+
+    def read(self, i: int) -> bytes:
+        out = self.buffer(self.metas[i].nbytes)
+        view = memoryview(out)[:self.metas[i].nbytes]
+        try:
+            asyncio.run(self.rt.read(self.offsets[i], self.metas[i], view))
+            return bytes(view)
+        finally:
+            view.release()
+            out.close()
+
+    def damage(self, offset: int) -> None:
+        fd = os.open(self.store.path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0x01]), offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.io.shutdown()
+        self.sums.shutdown()
+        self.store.close()
+
+
+@pytest.fixture
+def records(tmp_path):
+    r = Records(tmp_path)
+    yield r
+    r.close()
+
+
+def test_records_of_many_pieces_written_at_once_read_back_exact(records):
+    records.write_all()
+    for i, m in enumerate(records.metas):
+        assert records.read(i) == records.data[i][:m.nbytes]
+
+
+@pytest.mark.parametrize("piece", [0, 1, 2])
+def test_a_flipped_byte_in_any_piece_is_an_integrity_error_naming_its_bytes(records, piece):
+    records.write_all()
+    data_start = records.offsets[0] + records.metas[0].header_len()
+    records.damage(data_start + piece * CHUNK + 777)
+    end = min((piece + 1) * CHUNK, recordio.align_up(SIZES[0]))
+    with pytest.raises(IntegrityError, match=rf"'k0'.*checksum mismatch in bytes "
+                                             rf"{piece * CHUNK}-{end}"):
+        records.read(0)
+    assert records.read(1) == records.data[1][:SIZES[1]]   # the others are untouched
+
+
+def test_a_flipped_byte_in_the_header_is_an_integrity_error(records):
+    records.write_all()
+    records.damage(records.offsets[2] + recordio.PREFIX.size + 5)   # inside the meta
+    with pytest.raises(IntegrityError, match="'k2'.*damaged"):
+        records.read(2)
+
+
+@pytest.mark.parametrize("fail_at", ["a data piece", "the header"])
+def test_a_failed_write_raises_and_leaves_no_readable_record(tmp_path, fail_at):
+    fp = Failpoints()
+    r = Records(tmp_path, failpoints=fp)
+    try:
+        pieces = len(recordio.pieces_of(r.metas[0].nbytes))
+        fp.arm("write", errno.EIO, after=1 if fail_at == "a data piece" else pieces)
+        with pytest.raises(TierIOError, match="NVMe write"):
+            asyncio.run(r.rt.write(r.offsets[0], r.metas[0], memoryview(r.data[0])[:SIZES[0]]))
+        with pytest.raises(IntegrityError, match="'k0'.*bad magic"):
+            r.read(0)
+    finally:
+        r.close()
+
+
+def test_checksum_threads_stay_within_the_io_threads_and_at_least_one():
+    assert checksum_threads(1) == 1
+    assert 1 <= checksum_threads(64) <= max(1, (os.cpu_count() or 2) // 2)
+
+
+def test_concurrent_spills_and_fetches_keep_every_value(daemon_factory):
+    """Three clients of one job evict, prefetch and read keys of their own at
+    once, in a pool smaller than all of them: records of one and two pieces
+    cross in flight both ways, and every read is the value put. (Room for the
+    three largest leases at once: one 16 MiB segment each.)"""
+    d = daemon_factory(pool="48MiB", nvme_size="256MiB")
+    errors: list[BaseException] = []
+
+    def client_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        values = {f"{seed}/big{i}": torch.randint(0, 255, (CHUNK + 2 * 1024 * 1024,), dtype=torch.uint8,
+                                           generator=torch.Generator().manual_seed(seed * 10 + i))
+                  for i in range(2)}
+        values.update({f"{seed}/small{i}": torch.full((64 * 1024,), seed * 100 + i, dtype=torch.int32)
+                       for i in range(8)})
+        try:
+            with tierd.connect(d.socket, job="stress") as c:
+                for k, v in values.items():
+                    c.put(k, v)
+                keys = list(values)
+                for _ in range(25):
+                    subset = rng.sample(keys, rng.randint(1, 4))
+                    match rng.randrange(3):
+                        case 0:
+                            c.evict(subset)
+                        case 1:
+                            c.prefetch(subset)
+                        case 2:
+                            k = rng.choice(keys)
+                            assert torch.equal(c.get(k), values[k]), k
+                for k, v in values.items():
+                    assert torch.equal(c.get(k), v), k
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client_loop, args=(s,)) for s in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    with tierd.connect(d.socket, job="stress") as c:
+        stats = c.stats()
+    assert stats["bytes_to_nvme"] > 0 and stats["bytes_to_pool"] > 0 and stats["io_errors"] == 0
+    assert (d.nvme / DATA_FILE).exists()
