@@ -64,6 +64,21 @@ def test_storing_three_times_the_pool_spills_and_all_comes_back(client):
         assert same_bits(client.get(key), t)
 
 
+def test_a_client_unmaps_segments_the_daemon_dropped(daemon_factory):
+    """Segments the daemon drops (here: emptied for a tensor larger than a
+    segment) leave the client's mappings too, so their memory is given back."""
+    d = daemon_factory(pool="16MiB", nvme_size="64MiB", extra=("--segment-size", "4MiB"))
+    client = tierd.connect(d)
+    client.put("a", torch.ones(2 << 20, dtype=torch.float32))   # 8 MiB: a segment of its own
+    first = set(client.control.views)
+    client.delete("a")
+    big = torch.ones(3 << 20, dtype=torch.float32)              # 12 MiB: the empty one goes
+    client.put("b", big)
+    assert first and not first & (set(client.control.views) | set(client.control.mmaps))
+    assert same_bits(client.get("b"), big)
+    client.close()
+
+
 def test_prefetch_brings_keys_back_into_the_pool(client):
     t = torch.arange(4096, dtype=torch.int32)
     client.put_many({"a": t, "b": t + 1})

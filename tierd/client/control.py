@@ -145,22 +145,40 @@ class ControlChannel:
         return raw.view(torch_dtypes()[p.dtype]).view(p.shape)
 
     def map(self, ids: list[int]) -> None:
-        new = []
+        new, gone = [], []
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
             for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE):
-                new += self._map_batch(want[start:start + P.MAX_SEGMENTS_PER_MESSAGE])
+                got, dropped = self._map_batch(want[start:start + P.MAX_SEGMENTS_PER_MESSAGE])
+                new += got
+                gone += [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
             missing = set(want) - self.views.keys()
-            listeners = list(self._listeners)
+            listeners, unmap = list(self._listeners), list(self._unmap_listeners)
+        for sid, view in gone:
+            self._unmap(sid, view, unmap)
         for sid, view in new:
             for cb in listeners:
                 cb(sid, view)
         if missing:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
 
-    def _map_batch(self, want: list[int]) -> list[tuple[int, torch.Tensor]]:
+    def _unmap(self, sid: int, view, listeners) -> None:
+        """A segment the daemon dropped: nothing of this client is in it (the
+        daemon drops only empty segments), so its pages go with the mapping."""
+        for unmapped in listeners:
+            unmapped(sid, view)
+        del view
+        mm = self.mmaps.pop(sid, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a stale tensor still uses it; see the Note on mapping lifetime
+
+    def _map_batch(self, want: list[int]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
         """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
-        descriptors in one message); called with the lock held."""
+        descriptors in one message); called with the lock held. Also returns
+        the ids of segments mapped earlier that the daemon has dropped since."""
         try:
             self._send({"segments": want})
             reply, fds = self._recv()
@@ -185,7 +203,7 @@ class ControlChannel:
         finally:
             for fd in fds:
                 os.close(fd)
-        return new
+        return new, list(reply.get("gone", []))
 
     def close(self) -> None:
         for sid, view in self.views.items():

@@ -122,11 +122,17 @@ class ControlSessions:
             session, token = self._open(job, peer)
             await sockets.send_ctl(conn, {"ok": True, "token": token, "session": session.id,
                                           "job": session.job})
+            handed: set[int] = set()   # segments this client has mapped
             while True:
                 ids = P.decode_segments(await sockets.recv_ctl(conn))
                 segs = [self.pool.segments.get(i) for i in ids]
                 segs = [s for s in segs if s is not None and s.job == session.job]
-                await sockets.send_ctl(conn, {"ok": True,
+                # dropped since: the client unmaps them, or their memory stays
+                # allocated (and page-locked) for as long as it runs
+                gone = sorted(i for i in handed if i not in self.pool.segments)
+                handed.difference_update(gone)
+                handed.update(s.id for s in segs)
+                await sockets.send_ctl(conn, {"ok": True, "gone": gone,
                                               "segments": [[s.id, s.size] for s in segs]},
                                        fds=[s.fd for s in segs])
         except (ConnectionError, asyncio.IncompleteReadError, EOFError, asyncio.TimeoutError):
