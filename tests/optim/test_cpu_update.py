@@ -124,9 +124,8 @@ def test_a_failed_cpu_update_surfaces_at_the_next_step_and_nothing_hangs():
         train(model, opt, data[2:])
     assert any("CPU update of optimizer bucket" in n for n in raised.value.__notes__)
     fused = _host(opt)
-    assert all(b.state is not BucketState.UPDATING for b in fused.buckets)
-    opt.fail = None
-    session_of(model).settle()   # raised once; the leases went back
+    assert all(b.state is BucketState.HOST for b in fused.buckets)   # leases released
+    session_of(model).settle()   # raised once, for every bucket that failed
     detach(model)
 
 

@@ -301,8 +301,24 @@ class HostUpdates:
             self._executor = None
 
     def _finish(self, done: list[Bucket]) -> None:
-        """Release the leases of ended updates, then raise the first failure."""
-        failed = None
+        """Release the leases of ended updates. If one failed, every update
+        still running is waited for and wound up too, and the first failure
+        is raised once (with a note counting the others): after it nothing
+        runs, nothing is leased, and a later settle or detach goes through."""
+        errors = self._wind_up(done)
+        if not errors:
+            return
+        running = list(self._running)
+        for b in running:
+            b.update.exception()   # waits for it
+        errors += self._wind_up(running)
+        first = errors[0]
+        if len(errors) > 1:
+            first.add_note(f"{len(errors) - 1} more CPU updates of this step failed as well")
+        raise first
+
+    def _wind_up(self, done: list[Bucket]) -> list[BaseException]:
+        errors = []
         for b in done:
             exc, job = b.update.exception(), self._running.pop(b)
             if exc is None:
@@ -310,12 +326,11 @@ class HostUpdates:
                 self.nbytes += job.nbytes
             self._fused.session.leases.release(b.keys, written=True)
             b.to_updated_on_host()
-            if exc is not None and failed is None:
+            if exc is not None:
                 exc.add_note(f"in the CPU update of optimizer bucket {job.bucket} "
                              f"({job.name!r}...); its values in tierd may be partly updated")
-                failed = exc
-        if failed is not None:
-            raise failed
+                errors.append(exc)
+        return errors
 
     def close(self) -> None:
         """The optimizer stops fusing: nothing left running, hooks off."""
