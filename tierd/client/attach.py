@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import fields, replace
@@ -20,22 +21,25 @@ from torch import nn
 from tierd.client import distributed
 from tierd.client.attach_config import AttachConfig
 from tierd.client.attached import AttachSession, Resumed, is_attached, session_of
+from tierd.client.capacity import StoreNeed, model_need
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
-from tierd.client.embedded import answers, ensure_daemon
+from tierd.client.embedded import answers, ensure_daemon, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.config import default_socket_path
-from tierd.errors import StateError
+from tierd.errors import CapacityError, StateError
 
 __all__ = ["AttachConfig", "attach", "attached", "detach", "session_of"]
 
 
-def _join_ranks(group, model: nn.Module, client, job: str | None, config: AttachConfig):
+def _join_ranks(group, model: nn.Module, client, job: str | None, config: AttachConfig,
+                need: StoreNeed):
     """Under torch.distributed: agree with the other ranks, find the node's
-    daemon; returns (Ranks, client)."""
+    daemon (an embedded one sized for ``need``: one copy per node); returns
+    (Ranks, client)."""
     if client is not None:
         socket, job = client.path, client.job
     else:
@@ -43,7 +47,8 @@ def _join_ranks(group, model: nn.Module, client, job: str | None, config: Attach
         socket = socket if answers(socket) else None
     ranks, socket = distributed.join(
         group, socket_path=socket, job=job, model=model, config=config,
-        device=config.resolved_device(), start_daemon=ensure_daemon)
+        device=config.resolved_device(),
+        start_daemon=functools.partial(ensure_daemon, need=need, commits=True))
     return ranks, client if client is not None else connect(socket, job=job)
 
 
@@ -148,19 +153,40 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
                        group, plan: WeightsPlan | None) -> nn.Module:
     owns_client = client is None
     ranks = None
+    need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job)
     if group is not None:
-        ranks, client = _join_ranks(group, model, client, job, config)
+        ranks, client = _join_ranks(group, model, client, job, config, need)
         if config.name is None:
             config = replace(config, name=client.job)
     elif client is None:
-        client = connect(ensure_daemon(), job=job)
+        client = connect(ensure_daemon(need=need, commits=job is not None), job=job)
     try:
+        _check_room(model, client, config, ranks)
         return _build(model, client, config, owns_client=owns_client, resume=resume,
                       ranks=ranks, plan=plan)
     except BaseException:
         if owns_client:
             client.close()
         raise
+
+
+def _check_room(model: nn.Module, client, config: AttachConfig, ranks) -> None:
+    """CapacityError, before anything is stored, when the daemon cannot hold
+    the model's values and training state (keys a resumed job has excepted);
+    under torch.distributed the node leader checks and every rank raises."""
+    text = None
+    if ranks is None or ranks.leader:
+        keys = ModelKeys.for_name(config.name)
+        existing = client.keys(keys.all) if config.name is not None else ()
+        need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
+                          existing=existing)
+        count = sum(p.numel() for p in model.parameters())
+        text = room_problem(client, need, f"attaching {type(model).__name__} "
+                                          f"({count:,} parameters)")
+    if ranks is not None:
+        text = ranks.from_leader(text, "the capacity check")
+    if text:
+        raise CapacityError(text)
 
 
 def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,

@@ -2,9 +2,16 @@
 
 ``tierd.attach(model)`` with no daemon running calls :func:`ensure_daemon`,
 which starts one as a child process with its socket in a private temp dir and
-its NVMe file under the user's cache dir, and stops it when this process
-exits. The child asks the kernel to kill it if this process dies first
-(``PR_SET_PDEATHSIG``), so a crashed job leaves no daemon behind.
+its NVMe file in a private directory under ``$TIERD_NVME`` (default: the
+user's cache dir), and stops it when this process exits. The child asks the
+kernel to kill it if this process dies first (``PR_SET_PDEATHSIG``), so a
+crashed job leaves no daemon behind.
+
+Its sizes come from what the model needs and what the machine has
+([Note: embedded daemon sizes] in ``tierd.client.capacity``); arguments,
+then ``TIERD_POOL`` / ``TIERD_NVME_SIZE``, win over that. A later attach in
+this process whose model does not fit restarts it larger when it holds
+nothing; :func:`room_problem` gives the CapacityError text otherwise.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierd.backends.hostpool import available_memory
+from tierd.client.capacity import DaemonRoom, Machine, Sizing, StoreNeed, embedded_sizes, shortfall
 from tierd.client.control import ControlChannel
-from tierd.config import default_socket_path
+from tierd.config import default_socket_path, parse_size
 from tierd.errors import DaemonUnavailable
 
 START_TIMEOUT = 30.0
 PR_SET_PDEATHSIG = 1
+NVME_DIR_VAR = "TIERD_NVME"   # the embedded daemon's NVMe files go in a private dir under it
 
 
 @dataclass
@@ -37,6 +46,7 @@ class EmbeddedDaemon:
     socket: Path
     workdir: Path
     nvme: Path
+    sizing: Sizing | None = None   # how its sizes were chosen
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -56,6 +66,24 @@ class _Embedded:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.daemon: EmbeddedDaemon | None = None
+        self.stop_registered = False
+
+    def running(self) -> EmbeddedDaemon | None:
+        d = self.daemon
+        return d if d is not None and d.process.poll() is None else None
+
+    def replace(self, daemon: EmbeddedDaemon) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+        self.daemon = daemon
+        if not self.stop_registered:
+            atexit.register(self.stop)
+            self.stop_registered = True
+
+    def stop(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
 
 
 _EMBEDDED = _Embedded()
@@ -63,6 +91,11 @@ _EMBEDDED = _Embedded()
 
 def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierd"
+
+
+def nvme_root() -> Path:
+    """Where embedded daemons put their NVMe dirs: ``$TIERD_NVME``, else the cache dir."""
+    return Path(os.environ[NVME_DIR_VAR]) if os.environ.get(NVME_DIR_VAR) else cache_dir()
 
 
 def answers(path: Path) -> bool:
@@ -81,24 +114,51 @@ def _die_with_parent() -> None:
         pass  # not Linux: the atexit hook still stops it on a clean exit
 
 
+def _env_size(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}={text!r}: {exc}") from None
+
+
+def choose_sizes(nvme_dir: Path, need: StoreNeed | None, *, commits: bool,
+                 pool: int | None = None, nvme_size: int | None = None) -> Sizing:
+    """The embedded daemon's sizes: arguments, then ``TIERD_POOL`` /
+    ``TIERD_NVME_SIZE``, then sized from ``need`` and this machine."""
+    sources = {}
+    for name, given, var in (("pool", pool, "TIERD_POOL"), ("nvme", nvme_size, "TIERD_NVME_SIZE")):
+        value = given if given is not None else _env_size(var)
+        sources[name] = ("argument" if given is not None else var if value is not None else "",
+                         value)
+    machine = Machine(available_ram=available_memory(),
+                      free_disk=shutil.disk_usage(nvme_dir).free, nvme_dir=nvme_dir)
+    sizes = embedded_sizes(need or StoreNeed(), machine, commits=commits,
+                           pool=sources["pool"][1], nvme_size=sources["nvme"][1])
+    return Sizing(machine, sizes, pool_from=sources["pool"][0], nvme_from=sources["nvme"][0])
+
+
 def start_daemon(pool: int | None = None, nvme_size: int | None = None,
-                 nvme_dir: Path | None = None) -> EmbeddedDaemon:
-    """Start a private daemon and wait until it answers."""
+                 nvme_dir: Path | None = None, *, need: StoreNeed | None = None,
+                 commits: bool = False) -> EmbeddedDaemon:
+    """Start a private daemon and wait until it answers; sizes as :func:`choose_sizes`."""
+    root = _mkdir(nvme_dir or nvme_root())
+    sizing = choose_sizes(root, need, commits=commits, pool=pool, nvme_size=nvme_size)
     workdir = Path(tempfile.mkdtemp(prefix="tierd-"))
-    nvme = Path(tempfile.mkdtemp(prefix="nvme-", dir=_mkdir(nvme_dir or cache_dir())))
+    nvme = Path(tempfile.mkdtemp(prefix="nvme-", dir=root))
     sock = workdir / "tierd.sock"
-    pool = pool or int(os.environ.get("TIERD_POOL", 0)) or min(available_memory() // 2, 32 << 30)
-    if nvme_size is None:
-        nvme_size = min(shutil.disk_usage(nvme).free // 2, 256 << 30)
     cmd = [sys.executable, "-m", "tierd", "serve", "--nvme", str(nvme), "--socket", str(sock),
-           "--pool", str(pool), "--nvme-size", str(nvme_size), "--log-level", "WARNING"]
+           "--pool", str(sizing.sizes.pool), "--nvme-size", str(sizing.sizes.nvme_size),
+           "--log-level", "WARNING"]
     log = open(workdir / "daemon.log", "wb")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=_die_with_parent)
     log.close()
-    daemon = EmbeddedDaemon(proc, sock, workdir, nvme)
+    daemon = EmbeddedDaemon(proc, sock, workdir, nvme, sizing)
     deadline = time.monotonic() + START_TIMEOUT
     while not answers(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -114,14 +174,48 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def ensure_daemon(socket_path: str | Path | None = None) -> Path:
+def _room(socket: Path) -> DaemonRoom | None:
+    from tierd.client.connection import connect   # the store client imports torch
+    client = connect(socket)
+    try:
+        return DaemonRoom.from_stats(client.stats())
+    finally:
+        client.close()
+
+
+def ensure_daemon(socket_path: str | Path | None = None, *, need: StoreNeed | None = None,
+                  commits: bool = False) -> Path:
     """The socket of a daemon that answers: the given or default one if it
-    does, else this process's embedded daemon (started on first call)."""
+    does, else this process's embedded daemon, started on first call sized
+    for ``need`` (``commits``: a named job, which may commit). A running
+    embedded daemon that cannot hold ``need`` and holds nothing is started
+    again larger; one that holds something is kept (the caller's
+    :func:`room_problem` check then names the sizes that would work)."""
     path = Path(socket_path) if socket_path else default_socket_path()
     if socket_path or answers(path):
         return path
     with _EMBEDDED.lock:
-        if _EMBEDDED.daemon is None or _EMBEDDED.daemon.process.poll() is not None:
-            _EMBEDDED.daemon = start_daemon()
-            atexit.register(_EMBEDDED.daemon.stop)
+        running = _EMBEDDED.running()
+        if running is not None:
+            if need is None:
+                return running.socket
+            room = _room(running.socket)
+            if room is None or room.holds(need) or not room.idle:
+                return running.socket
+            _EMBEDDED.stop()   # first, so the machine's RAM and disk are measured without it
+        _EMBEDDED.replace(start_daemon(need=need, commits=commits))
         return _EMBEDDED.daemon.socket
+
+
+def room_problem(client, need: StoreNeed, what: str) -> str | None:
+    """The CapacityError text when the daemon behind ``client`` cannot hold
+    ``need`` (see :func:`tierd.client.capacity.shortfall`), else None."""
+    room = DaemonRoom.from_stats(client.stats())
+    if room is None:
+        return None
+    path = getattr(client, "path", None)
+    running = _EMBEDDED.running()
+    if running is not None and path is not None and Path(path) == running.socket:
+        return shortfall(need, room, what=what, daemon="the embedded daemon",
+                         sizing=running.sizing)
+    return shortfall(need, room, what=what, daemon=f"the daemon at {path or 'this store'}")

@@ -26,8 +26,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.client.capacity import StoreNeed
+from tierd.client.embedded import room_problem
 from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.errors import CapacityError
 from tierd.optim.fused import FusedUpdates
 
 
@@ -45,6 +48,31 @@ def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
     """``tp``'s state is updated on the CPU ([Note: CPU updates overlapped with
     backward] in tierd.optim.cpu_update)."""
     return any(f.bucket_of[tp].cpu for f in fused if tp in f.bucket_of)
+
+
+def _check_capacity(opt: "StreamedOptimizer") -> None:
+    """CapacityError, before any state is written, when a daemon cannot hold
+    what ``opt`` adds: its state and the fp32 gradients of the trainable
+    parameters not stored yet ([Note: what the store holds for a model] in
+    tierd.client.capacity). Under torch.distributed the node holds one copy
+    of every rank's share: the leader checks it all and every rank raises."""
+    trainable = [tp for tp in dict.fromkeys(opt._all()) if tp.param.requires_grad]
+    for session, tps in opt._by_session(trainable).items():
+        ranks = session.share.ranks if session.share is not None else None
+        text = None
+        if ranks is None or ranks.leader:
+            items = [(kind, key, tp.param.numel() * 4) for tp in tps
+                     for kind, key in ([("optimizer", opt.state_key(tp, n))
+                                        for n in opt.state_names]
+                                       + [("gradients", tp.grad_key)])]
+            need = StoreNeed.of(items, job=getattr(session.client, "job", None),
+                                existing=session.client.keys(session.keys.all))
+            text = room_problem(session.client, need,
+                                f"{type(opt).__name__}'s state for {len(tps)} parameters")
+        if ranks is not None:
+            text = ranks.from_leader(text, "the optimizer's capacity check")
+        if text:
+            raise CapacityError(text)
 
 
 def _unregister(f: FusedUpdates) -> None:
@@ -131,6 +159,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
+        _check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
         self._create_states()
         for session, tps in self._by_session(self._owned()).items():

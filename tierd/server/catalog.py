@@ -298,6 +298,11 @@ class Catalog:
             "nvme_bytes": self.nvme.size,
             "nvme_used_bytes": self.nvme.extents.used,
             "nvme_direct_io": self.nvme.direct,
+            # what admission counts (tierd.server.admission), for clients'
+            # capacity checks: free = pool + NVMe - largest - held_only - stored
+            "stored_bytes": self.admission.stored_bytes,
+            "largest_bytes": self.admission.largest,
+            "held_only_bytes": self.admission.held_only_bytes,
             "tensors": len(self.entries),
             "sessions": len(self.sessions),
             "bytes_to_nvme": c.bytes_to_nvme,

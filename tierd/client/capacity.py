@@ -1,0 +1,361 @@
+"""Capacity: what a model needs from tierd's store, what a machine or a
+daemon has, the embedded daemon's sizes, and the error that names sizes
+that work. Plain code: no sockets, no processes (``tierd.client.embedded``
+asks the daemon and the machine, then calls this).
+
+Example:
+    >>> need = StoreNeed(params=2 << 30, master=4 << 30, optimizer=8 << 30,
+    ...                  gradients=4 << 30, largest=1 << 30)
+    >>> sizes = embedded_sizes(need, Machine(available_ram=16 << 30, free_disk=100 << 30))
+    >>> sizes.pool >> 30, sizes.nvme_size >> 30
+    (8, 15)
+
+[Note: what the store holds for a model]
+Each parameter (tied ones once) has its compute-dtype copy (``p/``); below
+fp32 a trainable one also has its fp32 master (``master/``). A trainable
+parameter gets the fp32 gradient the first step sums in the pool (``grad/``)
+and its optimizer's state (``optim/``). At attach the optimizer does not
+exist yet: its state is counted as AdamW's two fp32 moments (8 B per
+trainable parameter, the most a ``tierd.optim`` optimizer keeps); the
+optimizer's constructor then checks what it really adds. Each tensor costs
+its record on NVMe, whichever tier holds it (a header page and the data
+rounded up to a page, see ``tierd.backends.recordio``), and the daemon
+admits at most pool + NVMe less its largest tensor (kept free for swapping,
+see ``tierd.server.admission``). Buffers are on the compute device, not in
+the store: they are reported, not counted. Saved activations that
+``activations=`` tiers are not counted either (their size is only known
+once a step ran): the embedded daemon's pool keeps room beyond the model
+for them.
+
+[Note: the GPU is not counted]
+The check counts the store only. Placement keeps weights and optimizer
+states on the GPU between steps (``tierd.client.placement``), but the store
+still keeps a copy of every resident value (commits, detach and re-planning
+read it), so the GPU adds no room today. Whoever makes placement keep values
+off the store must count the GPU here: add what it keeps off the store to
+what the daemon has in :func:`shortfall`.
+
+[Note: embedded daemon sizes]
+The pool is a budget, not an allocation: segments are made as tensors
+arrive, so a pool larger than the model costs nothing until used, and a
+larger pool lets more keys be held (``hold_fraction``) and more leases be in
+flight. So the pool asks for twice the model's state (everything holdable)
+and never less than the half of the available RAM up to 32 GiB that every
+embedded daemon had, within what the RAM gives. The NVMe file is
+preallocated at start, so it is sized from the need: what the pool cannot
+hold plus slack, and for a named job (which may commit) room for two commits
+(a commit writes every tensor; copy-on-write keeps the previous one until
+the next is complete), within what the disk gives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from tierd.backends.recordio import RecordMeta
+
+GiB = 1 << 30
+MiB = 1 << 20
+PAGE = 4096
+#: AdamW's two fp32 moments per trainable parameter: what attach assumes.
+ADAMW_STATE_BYTES = 8
+GRAD_BYTES = 4   # the fp32 gradient the first step sums in the pool
+RAM_HEADROOM = (8 * GiB, 0.10)    # kept for the process, the CUDA context, page cache
+DISK_HEADROOM = (4 * GiB, 0.05)
+OLD_POOL_CAP = 32 * GiB   # the embedded pool's size before it was sized from the model
+MIN_NVME = 1 * GiB
+_JOB_ESTIMATE = "j" * 64   # a job name's length bounds its share of a record header
+
+KINDS = ("params", "master", "optimizer", "gradients")
+
+
+def record_bytes(key: str, nbytes: int, job: str | None = None) -> int:
+    """Bytes one tensor of ``nbytes`` counts against pool + NVMe."""
+    return RecordMeta(key, job or _JOB_ESTIMATE, "uint8", (), nbytes, 0).record_len()
+
+
+def headroom(amount: int, rule: tuple[int, float]) -> int:
+    """What stays free of ``amount``: max(fixed, fraction), never above half."""
+    fixed, fraction = rule
+    return min(max(fixed, int(amount * fraction)), amount // 2)
+
+
+def size_text(n: int) -> str:
+    """A size for people: ``12.3 GiB``, ``40.0 MiB``."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def flag_size(n: int) -> str:
+    """A size for a flag or variable, rounded up: ``13GiB``, ``300MiB``."""
+    return f"{math.ceil(n / GiB)}GiB" if n >= 4 * GiB else f"{max(1, math.ceil(n / MiB))}MiB"
+
+
+@dataclass(frozen=True)
+class StoreNeed:
+    """Bytes the store must hold, by kind ([Note: what the store holds for a model])."""
+
+    params: int = 0      # compute-dtype copies
+    master: int = 0      # fp32 masters (compute dtype below fp32)
+    optimizer: int = 0   # optimizer state
+    gradients: int = 0   # fp32 gradients summed in the pool
+    buffers: int = 0     # on the compute device: reported, not in ``total``
+    largest: int = 0     # the largest single record
+    assumed_optimizer: bool = False   # optimizer counted as AdamW (no optimizer yet)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool) and value < 0:
+                raise ValueError(f"StoreNeed.{f.name}={value} must be >= 0")
+
+    @classmethod
+    def of(cls, items: Iterable[tuple[str, str, int]], *, job: str | None = None,
+           existing: Iterable[str] = (), buffers: int = 0,
+           assumed_optimizer: bool = False) -> "StoreNeed":
+        """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``."""
+        have = set(existing)
+        sums = dict.fromkeys(KINDS, 0)
+        largest = 0
+        for kind, key, nbytes in items:
+            if kind not in sums:
+                raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+            if key in have:
+                continue
+            size = record_bytes(key, nbytes, job)
+            sums[kind] += size
+            largest = max(largest, size)
+        return cls(**sums, buffers=buffers, largest=largest,
+                   assumed_optimizer=assumed_optimizer)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.master + self.optimizer + self.gradients
+
+    def describe(self) -> str:
+        parts = [f"parameters {size_text(self.params)}"]
+        if self.master:
+            parts.append(f"fp32 masters {size_text(self.master)}")
+        if self.optimizer:
+            how = " (AdamW's two moments assumed)" if self.assumed_optimizer else ""
+            parts.append(f"optimizer state {size_text(self.optimizer)}{how}")
+        if self.gradients:
+            parts.append(f"fp32 gradients {size_text(self.gradients)}")
+        return " + ".join(parts) + f" = {size_text(self.total)}"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine has for an embedded daemon: RAM available and free
+    disk at its NVMe directory, each less headroom."""
+
+    available_ram: int
+    free_disk: int
+    nvme_dir: Path | None = None
+
+    @property
+    def pool_limit(self) -> int:
+        return self.available_ram - headroom(self.available_ram, RAM_HEADROOM)
+
+    @property
+    def nvme_limit(self) -> int:
+        return self.free_disk - headroom(self.free_disk, DISK_HEADROOM)
+
+    def describe(self) -> str:
+        where = f" at {self.nvme_dir}" if self.nvme_dir else ""
+        return (f"this machine gives a pool up to {size_text(self.pool_limit)} "
+                f"({size_text(self.available_ram)} RAM available less headroom) and NVMe up "
+                f"to {size_text(self.nvme_limit)} ({size_text(self.free_disk)} disk "
+                f"free{where} less headroom)")
+
+
+@dataclass(frozen=True)
+class DaemonRoom:
+    """A daemon's sizes and use, from its status answer (``stats()``)."""
+
+    pool: int
+    nvme: int
+    stored: int = 0
+    largest: int = 0
+    held_only: int = 0
+    tensors: int = 0
+    sessions: int = 0
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> "DaemonRoom | None":
+        """None when the store does not report its admission figures (an
+        in-process test store): nothing to check against."""
+        try:
+            return cls(pool=int(stats["pool_bytes"]), nvme=int(stats["nvme_bytes"]),
+                       stored=int(stats["stored_bytes"]), largest=int(stats["largest_bytes"]),
+                       held_only=int(stats["held_only_bytes"]),
+                       tensors=int(stats.get("tensors", 0)),
+                       sessions=int(stats.get("sessions", 0)))
+        except KeyError:
+            return None
+
+    def free(self, largest: int = 0) -> int:
+        """Bytes still admitted when the largest tensor becomes ``largest``."""
+        return max(0, self.pool + self.nvme - max(self.largest, largest)
+                   - self.held_only - self.stored)
+
+    def holds(self, need: StoreNeed) -> bool:
+        return need.total <= self.free(need.largest) and need.largest <= self.pool
+
+    def required(self, need: StoreNeed) -> int:
+        """pool + NVMe that would hold what is stored and ``need``."""
+        return (self.stored + self.held_only + need.total
+                + max(self.largest, need.largest))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing stored and no client but the one asking."""
+        return self.tensors == 0 and self.sessions <= 1
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """An embedded daemon's pool and NVMe file, in bytes."""
+
+    pool: int
+    nvme_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("pool", "nvme_size"):
+            if getattr(self, name) < PAGE:
+                raise ValueError(f"Sizes.{name}={getattr(self, name)} B is below one page "
+                                 f"({PAGE} B)")
+
+
+def slack(need: StoreNeed) -> int:
+    """Room beyond the need: new versions of a batch being replaced, leases."""
+    return max(256 * MiB, need.total // 16)
+
+
+def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
+                   pool: int | None = None, nvme_size: int | None = None) -> Sizes:
+    """The embedded daemon's sizes ([Note: embedded daemon sizes]); a given
+    ``pool``/``nvme_size`` (argument or variable) wins."""
+    total, largest = need.total, need.largest
+    if pool is None:
+        floor = min(machine.available_ram // 2, OLD_POOL_CAP)
+        pool = min(machine.pool_limit, max(floor, 2 * total + largest + slack(need)))
+    if nvme_size is None:
+        spill = max(0, total + largest - pool) + slack(need)
+        room = 2 * total + largest + slack(need) if commits else 0
+        nvme_size = min(machine.nvme_limit, max(MIN_NVME, spill, room))
+    return Sizes(max(pool, PAGE), max(nvme_size, PAGE))
+
+
+def model_need(model, compute_dtype, keys, *, job: str | None = None,
+               existing: Iterable[str] = ()) -> StoreNeed:
+    """What attaching ``model`` stores and its training adds, keys in
+    ``existing`` (a resumed job's) excepted; ``keys`` is its
+    :class:`~tierd.client.keys.ModelKeys` ([Note: what the store holds for a model])."""
+    import torch   # only here: the rest of this module is torch-free
+
+    items: list[tuple[str, str, int]] = []
+    for name, p in model.named_parameters():   # tied parameters once
+        dtype = compute_dtype if p.is_floating_point() else p.dtype
+        n = p.numel()
+        items.append(("params", keys.param(name), n * dtype.itemsize))
+        if not p.requires_grad:
+            continue
+        if dtype != torch.float32:
+            items.append(("master", keys.master(name), n * 4))
+        items.append(("gradients", keys.grad(name), n * GRAD_BYTES))
+        for state in ("exp_avg", "exp_avg_sq"):
+            items.append(("optimizer", keys.state(state, name), n * ADAMW_STATE_BYTES // 2))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = any(p.requires_grad for p in model.parameters())
+    return StoreNeed.of(items, job=job, existing=existing, buffers=buffers,
+                        assumed_optimizer=trainable)
+
+
+def disk_free_for(nvme: int) -> int:
+    """Free disk at which :attr:`Machine.nvme_limit` reaches ``nvme``."""
+    fixed, fraction = DISK_HEADROOM
+    return max(nvme + fixed, math.ceil(nvme / (1 - fraction)))
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How an embedded daemon got its sizes: the machine it measured and what
+    set each size ("" for the machine, else the variable or "argument")."""
+
+    machine: Machine
+    sizes: Sizes
+    pool_from: str = ""
+    nvme_from: str = ""
+
+
+def shortfall(need: StoreNeed, room: DaemonRoom, *, what: str, daemon: str,
+              sizing: Sizing | None = None) -> str | None:
+    """None when ``room`` holds ``need``; else the CapacityError text: the
+    need broken down, what the daemon has, and sizes that would work.
+    ``sizing`` is given for this process's embedded daemon."""
+    if room.holds(need):
+        return None
+    required = room.required(need)
+    lines = [f"{what} does not fit in {daemon}: it needs {need.describe()}, largest tensor "
+             f"{size_text(need.largest)}; the daemon has {size_text(room.free(need.largest))} "
+             f"free ({_have(room, need)}). The GPU adds no room: tierd keeps a copy of every "
+             f"GPU-resident value in the store."]
+    if need.largest > room.pool:
+        lines.append(f"Its largest tensor ({size_text(need.largest)}) is larger than the "
+                     f"pool ({size_text(room.pool)}): the pool must hold it.")
+    lines.append(_embedded_fix(room, required, need, sizing) if sizing is not None
+                 else _serve_fix(room, required, need))
+    if need.assumed_optimizer:
+        lines.append("(Trainable parameters are counted with AdamW's state and a gradient; "
+                     "for inference only, call model.requires_grad_(False) before attach.)")
+    return "\n".join(lines)
+
+
+def _have(room: DaemonRoom, need: StoreNeed) -> str:
+    text = f"pool {size_text(room.pool)} + NVMe {size_text(room.nvme)}"
+    if room.stored:
+        text += f", {size_text(room.stored)} stored in {room.tensors} tensors"
+    text += f", {size_text(max(room.largest, need.largest))} kept free for swapping"
+    if room.held_only:
+        text += f", {size_text(room.held_only)} of older versions the last commits keep"
+    return text
+
+
+def _serve_fix(room: DaemonRoom, required: int, need: StoreNeed) -> str:
+    pool = max(room.pool, need.largest + slack(need))
+    nvme = max(MIN_NVME, required + slack(need) - pool)
+    return (f"Sizes that would work: pool + NVMe >= {size_text(required)}, e.g. restart it "
+            f"with `tierd serve --pool {flag_size(pool)} --nvme-size {flag_size(nvme)}` "
+            f"(or TIERD_POOL / TIERD_NVME_SIZE), or free room in it (`tierd status` lists "
+            f"the jobs holding it).")
+
+
+def _embedded_fix(room: DaemonRoom, required: int, need: StoreNeed, sizing: Sizing) -> str:
+    m = sizing.machine
+    pool_from = sizing.pool_from or "sized from the RAM"
+    nvme_from = sizing.nvme_from or "sized from the disk"
+    text = [f"It is this process's embedded daemon: pool {size_text(room.pool)} ({pool_from}), "
+            f"NVMe {size_text(room.nvme)} ({nvme_from}); {m.describe()}."]
+    if room.tensors:
+        text.append(f"It already holds {room.tensors} tensors of another model or client of "
+                    f"this process: detach that model first and the daemon is started "
+                    f"again with larger sizes.")
+    pool = room.pool if sizing.pool_from else min(max(m.pool_limit, room.pool), required)
+    pool = max(pool, need.largest + slack(need))
+    nvme = max(MIN_NVME, required + slack(need) - pool)
+    fixes = [f"set TIERD_NVME to a directory on a disk with at least "
+             f"{size_text(disk_free_for(nvme))} free (the embedded daemon's NVMe file goes "
+             f"there; now {m.nvme_dir or 'the cache dir'})"]
+    if sizing.pool_from or sizing.nvme_from:
+        fixes.append(f"set TIERD_POOL={flag_size(pool)} and TIERD_NVME_SIZE={flag_size(nvme)} "
+                     f"(or unset them: the embedded daemon then sizes itself)")
+    else:
+        fixes.append(f"on a machine with more RAM, TIERD_POOL={flag_size(required + slack(need))}")
+    fixes.append(f"run `tierd serve --nvme DIR --pool {flag_size(pool)} --nvme-size "
+                 f"{flag_size(nvme)}` and point TIERD_SOCKET at it")
+    text.append(f"Sizes that would work: pool + NVMe >= {size_text(required)}: "
+                + "; or ".join(fixes) + ".")
+    return " ".join(text)
