@@ -1,0 +1,201 @@
+"""Capacity: the embedded daemon sized from the model and the machine; attach
+and tierd.optim fail before storing anything, naming sizes that work."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client import embedded
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.attached import is_attached
+from tierd.client.capacity import (
+    GiB, MiB, DaemonRoom, Machine, Sizing, StoreNeed, embedded_sizes, record_bytes, shortfall)
+from tierd.config import parse_size
+from tierd.errors import CapacityError
+
+# an 8B model in bf16 with AdamW (issue figures): 2 + 4 + 8 + 4 B per parameter
+EIGHT_B = StoreNeed(params=16 * 10**9, master=32 * 10**9, optimizer=64 * 10**9,
+                    gradients=32 * 10**9, largest=1_050_000_000, assumed_optimizer=True)
+GPU_BOX = Machine(available_ram=120 * GiB, free_disk=60 * GiB)   # 128 GiB RAM, 64 GiB disk
+
+
+def _mlp(width: int = 512, depth: int = 3) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+
+
+def _holds(room: DaemonRoom, need: StoreNeed) -> bool:
+    return room.holds(need) and room.free(need.largest) >= need.total
+
+
+# ---------------------------------------------------------------- sizing
+def test_small_model_gets_the_usual_pool_and_a_small_nvme_file():
+    need = StoreNeed(params=4 * MiB, gradients=4 * MiB, optimizer=8 * MiB, largest=MiB)
+    sizes = embedded_sizes(need, Machine(available_ram=20 * GiB, free_disk=500 * GiB))
+    assert sizes.pool == 10 * GiB                  # half the RAM (up to 32 GiB), as always
+    assert sizes.nvme_size == GiB                  # not half the disk: starts quickly
+
+
+def test_eight_b_on_the_gpu_box_spills_what_ram_cannot_hold_to_nvme():
+    sizes = embedded_sizes(EIGHT_B, GPU_BOX)
+    assert sizes.pool == GPU_BOX.pool_limit == 108 * GiB     # 10 % of the RAM kept
+    assert 0 < sizes.nvme_size <= GPU_BOX.nvme_limit == 56 * GiB
+    assert _holds(DaemonRoom(pool=sizes.pool, nvme=sizes.nvme_size), EIGHT_B)
+
+
+def test_named_job_gets_commit_room_within_the_disk():
+    need = StoreNeed(params=GiB, gradients=GiB, optimizer=2 * GiB, largest=64 * MiB)
+    machine = Machine(available_ram=64 * GiB, free_disk=100 * GiB)
+    plain = embedded_sizes(need, machine)
+    named = embedded_sizes(need, machine, commits=True)
+    assert plain.nvme_size == GiB and named.nvme_size >= 2 * need.total + need.largest
+    small_disk = Machine(available_ram=64 * GiB, free_disk=6 * GiB)
+    assert embedded_sizes(need, small_disk, commits=True).nvme_size == 3 * GiB   # half kept
+
+
+def test_given_sizes_win_and_small_machines_keep_half():
+    sizes = embedded_sizes(EIGHT_B, GPU_BOX, pool=GiB, nvme_size=2 * GiB)
+    assert (sizes.pool, sizes.nvme_size) == (GiB, 2 * GiB)
+    tiny = Machine(available_ram=6 * GiB, free_disk=6 * GiB)
+    assert (tiny.pool_limit, tiny.nvme_limit) == (3 * GiB, 3 * GiB)
+
+
+def test_record_overhead_is_counted():
+    need = StoreNeed.of([("params", "a", 10), ("gradients", "b", 8192)], job="j")
+    assert (need.params, need.gradients) == (8192, 12288)   # header page + data pages
+    assert need.largest == 12288 == record_bytes("b", 8192, "j")
+    assert StoreNeed.of([("params", "a", 10)], existing={"a"}).total == 0
+    with pytest.raises(ValueError, match="kind 'moments'"):
+        StoreNeed.of([("moments", "a", 10)])
+
+
+# ---------------------------------------------------------------- the error text
+def _flag(text: str, name: str) -> int:
+    return parse_size(re.search(rf"{name}[ =](\d+[GM]iB)", text).group(1))
+
+
+def test_user_daemon_error_names_serve_sizes_that_hold_it():
+    room = DaemonRoom(pool=64 * GiB, nvme=32 * GiB, stored=3 * GiB, largest=100 * MiB,
+                      tensors=40, sessions=2)
+    text = shortfall(EIGHT_B, room, what="attaching Llama", daemon="the daemon at /run/t.sock")
+    assert "parameters 14.9 GiB + fp32 masters 29.8 GiB + optimizer state 59.6 GiB" in text
+    assert "AdamW's two moments assumed" in text and "requires_grad_(False)" in text
+    bigger = DaemonRoom(pool=_flag(text, "--pool"), nvme=_flag(text, "--nvme-size"),
+                        stored=room.stored, largest=room.largest, tensors=40)
+    assert _holds(bigger, EIGHT_B)
+    assert shortfall(EIGHT_B, bigger, what="x", daemon="y") is None
+
+
+def test_embedded_error_names_a_disk_that_would_hold_it():
+    machine = Machine(available_ram=100 * GiB, free_disk=30 * GiB, nvme_dir="/cache/tierd")
+    sizes = embedded_sizes(EIGHT_B, machine)
+    text = shortfall(EIGHT_B, DaemonRoom(pool=sizes.pool, nvme=sizes.nvme_size),
+                     what="attaching Llama", daemon="the embedded daemon",
+                     sizing=Sizing(machine, sizes))
+    assert "TIERD_NVME" in text and "/cache/tierd" in text and "tierd serve" in text
+    free = float(re.search(r"disk with at least ([\d.]+) GiB free", text).group(1))
+    roomier = Machine(available_ram=100 * GiB, free_disk=int(free * GiB) + GiB)
+    again = embedded_sizes(EIGHT_B, roomier)
+    assert _holds(DaemonRoom(pool=again.pool, nvme=again.nvme_size), EIGHT_B)
+
+
+# ---------------------------------------------------------------- attach and optim
+def test_attach_too_big_for_the_daemon_stores_nothing_and_leaves_the_model(daemon_factory):
+    daemon = daemon_factory(pool="4MiB", nvme_size="4MiB")   # training it needs ~12 MiB
+    model = _mlp()
+    params = list(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    client = tierd.connect(daemon)
+    with pytest.raises(CapacityError) as err:
+        attach(model, client=client)
+    text = str(err.value)
+    assert "attaching Sequential (787,968 parameters)" in text and "--nvme-size" in text
+    assert client.stats()["tensors"] == 0 and client.stats()["stored_bytes"] == 0
+    assert not is_attached(model) and list(model.parameters()) == params
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    x = torch.randn(2, 512)
+    assert torch.equal(model(x), torch.func.functional_call(model, before, (x,)))
+    # the model used for inference only needs its parameters
+    frozen = attach(_mlp().requires_grad_(False), client=client)
+    detach(frozen)
+    client.close()
+    # the sizes the error names hold it
+    fits = daemon_factory(pool=f"{_flag(text, '--pool')}B", nvme_size=f"{_flag(text, '--nvme-size')}B")
+    detach(attach(model, client=tierd.connect(fits)))
+
+
+def test_optimizer_checks_its_state_before_writing_any(daemon_factory):
+    daemon = daemon_factory(pool="64MiB", nvme_size="64MiB")
+    model = attach(_mlp(), client=tierd.connect(daemon))   # stores ~3 MiB of 64 + 64
+    filler = tierd.connect(daemon, job="filler")
+    for i in range(7):   # 105 MiB more: 5 MiB stay free, AdamW adds 9 MiB (SGD 3)
+        filler.put(f"x{i}", torch.empty(15 * MiB, dtype=torch.uint8))
+    client = session_of(model).client
+    stored = client.stats()["stored_bytes"]
+    with pytest.raises(CapacityError, match=r"AdamW's state for 6 parameters does not fit"):
+        tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    assert client.stats()["stored_bytes"] == stored
+    assert client.keys(session_of(model).keys.all + "optim/") == []
+    sgd = tierd.optim.SGD(model.parameters(), lr=0.1)   # adds only the gradients
+    model(torch.randn(2, 512)).sum().backward()
+    sgd.step()
+    filler.delete("x0")
+    tierd.optim.AdamW(model.parameters(), lr=1e-3)   # now it fits
+    filler.close()
+    detach(model)
+
+
+# ---------------------------------------------------------------- the embedded daemon
+@pytest.fixture
+def own_embedded(monkeypatch, tmp_path):
+    """A fresh embedded-daemon holder on a small made-up machine (1 GiB RAM)."""
+    fresh = embedded._Embedded()
+    monkeypatch.setattr(embedded, "_EMBEDDED", fresh)
+    monkeypatch.setattr(embedded, "available_memory", lambda: GiB)
+    monkeypatch.setenv("TIERD_SOCKET", str(tmp_path / "none.sock"))   # no daemon there
+    monkeypatch.setenv("TIERD_NVME", str(tmp_path / "nvme"))
+    for var in ("TIERD_POOL", "TIERD_NVME_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    yield fresh
+    fresh.stop()
+
+
+def _stats(socket) -> dict:
+    with tierd.connect(socket) as c:
+        return c.stats()
+
+
+def test_embedded_daemon_restarts_larger_only_when_it_holds_nothing(own_embedded, tmp_path):
+    small = StoreNeed(params=MiB, largest=MiB)
+    first = embedded.ensure_daemon(need=small)
+    assert _stats(first)["pool_bytes"] == 512 * MiB and _stats(first)["nvme_bytes"] == GiB
+    assert own_embedded.daemon.nvme.parent == tmp_path / "nvme"
+    big = StoreNeed(params=GiB, gradients=GiB // 2, largest=64 * MiB)
+    busy = tierd.connect(first)
+    busy.put("w", torch.ones(1000))
+    assert embedded.ensure_daemon(need=big) == first          # serves a client: kept
+    text = embedded.room_problem(busy, big, "attaching Big")
+    assert "embedded daemon" in text and "detach that model first" in text
+    assert "TIERD_NVME" in text and str(tmp_path / "nvme") in text
+    busy.close()
+    second = embedded.ensure_daemon(need=big)                  # idle now: started again
+    assert second != first and not first.exists()
+    stats = _stats(second)
+    assert stats["pool_bytes"] == 512 * MiB and stats["nvme_bytes"] > GiB   # the rest on disk
+    assert DaemonRoom.from_stats(stats).holds(big)
+
+
+def test_tierd_pool_wins_over_the_model(own_embedded, monkeypatch):
+    monkeypatch.setenv("TIERD_POOL", "96MiB")
+    sock = embedded.ensure_daemon(need=StoreNeed(params=GiB, largest=MiB))
+    assert _stats(sock)["pool_bytes"] == 96 * MiB
+    assert own_embedded.daemon.sizing.pool_from == "TIERD_POOL"
+    monkeypatch.setenv("TIERD_POOL", "lots")
+    with pytest.raises(ValueError, match="TIERD_POOL='lots'"):
+        embedded.start_daemon(need=StoreNeed())
