@@ -83,7 +83,7 @@ def _flag(text: str, name: str) -> int:
 def test_user_daemon_error_names_serve_sizes_that_hold_it():
     room = DaemonRoom(pool=64 * GiB, nvme=32 * GiB, stored=3 * GiB, largest=100 * MiB,
                       tensors=40, sessions=2)
-    text = shortfall(EIGHT_B, room, what="attaching Llama", daemon="the daemon at /run/t.sock")
+    text = shortfall(EIGHT_B, room, what="Llama", daemon="the daemon at /run/t.sock")
     assert "parameters 14.9 GiB + fp32 masters 29.8 GiB + optimizer state 59.6 GiB" in text
     assert "AdamW's two moments assumed" in text and "requires_grad_(False)" in text
     bigger = DaemonRoom(pool=_flag(text, "--pool"), nvme=_flag(text, "--nvme-size"),
@@ -96,7 +96,7 @@ def test_embedded_error_names_a_disk_that_would_hold_it():
     machine = Machine(available_ram=100 * GiB, free_disk=30 * GiB, nvme_dir="/cache/tierd")
     sizes = embedded_sizes(EIGHT_B, machine)
     text = shortfall(EIGHT_B, DaemonRoom(pool=sizes.pool, nvme=sizes.nvme_size),
-                     what="attaching Llama", daemon="the embedded daemon",
+                     what="Llama", daemon="the embedded daemon",
                      sizing=Sizing(machine, sizes))
     assert "TIERD_NVME" in text and "/cache/tierd" in text and "tierd serve" in text
     free = float(re.search(r"disk with at least ([\d.]+) GiB free", text).group(1))
@@ -115,7 +115,7 @@ def test_attach_too_big_for_the_daemon_stores_nothing_and_leaves_the_model(daemo
     with pytest.raises(CapacityError) as err:
         attach(model, client=client)
     text = str(err.value)
-    assert "attaching Sequential (787,968 parameters)" in text and "--nvme-size" in text
+    assert "cannot hold Sequential (787,968 parameters)" in text and "--nvme-size" in text
     assert client.stats()["tensors"] == 0 and client.stats()["stored_bytes"] == 0
     assert not is_attached(model) and list(model.parameters()) == params
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -138,7 +138,7 @@ def test_optimizer_checks_its_state_before_writing_any(daemon_factory):
         filler.put(f"x{i}", torch.empty(15 * MiB, dtype=torch.uint8))
     client = session_of(model).client
     stored = client.stats()["stored_bytes"]
-    with pytest.raises(CapacityError, match=r"AdamW's state for 6 parameters does not fit"):
+    with pytest.raises(CapacityError, match=r"cannot hold AdamW's state and the gradients of 6 parameters"):
         tierd.optim.AdamW(model.parameters(), lr=1e-3)
     assert client.stats()["stored_bytes"] == stored
     assert client.keys(session_of(model).keys.all + "optim/") == []
@@ -180,7 +180,7 @@ def test_embedded_daemon_restarts_larger_only_when_it_holds_nothing(own_embedded
     busy = tierd.connect(first)
     busy.put("w", torch.ones(1000))
     assert embedded.ensure_daemon(need=big) == first          # serves a client: kept
-    text = embedded.room_problem(busy, big, "attaching Big")
+    text = embedded.room_problem(busy, big, "Big")
     assert "embedded daemon" in text and "detach that model first" in text
     assert "TIERD_NVME" in text and str(tmp_path / "nvme") in text
     busy.close()

@@ -181,8 +181,7 @@ def _check_room(model: nn.Module, client, config: AttachConfig, ranks) -> None:
         need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
                           existing=existing)
         count = sum(p.numel() for p in model.parameters())
-        text = room_problem(client, need, f"attaching {type(model).__name__} "
-                                          f"({count:,} parameters)")
+        text = room_problem(client, need, f"{type(model).__name__} ({count:,} parameters)")
     if ranks is not None:
         text = ranks.from_leader(text, "the capacity check")
     if text:

@@ -7,8 +7,8 @@ Example:
     >>> need = StoreNeed(params=2 << 30, master=4 << 30, optimizer=8 << 30,
     ...                  gradients=4 << 30, largest=1 << 30)
     >>> sizes = embedded_sizes(need, Machine(available_ram=16 << 30, free_disk=100 << 30))
-    >>> sizes.pool >> 30, sizes.nvme_size >> 30
-    (8, 15)
+    >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM kept; the rest on NVMe
+    (8.0, 12.125)
 
 [Note: what the store holds for a model]
 Each parameter (tied ones once) has its compute-dtype copy (``p/``); below
@@ -292,21 +292,23 @@ class Sizing:
 
 
 def shortfall(need: StoreNeed, room: DaemonRoom, *, what: str, daemon: str,
-              sizing: Sizing | None = None) -> str | None:
+              sizing: Sizing | None = None, attaching: bool = True) -> str | None:
     """None when ``room`` holds ``need``; else the CapacityError text: the
     need broken down, what the daemon has, and sizes that would work.
-    ``sizing`` is given for this process's embedded daemon."""
+    ``sizing`` is given for this process's embedded daemon; ``attaching``
+    says an attach asks (which restarts an idle embedded daemon larger)."""
     if room.holds(need):
         return None
     required = room.required(need)
-    lines = [f"{what} does not fit in {daemon}: it needs {need.describe()}, largest tensor "
+    lines = [f"{daemon[:1].upper()}{daemon[1:]} cannot hold {what}: it needs "
+             f"{need.describe()}, largest tensor "
              f"{size_text(need.largest)}; the daemon has {size_text(room.free(need.largest))} "
              f"free ({_have(room, need)}). The GPU adds no room: tierd keeps a copy of every "
              f"GPU-resident value in the store."]
     if need.largest > room.pool:
         lines.append(f"Its largest tensor ({size_text(need.largest)}) is larger than the "
                      f"pool ({size_text(room.pool)}): the pool must hold it.")
-    lines.append(_embedded_fix(room, required, need, sizing) if sizing is not None
+    lines.append(_embedded_fix(room, required, need, sizing, attaching) if sizing is not None
                  else _serve_fix(room, required, need))
     if need.assumed_optimizer:
         lines.append("(Trainable parameters are counted with AdamW's state and a gradient; "
@@ -333,13 +335,14 @@ def _serve_fix(room: DaemonRoom, required: int, need: StoreNeed) -> str:
             f"the jobs holding it).")
 
 
-def _embedded_fix(room: DaemonRoom, required: int, need: StoreNeed, sizing: Sizing) -> str:
+def _embedded_fix(room: DaemonRoom, required: int, need: StoreNeed, sizing: Sizing,
+                  attaching: bool) -> str:
     m = sizing.machine
     pool_from = sizing.pool_from or "sized from the RAM"
     nvme_from = sizing.nvme_from or "sized from the disk"
     text = [f"It is this process's embedded daemon: pool {size_text(room.pool)} ({pool_from}), "
             f"NVMe {size_text(room.nvme)} ({nvme_from}); {m.describe()}."]
-    if room.tensors:
+    if room.tensors and attaching:
         text.append(f"It already holds {room.tensors} tensors of another model or client of "
                     f"this process: detach that model first and the daemon is started "
                     f"again with larger sizes.")

@@ -207,7 +207,7 @@ def ensure_daemon(socket_path: str | Path | None = None, *, need: StoreNeed | No
         return _EMBEDDED.daemon.socket
 
 
-def room_problem(client, need: StoreNeed, what: str) -> str | None:
+def room_problem(client, need: StoreNeed, what: str, *, attaching: bool = True) -> str | None:
     """The CapacityError text when the daemon behind ``client`` cannot hold
     ``need`` (see :func:`tierd.client.capacity.shortfall`), else None."""
     room = DaemonRoom.from_stats(client.stats())
@@ -217,5 +217,5 @@ def room_problem(client, need: StoreNeed, what: str) -> str | None:
     running = _EMBEDDED.running()
     if running is not None and path is not None and Path(path) == running.socket:
         return shortfall(need, room, what=what, daemon="the embedded daemon",
-                         sizing=running.sizing)
+                         sizing=running.sizing, attaching=attaching)
     return shortfall(need, room, what=what, daemon=f"the daemon at {path or 'this store'}")

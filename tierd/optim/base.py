@@ -67,8 +67,8 @@ def _check_capacity(opt: "StreamedOptimizer") -> None:
                                        + [("gradients", tp.grad_key)])]
             need = StoreNeed.of(items, job=getattr(session.client, "job", None),
                                 existing=session.client.keys(session.keys.all))
-            text = room_problem(session.client, need,
-                                f"{type(opt).__name__}'s state for {len(tps)} parameters")
+            text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
+                                f"gradients of {len(tps)} parameters", attaching=False)
         if ranks is not None:
             text = ranks.from_leader(text, "the optimizer's capacity check")
         if text:
