@@ -15,7 +15,8 @@ from tierd.client import embedded
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.attached import is_attached
 from tierd.client.capacity import (
-    GiB, MiB, DaemonRoom, Machine, Sizing, StoreNeed, embedded_sizes, record_bytes, shortfall)
+    GiB, MiB, DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, record_bytes,
+    shortfall, unsized_defaults)
 from tierd.config import parse_size
 from tierd.errors import CapacityError
 
@@ -40,6 +41,9 @@ def test_small_model_gets_the_usual_pool_and_a_small_nvme_file():
     sizes = embedded_sizes(need, Machine(available_ram=20 * GiB, free_disk=500 * GiB))
     assert sizes.pool == 10 * GiB                  # half the RAM (up to 32 GiB), as always
     assert sizes.nvme_size == GiB                  # not half the disk: starts quickly
+    # a daemon started for no model (a benchmark's) keeps the old generous sizes
+    assert unsized_defaults(Machine(available_ram=20 * GiB, free_disk=600 * GiB)) == \
+        Sizes(10 * GiB, 256 * GiB)
 
 
 def test_eight_b_on_the_gpu_box_spills_what_ram_cannot_hold_to_nvme():

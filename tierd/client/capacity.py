@@ -65,7 +65,8 @@ ADAMW_STATE_BYTES = 8
 GRAD_BYTES = 4   # the fp32 gradient the first step sums in the pool
 RAM_HEADROOM = (8 * GiB, 0.10)    # kept for the process, the CUDA context, page cache
 DISK_HEADROOM = (4 * GiB, 0.05)
-OLD_POOL_CAP = 32 * GiB   # the embedded pool's size before it was sized from the model
+OLD_POOL_CAP = 32 * GiB   # the embedded daemon's sizes before they came from the model
+OLD_NVME_CAP = 256 * GiB
 MIN_NVME = 1 * GiB
 _JOB_ESTIMATE = "j" * 64   # a job name's length bounds its share of a record header
 
@@ -272,6 +273,14 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
     trainable = any(p.requires_grad for p in model.parameters())
     return StoreNeed.of(items, job=job, existing=existing, buffers=buffers,
                         assumed_optimizer=trainable)
+
+
+def unsized_defaults(machine: Machine) -> Sizes:
+    """Sizes for a daemon started without a model to size it for (a
+    benchmark's private daemon): half the RAM up to 32 GiB, half the free
+    disk up to 256 GiB, as every embedded daemon had before sizing."""
+    return Sizes(max(PAGE, min(machine.available_ram // 2, OLD_POOL_CAP)),
+                 max(PAGE, min(machine.free_disk // 2, OLD_NVME_CAP)))
 
 
 def disk_free_for(nvme: int) -> int:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierd.backends.hostpool import available_memory
-from tierd.client.capacity import DaemonRoom, Machine, Sizing, StoreNeed, embedded_sizes, shortfall
+from tierd.client.capacity import (
+    DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, shortfall, unsized_defaults)
 from tierd.client.control import ControlChannel
 from tierd.config import default_socket_path, parse_size
 from tierd.errors import DaemonUnavailable
@@ -127,7 +128,8 @@ def _env_size(name: str) -> int | None:
 def choose_sizes(nvme_dir: Path, need: StoreNeed | None, *, commits: bool,
                  pool: int | None = None, nvme_size: int | None = None) -> Sizing:
     """The embedded daemon's sizes: arguments, then ``TIERD_POOL`` /
-    ``TIERD_NVME_SIZE``, then sized from ``need`` and this machine."""
+    ``TIERD_NVME_SIZE``, then sized from ``need`` and this machine (without
+    a need: :func:`~tierd.client.capacity.unsized_defaults`)."""
     sources = {}
     for name, given, var in (("pool", pool, "TIERD_POOL"), ("nvme", nvme_size, "TIERD_NVME_SIZE")):
         value = given if given is not None else _env_size(var)
@@ -135,8 +137,12 @@ def choose_sizes(nvme_dir: Path, need: StoreNeed | None, *, commits: bool,
                          value)
     machine = Machine(available_ram=available_memory(),
                       free_disk=shutil.disk_usage(nvme_dir).free, nvme_dir=nvme_dir)
-    sizes = embedded_sizes(need or StoreNeed(), machine, commits=commits,
-                           pool=sources["pool"][1], nvme_size=sources["nvme"][1])
+    pool, nvme_size = sources["pool"][1], sources["nvme"][1]
+    if need is None:   # no model to size for
+        unsized = unsized_defaults(machine)
+        sizes = Sizes(pool or unsized.pool, nvme_size or unsized.nvme_size)
+    else:
+        sizes = embedded_sizes(need, machine, commits=commits, pool=pool, nvme_size=nvme_size)
     return Sizing(machine, sizes, pool_from=sources["pool"][0], nvme_from=sources["nvme"][0])
 
 
