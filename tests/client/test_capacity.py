@@ -186,7 +186,7 @@ def test_embedded_daemon_restarts_larger_only_when_it_holds_nothing(own_embedded
     assert embedded.ensure_daemon(need=big) == first          # serves a client: kept
     text = embedded.room_problem(busy, big, "Big")
     assert "embedded daemon" in text and "detach that model first" in text
-    assert "TIERD_NVME" in text and str(tmp_path / "nvme") in text
+    assert str(tmp_path / "nvme") in text and "tierd serve --nvme DIR" in text
     busy.close()
     second = embedded.ensure_daemon(need=big)                  # idle now: started again
     assert second != first and not first.exists()
@@ -203,3 +203,21 @@ def test_tierd_pool_wins_over_the_model(own_embedded, monkeypatch):
     monkeypatch.setenv("TIERD_POOL", "lots")
     with pytest.raises(ValueError, match="TIERD_POOL='lots'"):
         embedded.start_daemon(need=StoreNeed())
+
+
+def test_attach_sizes_the_embedded_daemon_and_restarts_it_when_idle(own_embedded, monkeypatch):
+    monkeypatch.setattr(embedded, "available_memory", lambda: 64 * MiB)   # pool: 32 MiB
+    monkeypatch.setenv("TIERD_NVME_SIZE", "16MiB")
+    small = attach(_mlp(width=64, depth=1))            # no client: the embedded daemon
+    first = own_embedded.daemon
+    assert (first.sizing.sizes.pool, first.sizing.sizes.nvme_size) == (32 * MiB, 16 * MiB)
+    assert first.sizing.nvme_from == "TIERD_NVME_SIZE" and first.sizing.pool_from == ""
+    detach(small)
+    big = _mlp(width=1024, depth=4)                     # training it needs ~67 MB
+    params = list(big.parameters())
+    with pytest.raises(CapacityError) as err:
+        attach(big)
+    again = own_embedded.daemon
+    assert again is not first and first.process.poll() is not None   # idle: started again
+    assert "the embedded daemon" in str(err.value) and "TIERD_NVME_SIZE" in str(err.value)
+    assert _stats(again.socket)["tensors"] == 0 and list(big.parameters()) == params

@@ -356,18 +356,28 @@ def _embedded_fix(room: DaemonRoom, required: int, need: StoreNeed, sizing: Sizi
                     f"this process: detach that model first and the daemon is started "
                     f"again with larger sizes.")
     pool = room.pool if sizing.pool_from else min(max(m.pool_limit, room.pool), required)
-    pool = max(pool, need.largest + slack(need))
-    nvme = max(MIN_NVME, required + slack(need) - pool)
-    fixes = [f"set TIERD_NVME to a directory on a disk with at least "
-             f"{size_text(disk_free_for(nvme))} free (the embedded daemon's NVMe file goes "
-             f"there; now {m.nvme_dir or 'the cache dir'})"]
-    if sizing.pool_from or sizing.nvme_from:
+    pool = max(pool, need.largest)
+    nvme = max(PAGE, required + slack(need) - pool)
+    text.append(f"Sizes that would work: pool + NVMe >= {size_text(required)}: "
+                + "; or ".join(_embedded_fixes(sizing, pool, nvme, required + slack(need)))
+                + ".")
+    return " ".join(text)
+
+
+def _embedded_fixes(sizing: Sizing, pool: int, nvme: int, both: int) -> list[str]:
+    """What to change for an embedded daemon of ``pool`` + ``nvme`` bytes."""
+    m, fixes = sizing.machine, []
+    given = [v for v in (sizing.pool_from, sizing.nvme_from) if v.startswith("TIERD_")]
+    if given:
         fixes.append(f"set TIERD_POOL={flag_size(pool)} and TIERD_NVME_SIZE={flag_size(nvme)} "
-                     f"(or unset them: the embedded daemon then sizes itself)")
-    else:
-        fixes.append(f"on a machine with more RAM, TIERD_POOL={flag_size(required + slack(need))}")
+                     f"(or unset {' and '.join(given)}: the embedded daemon then sizes itself "
+                     f"from the model and the machine)")
+    if nvme > m.nvme_limit:
+        fixes.append(f"set TIERD_NVME to a directory on a disk with at least "
+                     f"{size_text(disk_free_for(nvme))} free (the embedded daemon's NVMe file "
+                     f"goes there; now {m.nvme_dir or 'the cache dir'})")
+    if not given and not sizing.pool_from:
+        fixes.append(f"on a machine with more RAM, TIERD_POOL={flag_size(both)}")
     fixes.append(f"run `tierd serve --nvme DIR --pool {flag_size(pool)} --nvme-size "
                  f"{flag_size(nvme)}` and point TIERD_SOCKET at it")
-    text.append(f"Sizes that would work: pool + NVMe >= {size_text(required)}: "
-                + "; or ".join(fixes) + ".")
-    return " ".join(text)
+    return fixes
