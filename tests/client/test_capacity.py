@@ -51,6 +51,10 @@ def test_eight_b_on_the_gpu_box_spills_what_ram_cannot_hold_to_nvme():
     assert sizes.pool == GPU_BOX.pool_limit == 108 * GiB     # 10 % of the RAM kept
     assert 0 < sizes.nvme_size <= GPU_BOX.nvme_limit == 56 * GiB
     assert _holds(DaemonRoom(pool=sizes.pool, nvme=sizes.nvme_size), EIGHT_B)
+    # built in bf16 on the CPU: 16 GB less available now, given back by attach
+    built = Machine(available_ram=GPU_BOX.available_ram - 16 * 10**9, free_disk=60 * GiB,
+                    released=16 * 10**9)
+    assert embedded_sizes(EIGHT_B, built) == sizes
 
 
 def test_named_job_gets_commit_room_within_the_disk():
@@ -130,7 +134,8 @@ def test_attach_too_big_for_the_daemon_stores_nothing_and_leaves_the_model(daemo
     detach(frozen)
     client.close()
     # the sizes the error names hold it
-    fits = daemon_factory(pool=f"{_flag(text, '--pool')}B", nvme_size=f"{_flag(text, '--nvme-size')}B")
+    fits = daemon_factory(pool=f"{_flag(text, '--pool')}B",
+                          nvme_size=f"{_flag(text, '--nvme-size')}B")
     detach(attach(model, client=tierd.connect(fits)))
 
 
@@ -142,7 +147,8 @@ def test_optimizer_checks_its_state_before_writing_any(daemon_factory):
         filler.put(f"x{i}", torch.empty(15 * MiB, dtype=torch.uint8))
     client = session_of(model).client
     stored = client.stats()["stored_bytes"]
-    with pytest.raises(CapacityError, match=r"cannot hold AdamW's state and the gradients of 6 parameters"):
+    with pytest.raises(CapacityError,
+                       match=r"cannot hold AdamW's state and the gradients of 6 parameters"):
         tierd.optim.AdamW(model.parameters(), lr=1e-3)
     assert client.stats()["stored_bytes"] == stored
     assert client.keys(session_of(model).keys.all + "optim/") == []
@@ -210,7 +216,10 @@ def test_attach_sizes_the_embedded_daemon_and_restarts_it_when_idle(own_embedded
     monkeypatch.setenv("TIERD_NVME_SIZE", "16MiB")
     small = attach(_mlp(width=64, depth=1))            # no client: the embedded daemon
     first = own_embedded.daemon
-    assert (first.sizing.sizes.pool, first.sizing.sizes.nvme_size) == (32 * MiB, 16 * MiB)
+    machine = first.sizing.machine
+    assert machine.released == (64 * 64 + 64) * 4   # the CPU parameters attach frees
+    assert first.sizing.sizes.pool == machine.pool_limit == (64 * MiB + machine.released) // 2
+    assert first.sizing.sizes.nvme_size == 16 * MiB
     assert first.sizing.nvme_from == "TIERD_NVME_SIZE" and first.sizing.pool_from == ""
     detach(small)
     big = _mlp(width=1024, depth=4)                     # training it needs ~67 MB

@@ -35,6 +35,15 @@ read it), so the GPU adds no room today. Whoever makes placement keep values
 off the store must count the GPU here: add what it keeps off the store to
 what the daemon has in :func:`shortfall`.
 
+[Note: RAM the model gives back]
+A model built on the CPU holds its parameters in this process's memory when
+the embedded daemon is sized, and attach frees each module's parameters once
+their values are stored (the caller's Parameters keep no bytes). So that
+memory counts as available for the pool: an 8B model built in bf16 would
+otherwise shrink the pool by 16 GB for good. (Another reference to the same
+storage, e.g. a state_dict kept aside, keeps it alive: the RAM headroom
+absorbs a small one.)
+
 [Note: embedded daemon sizes]
 The pool is a budget, not an allocation: segments are made as tensors
 arrive, so a pool larger than the model costs nothing until used, and a
@@ -105,6 +114,7 @@ class StoreNeed:
     buffers: int = 0     # on the compute device: reported, not in ``total``
     largest: int = 0     # the largest single record
     assumed_optimizer: bool = False   # optimizer counted as AdamW (no optimizer yet)
+    released: int = 0    # process memory attach frees: the model's CPU parameters
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -115,7 +125,7 @@ class StoreNeed:
     @classmethod
     def of(cls, items: Iterable[tuple[str, str, int]], *, job: str | None = None,
            existing: Iterable[str] = (), buffers: int = 0,
-           assumed_optimizer: bool = False) -> "StoreNeed":
+           assumed_optimizer: bool = False, released: int = 0) -> "StoreNeed":
         """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``."""
         have = set(existing)
         sums = dict.fromkeys(KINDS, 0)
@@ -129,7 +139,7 @@ class StoreNeed:
             sums[kind] += size
             largest = max(largest, size)
         return cls(**sums, buffers=buffers, largest=largest,
-                   assumed_optimizer=assumed_optimizer)
+                   assumed_optimizer=assumed_optimizer, released=released)
 
     @property
     def total(self) -> int:
@@ -149,16 +159,22 @@ class StoreNeed:
 
 @dataclass(frozen=True)
 class Machine:
-    """What this machine has for an embedded daemon: RAM available and free
-    disk at its NVMe directory, each less headroom."""
+    """What this machine has for an embedded daemon: RAM available (and
+    ``released``: what the attach about to run frees, see [Note: RAM the
+    model gives back]) and free disk at its NVMe directory, each less headroom."""
 
     available_ram: int
     free_disk: int
     nvme_dir: Path | None = None
+    released: int = 0
+
+    @property
+    def ram(self) -> int:
+        return self.available_ram + self.released
 
     @property
     def pool_limit(self) -> int:
-        return self.available_ram - headroom(self.available_ram, RAM_HEADROOM)
+        return self.ram - headroom(self.ram, RAM_HEADROOM)
 
     @property
     def nvme_limit(self) -> int:
@@ -166,8 +182,11 @@ class Machine:
 
     def describe(self) -> str:
         where = f" at {self.nvme_dir}" if self.nvme_dir else ""
+        freed = (f" + {size_text(self.released)} of the model's CPU parameters attach frees"
+                 if self.released else "")
         return (f"this machine gives a pool up to {size_text(self.pool_limit)} "
-                f"({size_text(self.available_ram)} RAM available less headroom) and NVMe up "
+                f"({size_text(self.available_ram)} RAM available{freed}, less headroom) and "
+                f"NVMe up "
                 f"to {size_text(self.nvme_limit)} ({size_text(self.free_disk)} disk "
                 f"free{where} less headroom)")
 
@@ -241,7 +260,7 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
     ``pool``/``nvme_size`` (argument or variable) wins."""
     total, largest = need.total, need.largest
     if pool is None:
-        floor = min(machine.available_ram // 2, OLD_POOL_CAP)
+        floor = min(machine.ram // 2, OLD_POOL_CAP)
         pool = min(machine.pool_limit, max(floor, 2 * total + largest + slack(need)))
     if nvme_size is None:
         spill = max(0, total + largest - pool) + slack(need)
@@ -271,8 +290,10 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
             items.append(("optimizer", keys.state(state, name), n * ADAMW_STATE_BYTES // 2))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = any(p.requires_grad for p in model.parameters())
+    released = sum(p.numel() * p.element_size() for p in model.parameters()
+                   if p.device.type == "cpu")   # meta ones hold nothing
     return StoreNeed.of(items, job=job, existing=existing, buffers=buffers,
-                        assumed_optimizer=trainable)
+                        assumed_optimizer=trainable, released=released)
 
 
 def unsized_defaults(machine: Machine) -> Sizes:
@@ -292,7 +313,7 @@ def disk_free_for(nvme: int) -> int:
 @dataclass(frozen=True)
 class Sizing:
     """How an embedded daemon got its sizes: the machine it measured and what
-    set each size ("" for the machine, else the variable or "argument")."""
+    set each size ("" for the machine, else the variable or "given to start_daemon")."""
 
     machine: Machine
     sizes: Sizes

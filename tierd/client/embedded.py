@@ -115,14 +115,17 @@ def _die_with_parent() -> None:
         pass  # not Linux: the atexit hook still stops it on a clean exit
 
 
-def _env_size(name: str) -> int | None:
-    text = os.environ.get(name)
+def _given(value: int | None, var: str) -> tuple[int | None, str]:
+    """A size given as an argument, else by ``var``, with where it came from."""
+    if value is not None:
+        return value, "given to start_daemon"
+    text = os.environ.get(var)
     if not text:
-        return None
+        return None, ""
     try:
-        return parse_size(text)
+        return parse_size(text), var
     except ValueError as exc:
-        raise ValueError(f"{name}={text!r}: {exc}") from None
+        raise ValueError(f"{var}={text!r}: {exc}") from None
 
 
 def choose_sizes(nvme_dir: Path, need: StoreNeed | None, *, commits: bool,
@@ -130,20 +133,16 @@ def choose_sizes(nvme_dir: Path, need: StoreNeed | None, *, commits: bool,
     """The embedded daemon's sizes: arguments, then ``TIERD_POOL`` /
     ``TIERD_NVME_SIZE``, then sized from ``need`` and this machine (without
     a need: :func:`~tierd.client.capacity.unsized_defaults`)."""
-    sources = {}
-    for name, given, var in (("pool", pool, "TIERD_POOL"), ("nvme", nvme_size, "TIERD_NVME_SIZE")):
-        value = given if given is not None else _env_size(var)
-        sources[name] = ("argument" if given is not None else var if value is not None else "",
-                         value)
-    machine = Machine(available_ram=available_memory(),
-                      free_disk=shutil.disk_usage(nvme_dir).free, nvme_dir=nvme_dir)
-    pool, nvme_size = sources["pool"][1], sources["nvme"][1]
+    pool, pool_from = _given(pool, "TIERD_POOL")
+    nvme_size, nvme_from = _given(nvme_size, "TIERD_NVME_SIZE")
+    machine = Machine(available_ram=available_memory(), free_disk=shutil.disk_usage(nvme_dir).free,
+                      nvme_dir=nvme_dir, released=need.released if need is not None else 0)
     if need is None:   # no model to size for
         unsized = unsized_defaults(machine)
         sizes = Sizes(pool or unsized.pool, nvme_size or unsized.nvme_size)
     else:
         sizes = embedded_sizes(need, machine, commits=commits, pool=pool, nvme_size=nvme_size)
-    return Sizing(machine, sizes, pool_from=sources["pool"][0], nvme_from=sources["nvme"][0])
+    return Sizing(machine, sizes, pool_from=pool_from, nvme_from=nvme_from)
 
 
 def start_daemon(pool: int | None = None, nvme_size: int | None = None,
