@@ -89,15 +89,18 @@ def test_an_attempt_past_its_time_is_killed_and_its_row_says_so(tmp_path):
     assert not list((tmp_path / "cache").iterdir())   # its scratch is gone
 
 
-def _children(pid: int) -> list[int]:
+def _workers(pid: int) -> list[int]:
+    """The attempt processes ``pid`` started (not, say, its ``git rev-parse``)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = open(f"/proc/{entry}/stat").read()
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and \
+                    b"tierd.bench.bigmodel_worker" in cmdline:
                 out.append(int(entry))
     return out
 
@@ -119,7 +122,7 @@ def test_an_attempt_dies_with_the_bench_that_started_it(tmp_path, sig):
         cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not (workers := _children(bench_proc.pid)):
+        while not (workers := _workers(bench_proc.pid)):
             assert bench_proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
     finally:
