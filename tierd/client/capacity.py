@@ -72,7 +72,9 @@ PAGE = 4096
 #: AdamW's two fp32 moments per trainable parameter: what attach assumes.
 ADAMW_STATE_BYTES = 8
 GRAD_BYTES = 4   # the fp32 gradient the first step sums in the pool
-RAM_HEADROOM = (8 * GiB, 0.10)    # kept for the process, the CUDA context, page cache
+#: kept for the training process (CUDA context, torch, copy buffers: an 8B model's
+#: first step used ~20 GB besides the pool), the daemon and the page cache
+RAM_HEADROOM = (16 * GiB, 0.15)
 DISK_HEADROOM = (4 * GiB, 0.05)
 OLD_POOL_CAP = 32 * GiB   # the embedded daemon's sizes before they came from the model
 OLD_NVME_CAP = 256 * GiB
