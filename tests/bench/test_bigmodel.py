@@ -66,6 +66,7 @@ def test_tiny_run_trains_each_system_and_merges_later_calls(tmp_path):
         assert rows["deepspeed"]["tokens_per_s"] is None
     assert result["largest"] == {"tierd": tiny.params, "fsdp2": tiny.params,
                                  "deepspeed": None}
+    assert list((tmp_path / "cache").iterdir()) == []   # scratch and NVMe files gone
 
     # a ladder whose first rung is killed for host memory: one row, the
     # ladder stops there, and the rows of the first call stay

@@ -197,9 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "get a not-run row, which does not replace a measured one)")
     ap.add_argument("--host-floor-gib", type=float, default=3.0, help="kill an attempt when "
                     "the machine's available memory falls under this")
-    ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
-        "XDG_CACHE_HOME") or Path.home() / ".cache"), help="attempts' scratch (tierd's NVMe "
-        "files), removed after each")
+    ap.add_argument("--cache-dir", type=Path, default=_scratch_root(), help="where each "
+                    "attempt's scratch goes (tierd's NVMe files: the disk tierd may use), "
+                    "removed after it (default $TIERD_NVME, else $XDG_CACHE_HOME or ~/.cache)")
     ap.add_argument("--tierd-pool-gib", type=float, default=None, help="start tierd's daemon "
                     "with this pool (default: the embedded daemon's own sizing)")
     ap.add_argument("--tierd-nvme-gib", type=float, default=None, help="and this NVMe size")
@@ -258,6 +258,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.budget = Budget(args.budget_s)
     args.commit = args.commit or _git_commit()
     return args
+
+
+def _scratch_root() -> Path:
+    for var in ("TIERD_NVME", "XDG_CACHE_HOME"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path.home() / ".cache"
 
 
 def _cuda_or_cpu() -> str:

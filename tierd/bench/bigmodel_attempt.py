@@ -78,9 +78,10 @@ def run_attempt(spec: RunSpec, watch: Watch, timeout_s: float | None = None) -> 
     (scratch / OWNER).write_text(str(os.getpid()))   # see sweep_scratch
     spec_path, result_path = scratch / "spec.json", scratch / "result.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    # tierd's embedded daemon puts its NVMe files under $XDG_CACHE_HOME/tierd:
-    # here, so they go when the attempt does, even if it was killed
-    env = dict(subprocess_env(), XDG_CACHE_HOME=str(scratch / "cache"))
+    # tierd's embedded daemon puts its NVMe files under $TIERD_NVME (older
+    # versions: $XDG_CACHE_HOME/tierd): here, so they go when the attempt does
+    env = dict(subprocess_env(), TIERD_NVME=str(scratch / "nvme"),
+               XDG_CACHE_HOME=str(scratch / "cache"))
     env.setdefault("TORCH_EXTENSIONS_DIR", _torch_extensions_dir())   # DeepSpeed's JIT, kept
     try:
         with open(log, "w") as out:
