@@ -18,7 +18,8 @@ if its whole ``--timeout`` still fits, e.g.:
 
 Models are ``LlamaForCausalLM`` from config with random weights (names in
 ``tierd.bench.bigmodel_models``: 8B, 13B, L<layers> at the 8B width), sdpa
-attention, activation checkpointing, bf16 compute, labels = inputs. Systems
+attention, activation checkpointing, bf16 compute, labels = inputs (random
+values drawn each system's own way: speed does not depend on them). Systems
 (``tierd.bench.bigmodel_systems``): ``tierd`` (built on the GPU in bf16, then
 ``attach(model, compute_dtype="bf16")`` with default arguments and
 ``tierd.optim.AdamW``), ``deepspeed`` (ZeRO-3, parameters and optimizer
@@ -37,8 +38,9 @@ after ``--warmup``); ``tokens_per_s`` = B*T / step_s; ``tflops`` = model FLOPs
 per second, 6 per matmul parameter per token (every parameter but the input
 embedding, a table lookup) plus 12*layers*hidden*T for attention; the
 recompute of activation checkpointing is NOT counted (the GPU does about 4/3
-of that work). ``peak_gpu_gb`` = ``max_memory_allocated`` (and
-``peak_gpu_reserved_gb``); ``peak_host_gb`` = the machine's used memory at its
+of that work). ``peak_gpu_gb`` = ``max_memory_allocated`` during the steps
+(and ``peak_gpu_reserved_gb``; ``setup_peak_gpu_gb`` while the system built
+the model); ``peak_host_gb`` = the machine's used memory at its
 peak during the attempt minus before it (the daemon's pool and every pinned
 buffer included).
 
