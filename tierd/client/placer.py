@@ -32,6 +32,9 @@ training step whether the inputs changed or a step outgrew the plan on any
 rank, whether every rank is ready, and the smallest budget; when a plan is
 made, each unit's optimizer bytes (only its owner has them) and whether
 every rank can keep it as a replica (else at most its weights are kept).
+The CPU place is never chosen under ranks (``HostUpdates`` updates on the
+device there), so the measured host costs, which differ per rank, never
+reach the plan.
 Forwards without autograd (evaluation, perhaps on one rank only) leave the
 plan alone, as they leave DDP's buffers alone. A plan is applied only
 between accumulation windows, so a replica never misses a gradient its
