@@ -134,12 +134,10 @@ def test_checksum_threads_stay_within_the_io_threads_and_at_least_one():
 
 def test_concurrent_spills_and_fetches_keep_every_value(daemon_factory):
     """Three clients of one job evict, prefetch and read keys of their own at
-    once: records of one and two pieces cross in flight both ways, and every
-    read is the value put. The pool holds every key (66 MiB in 16 MiB
-    segments), so what moves is what the clients ask to move: a pool too small
-    for the keys one client has in flight can refuse a lease (CapacityError),
-    which is not what this test is about."""
-    d = daemon_factory(pool="128MiB", nvme_size="256MiB")
+    once, in a pool smaller than all their keys (48 of 66 MiB): records of one
+    and two pieces cross in flight both ways, a read may have to wait for the
+    others' swap-ins to land, and every read is the value put."""
+    d = daemon_factory(pool="48MiB", nvme_size="256MiB")
     errors: list[BaseException] = []
 
     def client_loop(seed: int) -> None:
@@ -180,3 +178,31 @@ def test_concurrent_spills_and_fetches_keep_every_value(daemon_factory):
         stats = c.stats()
     assert stats["bytes_to_nvme"] > 0 and stats["bytes_to_pool"] > 0 and stats["io_errors"] == 0
     assert (d.nvme / DATA_FILE).exists()
+
+
+def test_a_lease_waits_for_prefetched_swap_ins_holding_the_pool(tmp_path):
+    """A pool filled by swap-ins a prefetch began is not full: the lease waits
+    for them to land, evicts one and reads its own key (it used to be refused
+    with CapacityError while they were in flight)."""
+    from tierd.backends.hostpool import HostPool
+    from tierd.server.catalog import Blocked, Catalog
+    from tests.server.test_catalog import put, run_io, settle
+
+    mib = 1 << 20
+    pool, store = HostPool(8 * mib, segment_size=8 * mib), NvmeStore(tmp_path, 32 * mib)
+    cat = Catalog(pool, store)
+    try:
+        s = cat.open_session(1, "job", pid=10, uid=0)
+        for i, key in enumerate("abc"):
+            put(cat, s, key, 3 * mib, fill=i + 1)
+        settle(cat, cat.evict, s, ("a", "b", "c"))
+        cat.prefetch(s, ("a", "b"))          # 6 of 8 MiB filling, transfers not run yet
+        result = cat.lease(s, ("c",), False)
+        assert isinstance(result, Blocked) and result.wait
+        (placed,) = settle(cat, cat.lease, s, ("c",), False)
+        view = pool.segments[placed.segment].view(placed.offset, 3 * mib)
+        assert bytes(view) == bytes([3]) * (3 * mib)
+        view.release()
+    finally:
+        pool.close()
+        store.close()

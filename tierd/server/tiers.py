@@ -198,6 +198,11 @@ class Tiers:
                 return PoolSlot(seg, off, seg.extents.extent_size(nbytes), key, state)
             if not self._plan_eviction(job, nbytes, blocked, protect):
                 break
+        if not blocked.wait:
+            # Swap-ins a prefetch began hold room that is evictable once they
+            # land: wait for them rather than refuse.
+            blocked.wait.extend(e.transfer for e in self.job_entries(job)
+                                if e.state is Residency.READING_IN)
         if blocked.wait:
             return None
         quota = self.jobs[job].pool_quota
