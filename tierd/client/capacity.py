@@ -51,8 +51,8 @@ larger pool lets more keys be held (``hold_fraction``) and more leases be in
 flight. So the pool asks for twice the model's state (everything holdable)
 and never less than the half of the available RAM up to 32 GiB that every
 embedded daemon had, within what the RAM gives. The NVMe file is
-preallocated at start, so it is sized from the need: what the pool cannot
-hold plus slack, and for a named job (which may commit) room for two commits
+preallocated at start, so it is sized from the need: twice what the pool
+cannot hold (free NVMe fragments) plus slack, and for a named job (which may commit) room for two commits
 (a commit writes every tensor; copy-on-write keeps the previous one until
 the next is complete), within what the disk gives.
 """
@@ -265,7 +265,10 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
         floor = min(machine.ram // 2, OLD_POOL_CAP)
         pool = min(machine.pool_limit, max(floor, 2 * total + largest + slack(need)))
     if nvme_size is None:
-        spill = max(0, total + largest - pool) + slack(need)
+        # twice what spills: NVMe extents fragment (an 8B model's 39 GiB NVMe
+        # for 30 GB of spill had 6.8 GB free but no extent for a 2.1 GB
+        # record) and tensors read back keep their NVMe copy while it has room
+        spill = 2 * max(0, total + largest - pool) + slack(need)
         room = 2 * total + largest + slack(need) if commits else 0
         nvme_size = min(machine.nvme_limit, max(MIN_NVME, spill, room))
     return Sizes(max(pool, PAGE), max(nvme_size, PAGE))
