@@ -186,7 +186,7 @@ def test_a_lease_waits_for_prefetched_swap_ins_holding_the_pool(tmp_path):
     with CapacityError while they were in flight)."""
     from tierd.backends.hostpool import HostPool
     from tierd.server.catalog import Blocked, Catalog
-    from tests.server.test_catalog import put, run_io, settle
+    from tests.server.test_catalog import put, settle
 
     mib = 1 << 20
     pool, store = HostPool(8 * mib, segment_size=8 * mib), NvmeStore(tmp_path, 32 * mib)

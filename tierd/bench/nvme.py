@@ -384,8 +384,8 @@ def parse(argv) -> argparse.Namespace:
 
 def config_of(args: argparse.Namespace) -> BenchConfig:
     gib = args.gib if args.gib is not None else (0.25 if args.quick else 4.0)
-    nbytes = int(gib * GiB) // MiB * MiB
     tensor = (args.tensor_mib or (16 if args.quick else 64)) * MiB
+    nbytes = int(gib * GiB) // tensor * tensor if tensor > 0 else 0   # whole keys, both sides
     kw = {"request_sizes": (1 * MiB, 8 * MiB), "depths": (1, 8)} if args.quick else {}
     return BenchConfig(nbytes=nbytes, tensor_bytes=tensor,
                        sample_bytes=min(nbytes, (64 if args.quick else 1024) * MiB),
