@@ -8,7 +8,7 @@ Example:
     ...                  gradients=4 << 30, largest=1 << 30)
     >>> sizes = embedded_sizes(need, Machine(available_ram=16 << 30, free_disk=100 << 30))
     >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM kept; the rest on NVMe
-    (8.0, 12.125)
+    (8.0, 23.125)
 
 [Note: what the store holds for a model]
 Each parameter (tied ones once) has its compute-dtype copy (``p/``); below
@@ -52,9 +52,12 @@ flight. So the pool asks for twice the model's state (everything holdable)
 and never less than the half of the available RAM up to 32 GiB that every
 embedded daemon had, within what the RAM gives. The NVMe file is
 preallocated at start, so it is sized from the need: twice what the pool
-cannot hold (free NVMe fragments) plus slack, and for a named job (which may commit) room for two commits
-(a commit writes every tensor; copy-on-write keeps the previous one until
-the next is complete), within what the disk gives.
+cannot hold (free NVMe fragments: an 8B model's 39 GiB file had 6.8 GB free
+but no extent for a 2.1 GB record) plus slack, and for a named job (which
+may commit) room for two commits (a commit writes every tensor;
+copy-on-write keeps the previous one until the next is complete), within
+what the disk gives. The sizes an error suggests (:func:`shortfall`) keep
+the same margin: admission counts bytes, not extents.
 """
 
 from __future__ import annotations
@@ -251,6 +254,12 @@ class Sizes:
                                  f"({PAGE} B)")
 
 
+def nvme_for(spill: int, need: StoreNeed) -> int:
+    """NVMe for ``spill`` bytes the pool cannot hold: twice that (free space
+    fragments, [Note: embedded daemon sizes]) plus slack."""
+    return 2 * max(0, spill) + slack(need)
+
+
 def slack(need: StoreNeed) -> int:
     """Room beyond the need: new versions of a batch being replaced, leases."""
     return max(256 * MiB, need.total // 16)
@@ -268,7 +277,7 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
         # twice what spills: NVMe extents fragment (an 8B model's 39 GiB NVMe
         # for 30 GB of spill had 6.8 GB free but no extent for a 2.1 GB
         # record) and tensors read back keep their NVMe copy while it has room
-        spill = 2 * max(0, total + largest - pool) + slack(need)
+        spill = nvme_for(total + largest - pool, need)
         room = 2 * total + largest + slack(need) if commits else 0
         nvme_size = min(machine.nvme_limit, max(MIN_NVME, spill, room))
     return Sizes(max(pool, PAGE), max(nvme_size, PAGE))
@@ -363,7 +372,7 @@ def _have(room: DaemonRoom, need: StoreNeed) -> str:
 
 def _serve_fix(room: DaemonRoom, required: int, need: StoreNeed) -> str:
     pool = max(room.pool, need.largest + slack(need))
-    nvme = max(MIN_NVME, required + slack(need) - pool)
+    nvme = max(MIN_NVME, nvme_for(required - pool, need))
     return (f"Sizes that would work: pool + NVMe >= {size_text(required)}, e.g. restart it "
             f"with `tierd serve --pool {flag_size(pool)} --nvme-size {flag_size(nvme)}` "
             f"(or TIERD_POOL / TIERD_NVME_SIZE), or free room in it (`tierd status` lists "
@@ -383,7 +392,7 @@ def _embedded_fix(room: DaemonRoom, required: int, need: StoreNeed, sizing: Sizi
                     f"again with larger sizes.")
     pool = room.pool if sizing.pool_from else min(max(m.pool_limit, room.pool), required)
     pool = max(pool, need.largest)
-    nvme = max(PAGE, required + slack(need) - pool)
+    nvme = nvme_for(required - pool, need)
     text.append(f"Sizes that would work: pool + NVMe >= {size_text(required)}: "
                 + "; or ".join(_embedded_fixes(sizing, pool, nvme, required + slack(need)))
                 + ".")
