@@ -140,7 +140,8 @@ class HostUpdates:
         self._running: dict[Bucket, HostJob] = {}   # UPDATING buckets, in hand-off order
         self.seconds = 0.0       # thread time spent updating
         self.nbytes = 0          # state bytes updated
-        self._probed: float | None = None
+        self._probed: float | None = None       # host AdamW bytes/s, probed
+        self._copy_rate: float | None = None    # PCIe bytes/s (0.0: no PCIe)
         self._hooks: list = []   # on the torch optimizer's state_dict, once updates run
         if self.mode == "cpu":
             self.place(None)
@@ -185,10 +186,11 @@ class HostUpdates:
             return "all", None
         if self.mode != "auto":
             return "none", None
-        copy_rate = probe_copy_rate(self._fused.session.device)
-        if copy_rate is None:
+        if self._copy_rate is None:   # measured once: the bus does not change
+            self._copy_rate = probe_copy_rate(self._fused.session.device) or 0.0
+        if not self._copy_rate:
             return "none", None
-        return "auto", Costs(copy_rate, self.host_rate())
+        return "auto", Costs(self._copy_rate, self.host_rate())
 
     def host_rate(self) -> float:
         """State bytes per second: measured by the updates so far, else probed once."""
