@@ -38,8 +38,9 @@ With a core free, 0.97 of the update is hidden (the whole step is 1.4 ms
 above the floor for a 44 ms update). With backward on every core the update
 has no core to hide on: it competes with backward and the next forward
 (its thread time grows from 65 to 297 ms) and the step is 0.42 s above the
-floor, though still below the update in ``step()``, whose backward also
-wrote every gradient to the pool through leases asked for each bucket.
+floor. The ``in step()`` way's backward (gradients summed into the pool)
+was also 0.6 s slower than the others' in that run and not with one thread
+each: not profiled.
 """
 
 from __future__ import annotations
