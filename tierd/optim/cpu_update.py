@@ -32,9 +32,12 @@ next window, as in torch. A failed update is raised (with a note naming the
 bucket) at the first of: the next forward that needs the bucket, the next
 ``step()`` or backward, ``settle``; its leases are released first.
 
-Two threads: one job already spreads each kernel over the cores (torch's
-intra-op threads), and a second lets one bucket compute while the next
-waits for its copy out.
+One thread: a job's kernels already spread over the cores (torch's
+intra-op threads) and AdamW is bound by memory bandwidth, so a second job
+at once would only contend, and take cores from the main thread, which must
+keep queueing backward's kernels. A job seldom waits for its copy out: the
+copy was queued when its bucket's gradients were final, the job starts
+after the previous one. ``_THREADS`` is the knob to measure on a large host.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from tierd.client.tiered_param import TieredParam
 from tierd.client.torch_internals import foreach_adamw
 from tierd.optim.buckets import Bucket, BucketState
 
-_THREADS = 2
+_THREADS = 1
 _PROBE_NUMEL = 1 << 20          # 12 MiB of AdamW state: long enough to time, short at placement
 _PROBE_COPY_BYTES = 64 << 20
 
