@@ -15,8 +15,8 @@ daemon, ``optimizer_placement="cpu"`` throughout:
   AdamW whose ``update_params`` does nothing): the floor of the overlapped way.
 
 The ways take turns step by step (a load that changes meanwhile hits all
-alike). It prints the median (``--stat min``: the least) wall seconds of backward + ``step()`` and of
-the forward (the forward after an overlapped step waits for updates still
+alike). It prints the median (``--stat min``: the least) wall seconds of
+backward + ``step()`` and of the forward (the forward after an overlapped step waits for updates still
 running) and of the whole step, the time ``step()`` takes when it updates
 (``in step()``: the update alone) and the share of that hidden by
 overlapping, from whole steps: ``1 - (overlapped - no_math) / update``.
@@ -27,7 +27,7 @@ backward runs on the same cores as the update there, unlike on a GPU host):
 
 | threads | way | backward + step | whole step |
 |---|---|---|---|
-| ``OMP_NUM_THREADS=1`` (a core left for the update, as on a GPU host) | in step() | 642 ms (step() 44 ms) | 960 ms |
+| ``OMP_NUM_THREADS=1`` (a core left for the update) | in step() | 642 ms (step() 44 ms) | 960 ms |
 | | overlapped | 585 ms | 901 ms |
 | | no math | 561 ms | 899 ms |
 | default (backward on both cores) | in step() | 1267 ms (step() 65 ms) | 1938 ms |

@@ -105,7 +105,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
     the pool). ``placement`` overrides the attach config's ``optimizer_placement``.
 
     ``fused`` (default: whenever there is no clipping, and for placement
-    "cpu" not under torch.distributed) updates inside backward. The window (backwards per step) is
+    "cpu" not under torch.distributed) updates inside backward (with "cpu",
+    on host threads). The window (backwards per step) is
     ``accumulation_steps``, or by default the length of the first window; a
     shorter window (the last of an epoch) is updated in ``step()``. Contract:
     no window is longer than that, and gradients are zeroed after ``step()``
