@@ -22,25 +22,27 @@ running) and of the whole step, the time ``step()`` takes when it updates
 overlapping, from whole steps: ``1 - (overlapped - no_math) / update``.
 
 Measured on the 2-core CPU machine, shared with other jobs (load average
-about 10), at dca06b0, ``--steps 15 --warmup 3 --stat min`` (19.5M params;
-backward runs on the same cores as the update there, unlike on a GPU host):
+4 to 6 during the runs), at 7c72c51 (one update thread),
+``--steps 30 --warmup 3 --stat min`` (19.5M params, fp32, B=4, T=128):
 
 | threads | way | backward + step | whole step |
 |---|---|---|---|
-| ``OMP_NUM_THREADS=1`` (a core left for the update) | in step() | 642 ms (step() 44 ms) | 960 ms |
-| | overlapped | 585 ms | 901 ms |
-| | no math | 561 ms | 899 ms |
-| default (backward on both cores) | in step() | 1267 ms (step() 65 ms) | 1938 ms |
-| | overlapped | 661 ms | 1324 ms |
-| | no math | 615 ms | 906 ms |
+| ``OMP_NUM_THREADS=1`` | in step() | 574 ms (step() 44 ms) | 862 ms |
+| | overlapped | 574 ms | 862 ms |
+| | no math | 526 ms | 825 ms |
+| default (2) | in step() | 342 ms (step() 41 ms) | 509 ms |
+| | overlapped | 363 ms | 533 ms |
+| | no math | 305 ms | 474 ms |
 
-With a core free, 0.97 of the update is hidden (the whole step is 1.4 ms
-above the floor for a 44 ms update). With backward on every core the update
-has no core to hide on: it competes with backward and the next forward
-(its thread time grows from 65 to 297 ms) and the step is 0.42 s above the
-floor. The ``in step()`` way's backward (gradients summed into the pool)
-was also 0.6 s slower than the others' in that run and not with one thread
-each: not profiled.
+On this machine the overlap hides little of the update (0.15 of it with
+one intra-op thread each; with two, the overlapped step is 24 ms slower than
+the update in ``step()``): backward runs on the same two cores as the
+update, which other jobs also load, so the update's thread gets no idle core
+(its own time grows from 41-44 ms alone to 100-129 ms beside backward). The
+overlap pays where backward runs on a GPU and the host's cores idle
+meanwhile; that is to be measured on the GPU machine. Shorter runs of the
+same command at lower ``--steps`` moved by more than the update itself
+(load average near 10).
 """
 
 from __future__ import annotations
