@@ -114,6 +114,27 @@ def test_reads_commits_and_detach_while_updates_run_see_the_final_values():
             assert_same_weights(plain, ref)
 
 
+def test_a_scheduler_changing_lr_while_updates_run_changes_the_next_window_only():
+    ref = gpt2()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   optimizer_placement="cpu")
+    opt = GatedAdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for i, ids in enumerate(batches(4)):
+        pending = _one_step_pending(model, opt, ids) if i else None
+        if i == 0:   # the learning step updates in step()
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step(); opt.zero_grad()
+        sched.step()   # lr halves while this window's updates wait at the gate
+        assert i == 0 or pending
+        opt.gate.set()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step(); ref_opt.zero_grad(); ref_sched.step()
+    assert_same_weights(model, ref)
+
+
 def test_a_failed_cpu_update_surfaces_at_the_next_step_and_nothing_hangs():
     model = attach(gpt2(), client=LocalStore(), device="cpu", optimizer_placement="cpu")
     opt = GatedAdamW(model.parameters(), lr=1e-3)
