@@ -22,7 +22,7 @@ running) and of the whole step, the time ``step()`` takes when it updates
 overlapping, from whole steps: ``1 - (overlapped - no_math) / update``.
 
 Measured on the 2-core CPU machine, shared with other jobs (load average
-4 to 6 during the runs), at 7c72c51 (one update thread),
+4 to 6 during the runs), at d6b0f08 (one update thread),
 ``--steps 30 --warmup 3 --stat min`` (19.5M params, fp32, B=4, T=128):
 
 | threads | way | backward + step | whole step |
