@@ -37,14 +37,18 @@ model fits, everything is ``RESIDENT`` and a step moves nothing.
 [Note: choosing CPU updates]
 Device bytes are spent first, as above: they save PCIe bytes at no other
 cost. Of the units left streaming, a CPU update trades PCIe bytes (with
-bf16 and AdamW, 2+2+12+12 B/param each way together becomes 2+2+4) for host
-time (12 B/param of state read and written by the update threads). With the
+bf16 and AdamW, 3 x 2 + 2 x 12 = 30 B/param a step, both ways together,
+becomes 2 x 2 + 4 = 8: the compute copy in twice, the fp32 gradient out) for
+host time (12 B/param of state read and written by the update thread). With the
 step's compute, the copies and the host updates running at once, the step
 takes the longest of the three (:meth:`Placement.seconds`). ``cpu="auto"``
 moves streamed units to ``CPU``, the most PCIe bytes saved per byte of host
 work first, while each move shortens that predicted time: with a slow host
 nothing moves; with slow PCIe units move until the host's time reaches the
-copies'. Units holding device bytes stay where they are. ``cpu="all"``
+copies'. Units holding device bytes stay where they are. The placer does not
+measure the step's compute yet (``compute_s=0``), so it balances host and
+PCIe time even where both would hide under compute: the host then does
+work that did not shorten the step, on cores that were idle. ``cpu="all"``
 (``optimizer_placement="cpu"``: every unit not resident is CPU-updated)
 spends the device budget on whole units only (``WEIGHTS`` would stream the
 state to the device for its update) and updates the rest on the host;
