@@ -31,6 +31,7 @@ from tierd.client.embedded import room_problem
 from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.errors import CapacityError
+from tierd.optim.cpu_update import overlapped
 from tierd.optim.fused import FusedUpdates
 
 
@@ -164,9 +165,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._retire_earlier()
         self._create_states()
         for session, tps in self._by_session(self._owned()).items():
-            # "cpu" fuses too (on host threads), but not under torch.distributed
+            # "cpu" fuses too (on host threads) where they overlap backward
             can_fuse = (placement or session.config.optimizer_placement) != "cpu" \
-                or session.share is None
+                or overlapped(session)
             use = fused if fused is not None else max_grad_norm is None and can_fuse
             if use or can_fuse:   # not fusing: the buckets placement may keep resident
                 self._register(session, tps, prefetch_bytes, fusing=bool(use))
