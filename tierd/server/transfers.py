@@ -7,11 +7,19 @@ to the disk at once while the sums are computed beside it, and writes the
 header (which holds the sums) last; a read checksums each piece as soon as
 it has landed, while the I/O thread already reads the next. So the disk
 always has every I/O thread's request in flight, and a record costs the
-longer of its I/O and its checksums instead of their sum. Measured on the
-2-core development VM (``python -m tierd.bench.nvme``), where summing a piece
-in the same thread right before writing it held that thread's slot in the
-disk queue while the CPU was shared: spill 56-78 % of the raw write from the
-same pool pages, with sums replaced by a no-op 90-100 %.
+longer of its I/O and its checksums instead of their sum.
+
+Measured with ``python -m tierd.bench.nvme`` on the 2-core development VM
+shared with other work (load 10-14): with each piece summed in its I/O
+thread right before its write, spills reached 55-89 % of the raw write from
+the same pool pages, 82-102 % with the sum a no-op and 84-90 % with a sleep
+as long as an unloaded sum (0.6 ms per 8 MiB) in its place. So it was not
+the sum's nominal time but its reading of 8 MiB of pool memory on a shared
+CPU, stretched to several ms under load (p90 6 ms), while the thread's slot
+in the disk queue stood empty. With the sums on their own threads, back to
+back against the old daemon: spill 75-88 % vs 66-75 % under that load,
+91-98 % vs 90-96 % under a lighter one; fetches 95-105 % either way. What is
+left is the sums' memory traffic itself, which no arrangement removes.
 
 The asyncio side only gathers the pieces. Nothing here touches the catalog.
 """
