@@ -206,3 +206,43 @@ def test_a_lease_waits_for_prefetched_swap_ins_holding_the_pool(tmp_path):
     finally:
         pool.close()
         store.close()
+
+
+def test_a_write_cancelled_while_its_threads_still_write_ends_cancelled(records):
+    """As at shutdown: the task is cancelled while I/O threads are still inside
+    calls on its pieces (here a write into a full pipe); the caller sees
+    CancelledError, and the threads finish their calls."""
+    r, w = os.pipe()
+    inside = threading.Event()
+    write_from = records.store.write_from
+
+    def blocking_write(offset, bufs):
+        inside.set()
+        os.writev(w, bufs)   # blocks, holding the buffers, until the pipe is drained
+        write_from(offset, bufs)
+
+    records.store.write_from = blocking_write
+
+    async def go():
+        m = records.metas[0]
+        task = asyncio.create_task(records.rt.write(records.offsets[0], m,
+                                                    memoryview(records.data[0])[:m.nbytes]))
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    def drain_pipe() -> None:
+        while os.read(r, 1 << 20):
+            pass
+
+    drain = threading.Thread(target=drain_pipe)
+    try:
+        asyncio.run(go())
+    finally:
+        drain.start()
+        records.io.shutdown(wait=True)
+        os.close(w)
+        drain.join(30)
+        os.close(r)

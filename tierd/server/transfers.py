@@ -116,6 +116,11 @@ class RecordTransfers:
 def _release(views: list[memoryview]) -> None:
     """Let go of piece views now: asyncio's futures may keep them in reference
     cycles until the next garbage collection, and a pool segment cannot be
-    unmapped while a view of it lives."""
+    unmapped while a view of it lives. A transfer cancelled at shutdown may
+    leave a thread still inside a call on a view: that one goes when the
+    thread lets it go, and the cancellation is what the caller sees."""
     for v in views:
-        v.release()
+        try:
+            v.release()
+        except BufferError:
+            pass
