@@ -3,7 +3,8 @@
 This module holds only the suite's options, so ``tierd --help`` and the other
 commands never import torch; :mod:`tierd.bench.run` measures. The other
 benchmarks are modules run with ``python -m tierd.bench.<name>``
-(``attach_step``, ``activations``, ``distributed``, ``durability``).
+(``attach_step``, ``activations``, ``distributed``, ``durability``,
+``placement``, ``bigmodel``, ``nvme``, ``cpu_update``, ``compile_step``).
 """
 
 from __future__ import annotations
