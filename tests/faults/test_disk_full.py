@@ -41,7 +41,7 @@ class Store:
                     else self.nvme.read_record
                 error = None
                 try:
-                    io(t.disk.offset, t.entry.meta(), view)
+                    io(t.disk.spans, t.entry.meta(), view)
                 except TierdError as exc:
                     error = exc
                 view.release()

@@ -35,9 +35,9 @@ def run_io(cat: Catalog, fail: bool = False) -> int:
             if fail:
                 error = TierIOError("injected")
             elif t.direction is Direction.TO_NVME:
-                cat.nvme.write_record(t.disk.offset, t.entry.meta(), view)
+                cat.nvme.write_record(t.disk.spans, t.entry.meta(), view)
             else:
-                cat.nvme.read_record(t.disk.offset, t.entry.meta(), view)
+                cat.nvme.read_record(t.disk.spans, t.entry.meta(), view)
             view.release()
             cat.finish(t, error)
             n += 1
@@ -271,16 +271,16 @@ def test_slot_refuses_double_use(catalog):
 
 
 def test_extent_lifecycle_keeps_what_a_commit_or_a_reader_needs():
-    disk = DiskExtent(0, 8192, "job", "k")
+    disk = DiskExtent(((0, 8192),), "job", "k")
     disk.written()
     disk.hold()
     disk.add_reader()
     assert not disk.retire() and disk.state is ExtentState.HELD   # a commit names it
     assert not disk.unhold() and disk.state is ExtentState.DRAINING   # a swap-in reads it
     assert disk.end_read() and disk.state is ExtentState.FREED
-    failed = DiskExtent(0, 8192, "job", "k")
+    failed = DiskExtent(((0, 8192),), "job", "k")
     assert failed.abandon() and failed.state is ExtentState.FREED
-    plain = DiskExtent(0, 8192, "job", "k", ExtentState.CURRENT)
+    plain = DiskExtent(((0, 8192),), "job", "k", ExtentState.CURRENT)
     assert plain.retire()
 
 
@@ -291,14 +291,14 @@ def test_extent_lifecycle_keeps_what_a_commit_or_a_reader_needs():
     ("unhold", "NVMe extent at 0 is WRITING, expected CURRENT or HELD"),
 ])
 def test_illegal_extent_transitions_name_the_key_and_state(transition, match):
-    disk = DiskExtent(0, 8192, "job", "k")
+    disk = DiskExtent(((0, 8192),), "job", "k")
     with pytest.raises(StateError, match=match):
         getattr(disk, transition)()
     assert disk.state is ExtentState.WRITING
 
 
 def test_extent_refuses_unbalanced_counts():
-    disk = DiskExtent(0, 8192, "job", "k", ExtentState.CURRENT)
+    disk = DiskExtent(((0, 8192),), "job", "k", ExtentState.CURRENT)
     with pytest.raises(StateError, match="no hold"):
         disk.unhold()
     with pytest.raises(StateError, match="no reader"):

@@ -55,9 +55,9 @@ class Driver:
         for t in pending:
             view = t.slot.segment.view(t.slot.offset, t.nbytes)
             if t.direction is Direction.TO_NVME:
-                self.nvme.write_record(t.disk.offset, t.entry.meta(), view)
+                self.nvme.write_record(t.disk.spans, t.entry.meta(), view)
             else:
-                self.nvme.read_record(t.disk.offset, t.entry.meta(), view)
+                self.nvme.read_record(t.disk.spans, t.entry.meta(), view)
             view.release()
             self.cat.finish(t, None)
 

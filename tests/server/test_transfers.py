@@ -1,7 +1,9 @@
 """NVMe records moved with the sums on their own threads (see the Note in
 tierd.server.transfers): bytes come back exact, damage in any piece or the
 header is found, a failed write leaves nothing readable, and a real daemon
-keeps every value under concurrent spills and fetches."""
+keeps every value under concurrent spills and fetches. Each runs on records
+in one extent and on records scattered over many (see the Note on records in
+several extents in tierd.backends.recordio)."""
 
 from __future__ import annotations
 
@@ -30,16 +32,38 @@ def meta_of(i: int, nbytes: int) -> recordio.RecordMeta:
     return recordio.RecordMeta(f"k{i}", "job", "uint8", (nbytes,), nbytes, 1)
 
 
-class Records:
-    """A store on a temp dir, its transfers, and aligned buffers of random bytes."""
+def fragment(extents, hole: int) -> None:
+    """Leave only holes of ``hole`` bytes free, every other one, so no record
+    larger than that has one extent (as a file after many spills)."""
+    taken = [extents.alloc(hole) for _ in range(extents.size // hole)]
+    for off in taken[::2]:
+        extents.free(off)
 
-    def __init__(self, directory, failpoints: Failpoints | None = None) -> None:
+
+def file_offset(spans, pos: int) -> int:
+    """Where byte ``pos`` of a record lies in the data file."""
+    scatter = recordio.Scatter(spans)
+    try:
+        return scatter.runs(pos, [b"x"])[0][0]
+    finally:
+        scatter.release()
+
+
+class Records:
+    """A store on a temp dir, its transfers, and aligned buffers of random
+    bytes; ``scattered``: the records lie in many extents of 1 MiB + 4 KiB."""
+
+    def __init__(self, directory, failpoints: Failpoints | None = None,
+                 scattered: bool = False) -> None:
         self.store = NvmeStore(directory, 64 << 20, failpoints=failpoints)
         self.io = ThreadPoolExecutor(4)
         self.sums = ThreadPoolExecutor(2)
         self.rt = RecordTransfers(self.store, self.io, self.sums)
         self.metas = [meta_of(i, n) for i, n in enumerate(SIZES)]
-        self.offsets = [self.store.extents.alloc(m.record_len()) for m in self.metas]
+        if scattered:
+            fragment(self.store.extents, (1 << 20) + 4096)
+        self.spans = [self.store.extents.alloc_spans(m.record_len()) for m in self.metas]
+        assert (len(self.spans[0]) > 1) == scattered
         self.data = [self.buffer(n, fill=True) for n in SIZES]
 
     @staticmethod
@@ -52,14 +76,14 @@ class Records:
     def write_all(self) -> None:
         async def go():
             await asyncio.gather(*(self.rt.write(o, m, memoryview(d)[:m.nbytes])
-                                   for o, m, d in zip(self.offsets, self.metas, self.data)))
+                                   for o, m, d in zip(self.spans, self.metas, self.data)))
         asyncio.run(go())
 
     def read(self, i: int) -> bytes:
         out = self.buffer(self.metas[i].nbytes)
         view = memoryview(out)[:self.metas[i].nbytes]
         try:
-            asyncio.run(self.rt.read(self.offsets[i], self.metas[i], view))
+            asyncio.run(self.rt.read(self.spans[i], self.metas[i], view))
             return bytes(view)
         finally:
             view.release()
@@ -80,9 +104,9 @@ class Records:
         self.store.close()
 
 
-@pytest.fixture
-def records(tmp_path):
-    r = Records(tmp_path)
+@pytest.fixture(params=["one extent", "scattered"])
+def records(tmp_path, request):
+    r = Records(tmp_path, scattered=request.param == "scattered")
     yield r
     r.close()
 
@@ -96,8 +120,8 @@ def test_records_of_many_pieces_written_at_once_read_back_exact(records):
 @pytest.mark.parametrize("piece", [0, 1, 2])
 def test_a_flipped_byte_in_any_piece_is_an_integrity_error_naming_its_bytes(records, piece):
     records.write_all()
-    data_start = records.offsets[0] + records.metas[0].header_len()
-    records.damage(data_start + piece * CHUNK + 777)
+    at = records.metas[0].header_len() + piece * CHUNK + 777
+    records.damage(file_offset(records.spans[0], at))
     end = min((piece + 1) * CHUNK, recordio.align_up(SIZES[0]))
     with pytest.raises(IntegrityError, match=rf"'k0'.*checksum mismatch in bytes "
                                              rf"{piece * CHUNK}-{end}"):
@@ -107,20 +131,24 @@ def test_a_flipped_byte_in_any_piece_is_an_integrity_error_naming_its_bytes(reco
 
 def test_a_flipped_byte_in_the_header_is_an_integrity_error(records):
     records.write_all()
-    records.damage(records.offsets[2] + recordio.PREFIX.size + 5)   # inside the meta
+    records.damage(records.spans[2][0][0] + recordio.PREFIX.size + 5)   # inside the meta
     with pytest.raises(IntegrityError, match="'k2'.*damaged"):
         records.read(2)
 
 
+@pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("fail_at", ["a data piece", "the header"])
-def test_a_failed_write_raises_and_leaves_no_readable_record(tmp_path, fail_at):
+def test_a_failed_write_raises_and_leaves_no_readable_record(tmp_path, fail_at, scattered):
     fp = Failpoints()
-    r = Records(tmp_path, failpoints=fp)
+    r = Records(tmp_path, failpoints=fp, scattered=scattered)
     try:
-        pieces = len(recordio.pieces_of(r.metas[0].nbytes))
-        fp.arm("write", errno.EIO, after=1 if fail_at == "a data piece" else pieces)
+        scatter = recordio.Scatter(r.spans[0])
+        data_writes = sum(len(scatter.runs(r.metas[0].header_len() + s, [bytes(n)]))
+                          for s, n in recordio.pieces_of(SIZES[0]))
+        scatter.release()
+        fp.arm("write", errno.EIO, after=1 if fail_at == "a data piece" else data_writes)
         with pytest.raises(TierIOError, match="NVMe write"):
-            asyncio.run(r.rt.write(r.offsets[0], r.metas[0], memoryview(r.data[0])[:SIZES[0]]))
+            asyncio.run(r.rt.write(r.spans[0], r.metas[0], memoryview(r.data[0])[:SIZES[0]]))
         with pytest.raises(IntegrityError, match="'k0'.*bad magic"):
             r.read(0)
     finally:
@@ -225,7 +253,7 @@ def test_a_write_cancelled_while_its_threads_still_write_ends_cancelled(records)
 
     async def go():
         m = records.metas[0]
-        task = asyncio.create_task(records.rt.write(records.offsets[0], m,
+        task = asyncio.create_task(records.rt.write(records.spans[0], m,
                                                     memoryview(records.data[0])[:m.nbytes]))
         while not inside.is_set():
             await asyncio.sleep(0.01)

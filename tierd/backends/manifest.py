@@ -5,18 +5,24 @@
 (job names may hold any character). The file is msgpack
 ``{"crc": crc32(body), "body": bytes}`` whose body is a msgpack map::
 
-    format     1
+    format     2 (format 1 files, from before records could span several
+               extents, are still read)
     job        the job name
     owner_uid  uid that created the job (a restarted daemon keeps who may join)
     seq        1, 2, ... one more per commit of the job
     tag        the caller's tag of this commit
     created    unix time
     history    [[tag, seq, created], ...] the last HISTORY commits, newest last
-    tensors    [[key, dtype, shape, nbytes, version, offset, extent_len], ...]
+    tensors    [[key, dtype, shape, nbytes, version, spans], ...]
+               spans: [[offset, length], ...] the record's extents in order
+               (format 1: [key, dtype, shape, nbytes, version, offset,
+               extent_len], one extent)
 
-Each tensor entry names a record in the data file (see the Note on record
-format) whose header repeats key, job, dtype, shape, nbytes and version, so a
-record that is not the one the manifest means is caught at read time.
+Each tensor entry names a record in the data file (see the Notes on record
+format and on records in several extents) whose header repeats key, job,
+dtype, shape, nbytes and version, so a record that is not the one the
+manifest means is caught at read time. Loading checks that each record's
+spans add up to its length, lie inside the data file and overlap no other.
 
 A commit writes the new manifest to ``<name>.tmp``, fsyncs it, renames it
 over the old one and fsyncs the directory: a crash leaves the old or the new
@@ -37,11 +43,14 @@ from pathlib import Path
 
 import msgpack
 
+from tierd.backends.extents import PAGE, Spans, align_up
 from tierd.backends.nvme import Failpoints
+from tierd.backends.recordio import RecordMeta, spans_len
 from tierd.errors import IntegrityError, TierIOError
 from tierd.protocol import DTYPES
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)
 HISTORY = 100
 SUFFIX = ".commit"
 QUARANTINE = "quarantine"
@@ -56,8 +65,21 @@ class CommittedTensor:
     shape: tuple[int, ...]
     nbytes: int
     version: int
-    offset: int
-    extent_len: int
+    spans: Spans
+
+    @property
+    def offset(self) -> int:
+        """Where the record starts (its header)."""
+        return self.spans[0][0]
+
+    @property
+    def extent_len(self) -> int:
+        """Bytes of the data file the record takes, all spans together."""
+        return spans_len(self.spans)
+
+    def entry(self) -> list:
+        return [self.key, self.dtype, list(self.shape), self.nbytes, self.version,
+                [list(sp) for sp in self.spans]]
 
 
 @dataclass(frozen=True)
@@ -77,8 +99,7 @@ class Manifest:
         return msgpack.packb({
             "format": FORMAT, "job": self.job, "owner_uid": self.owner_uid, "seq": self.seq,
             "tag": self.tag, "created": self.created, "history": [list(h) for h in self.history],
-            "tensors": [[t.key, t.dtype, list(t.shape), t.nbytes, t.version, t.offset,
-                         t.extent_len] for t in self.tensors]})
+            "tensors": [t.entry() for t in self.tensors]})
 
     @classmethod
     def from_body(cls, body: bytes) -> "Manifest":
@@ -86,15 +107,16 @@ class Manifest:
         m = msgpack.unpackb(body)
         if type(m) is not dict:
             raise ValueError("the body is not a map")
-        if m.get("format") != FORMAT:
-            raise ValueError(f"manifest format {m.get('format')!r}, this daemon reads {FORMAT}")
+        if m.get("format") not in READS:
+            raise ValueError(f"manifest format {m.get('format')!r}, this daemon reads "
+                             f"{' and '.join(map(str, READS))}")
         _want(m, "job", str)
         _want(m, "tag", str)
         for name in ("owner_uid", "seq"):
             _want(m, name, int)
         _want(m, "created", (int, float))
         history = tuple(_history(h) for h in _want(m, "history", list))
-        tensors = tuple(_tensor(t) for t in _want(m, "tensors", list))
+        tensors = tuple(_tensor(t, m["format"]) for t in _want(m, "tensors", list))
         return cls(m["job"], m["owner_uid"], m["seq"], m["tag"], m["created"], history, tensors)
 
 
@@ -112,13 +134,20 @@ def _history(h) -> tuple[str, int, float]:
     return h[0], h[1], h[2]
 
 
-def _tensor(t) -> "CommittedTensor":
-    if (type(t) is not list or len(t) != 7 or type(t[0]) is not str or t[1] not in DTYPES
+def _tensor(t, form: int) -> "CommittedTensor":
+    fields = 7 if form == 1 else 6
+    if (type(t) is not list or len(t) != fields or type(t[0]) is not str or t[1] not in DTYPES
             or type(t[2]) is not list or not all(type(d) is int and d >= 0 for d in t[2])
-            or not all(type(v) is int and v >= 0 for v in t[3:])):
-        raise ValueError(f"tensor entry {t!r:.80} is not "
-                         f"[key, dtype, shape, nbytes, version, offset, extent_len]")
-    return CommittedTensor(t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6])
+            or not all(type(v) is int and v >= 0 for v in t[3:5])):
+        raise ValueError(f"tensor entry {t!r:.80} is not [key, dtype, shape, nbytes, version, "
+                         + ("offset, extent_len]" if form == 1 else "spans]"))
+    spans = [t[5:7]] if form == 1 else t[5]
+    if (type(spans) is not list or not spans
+            or not all(type(sp) is list and len(sp) == 2 and all(type(v) is int for v in sp)
+                       and sp[0] >= 0 and sp[1] > 0 for sp in spans)):
+        raise ValueError(f"tensor entry {t!r:.80} has no list of [offset, length] extents")
+    return CommittedTensor(t[0], t[1], tuple(t[2]), t[3], t[4],
+                           tuple((a, b) for a, b in spans))
 
 
 def next_manifest(previous: "Manifest | None", job: str, owner_uid: int, tag: str,
@@ -251,11 +280,19 @@ class ManifestStore:
 
 def _check_extents(m: Manifest, data_size: int,
                    taken: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    """The manifest's record extents, or IntegrityError when one lies outside
-    the data file or overlaps another (of this job or one loaded before)."""
-    mine = sorted((t.offset, t.offset + t.extent_len, t.key) for t in m.tensors)
+    """The manifest's record extents, or IntegrityError when a record's spans
+    do not add up to its length, or one lies outside the data file or
+    overlaps another (of this job or one loaded before)."""
+    for t in m.tensors:
+        want = align_up(RecordMeta(t.key, m.job, t.dtype, t.shape, t.nbytes,
+                                   t.version).record_len())
+        if t.extent_len != want or any(a % PAGE or n % PAGE for a, n in t.spans):
+            raise IntegrityError(
+                f"commit manifest of job {m.job!r} puts {t.key!r} in extents {t.spans[:4]} "
+                f"of {t.extent_len} B, not page-aligned extents of its record's {want} B")
+    mine = sorted((a, a + n, t.key) for t in m.tensors for a, n in t.spans)
     for start, end, key in mine:
-        if end > data_size or end <= start:
+        if end > data_size:
             raise IntegrityError(
                 f"commit manifest of job {m.job!r} puts {key!r} at [{start}, {end}), outside "
                 f"the {data_size} B data file; if --nvme-size shrank, restart with the old size")

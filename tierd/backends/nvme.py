@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from tierd.backends import recordio
-from tierd.backends.extents import ExtentAllocator, align_up
+from tierd.backends.extents import ExtentAllocator, Spans, align_up
 from tierd.errors import CapacityError, IntegrityError, TierIOError
 
 log = logging.getLogger(__name__)
@@ -201,35 +201,42 @@ class NvmeStore:
         self.read_into(offset, bufs)
         return recordio.checksum(bufs[-1])
 
-    def write_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Checksum and write a whole record, the header last (one thread; the
-        daemon spreads the pieces over its I/O and checksum threads instead)."""
-        pieces = recordio.pieces_of(len(data))
-        base = offset + meta.header_len()
-        sums = []
-        for s, n in pieces:
-            sums.append(recordio.checksum(data[s:s + n]))
-            self.write_from(base + s, [data[s:s + n]])
-        header = recordio.encode_header(meta, sums)
+    def write_record(self, spans: Spans, meta: recordio.RecordMeta, data) -> None:
+        """Checksum and write a whole record into ``spans``, the header last
+        (one thread; the daemon spreads the pieces over its I/O and checksum
+        threads instead)."""
+        scatter = recordio.Scatter(spans)
+        hlen, header = meta.header_len(), None
         try:
-            self.write_from(offset, [header])
+            sums = []
+            for s, n in recordio.pieces_of(len(data)):
+                sums.append(recordio.checksum(data[s:s + n]))
+                for offset, bufs in scatter.runs(hlen + s, [data[s:s + n]]):
+                    self.write_from(offset, bufs)
+            header = recordio.encode_header(meta, sums)
+            for offset, bufs in scatter.runs(0, [header]):
+                self.write_from(offset, bufs)
         finally:
-            header.close()
+            scatter.release()   # before the header's mmap can close
+            if header is not None:
+                header.close()
 
-    def read_record(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Read a whole record into ``data`` and verify it (IntegrityError)."""
+    def read_record(self, spans: Spans, meta: recordio.RecordMeta, data) -> None:
+        """Read a whole record from ``spans`` into ``data`` and verify it (IntegrityError)."""
         header = recordio.header_buffer(meta)
+        scatter = recordio.Scatter(spans)
         try:
-            pieces = recordio.pieces_of(len(data))
-            base = offset + len(header)
             got = []
-            for i, (s, n) in enumerate(pieces):
-                self.read_into(offset if i == 0 else base + s,
-                               [header, data[s:s + n]] if i == 0 else [data[s:s + n]])
-                got.append(recordio.checksum(data[s:s + n]))
+            for i, (s, n) in enumerate(recordio.pieces_of(len(data))):
+                piece = data[s:s + n]
+                bufs, pos = ([header, piece], 0) if i == 0 else ([piece], len(header) + s)
+                for offset, run in scatter.runs(pos, bufs):
+                    self.read_into(offset, run)
+                got.append(recordio.checksum(piece))
             algo, sums = recordio.parse_header(header, meta)
             recordio.verify_pieces(meta, algo, sums, got, data)
         finally:
+            scatter.release()
             header.close()
 
     def close(self, remove: bool = True) -> None:

@@ -20,6 +20,33 @@ names, on any machine that has it. Reading checks the magic, the version, every 
 the catalog expects (so a stale or misplaced record is caught, not only a
 flipped bit) and every piece's checksum; any mismatch is an IntegrityError
 naming the key.
+
+[Note: records in several extents]
+A record's bytes (header, then data) may lie in several extents of the file,
+its *spans*, in order: the header at the start of the first, the data
+running on across the others. So a record is placed whenever the file has
+the free bytes admission counted, however fragmented (an 8B model's 39 GiB
+file once had 6.8 GB free and no single extent for a 2.1 GB record). The
+alternative, packing (best fit, large records at the top) plus moving
+records to coalesce free space when nothing fits, is no guarantee without
+I/O: the move reads and rewrites gigabytes exactly when the pool is full
+(through which pool memory?), in the middle of a spill, and may not move a
+record that a reader or a commit's manifest names, so a file fragmented by
+committed records stays stuck. Spans cost nothing when one extent fits
+(the allocator gives one, best fit, and the record is exactly today's); when
+not, one more page-aligned O_DIRECT call per span boundary inside a piece
+(the fewest spans: the largest free extents first), and no data moves.
+
+The format of a record is unchanged: the spans are not in its header but in
+the index that names it, the catalog while the daemon runs and the commit
+manifest across a restart (see the Note on manifest format), written
+atomically as before. Checking is as strong as before: the header (written
+last, at the start of the first span) must name the expected key, job,
+dtype, shape, nbytes and version, and each piece's checksum covers the
+data's bytes in record order, so a span that is missing, out of order or
+pointing at other bytes fails a checksum like a flipped bit, and a torn
+write leaves no matching header. A piece is still checksummed as one
+buffer; only its I/O is cut at span boundaries (:class:`Scatter`).
 """
 
 from __future__ import annotations
@@ -31,7 +58,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from tierd.backends.extents import PAGE, align_up
+from tierd.backends.extents import PAGE, Spans, align_up
 from tierd.errors import IntegrityError
 
 try:
@@ -159,3 +186,70 @@ def verify_pieces(expect: RecordMeta, algo: int, sums: list[int], got: list[int]
                 f"{expect.version}) is damaged: checksum mismatch in bytes {s}-{s + n} "
                 f"({ALGO_NAMES.get(algo, algo)} {have:#010x}, header says {want:#010x}); "
                 f"restore it from a commit or an export, or delete it")
+
+
+class Scatter:
+    """The file I/Os that move a record's bytes, given its spans (see the Note
+    on records in several extents): :meth:`runs` cuts consecutive buffers at
+    span boundaries; :meth:`release` lets go of every view it cut, so the
+    buffers can be closed or unmapped.
+
+    >>> sc = Scatter(((8192, 4096), (0, 8192)))
+    >>> [(off, [len(b) for b in bufs]) for off, bufs in sc.runs(0, [bytearray(4096) * 3])]
+    [(8192, [4096]), (0, [8192])]
+    >>> sc.release()
+    """
+
+    def __init__(self, spans: Spans) -> None:
+        self.spans = spans
+        self._views: list[memoryview] = []
+
+    def runs(self, pos: int, bufs: list) -> list[tuple[int, list[memoryview]]]:
+        """(file offset, buffers) for one ``preadv``/``pwritev`` each, moving
+        ``bufs`` (consecutive record bytes from record position ``pos``)."""
+        pieces = [(pos + done, b) for done, b in _positions(bufs)]
+        out: list[tuple[int, list[memoryview]]] = []
+        span_pos = 0
+        for start, length in self.spans:
+            lo, hi = span_pos, span_pos + length
+            span_pos = hi
+            run = []
+            for at, buf in pieces:
+                a, b = max(lo, at), min(hi, at + len(buf))
+                if a < b:
+                    run.append((a, self._cut(buf, a - at, b - at)))
+            if run:
+                out.append((start + run[0][0] - lo, [v for _, v in run]))
+        if sum(len(v) for _, bs in out for v in bs) != sum(len(b) for b in bufs):
+            raise ValueError(f"record bytes {pos}+{sum(len(b) for b in bufs)} run past its "
+                             f"spans ({span_pos} B)")
+        return out
+
+    def _cut(self, buf, a: int, b: int) -> memoryview:
+        whole = memoryview(buf)
+        self._views.append(whole)
+        view = whole[a:b]
+        self._views.append(view)
+        return view
+
+    def release(self) -> None:
+        """Release the cut views; one a thread still uses (a transfer cancelled
+        at shutdown) goes when the thread lets it go."""
+        for v in reversed(self._views):
+            try:
+                v.release()
+            except BufferError:
+                pass
+        self._views.clear()
+
+
+def _positions(bufs: list) -> list[tuple[int, object]]:
+    out, done = [], 0
+    for b in bufs:
+        out.append((done, b))
+        done += len(b)
+    return out
+
+
+def spans_len(spans: Spans) -> int:
+    return sum(length for _, length in spans)

@@ -74,7 +74,7 @@ def prepare(tiers: Tiers, s: Session, tag: str) -> CommitPlan | Blocked:
     if blocked.wait:
         return blocked
     tensors = tuple(CommittedTensor(e.key, e.spec.dtype, e.spec.shape, e.spec.nbytes,
-                                    e.version, e.disk.offset, e.disk.nbytes) for e in entries)
+                                    e.version, e.disk.spans) for e in entries)
     plan = CommitPlan(job, next_manifest(job.manifest, job.name, job.owner_uid, tag, tensors),
                       [e.disk for e in entries], job.commit_written)
     job.commit_written = 0
@@ -116,13 +116,14 @@ def recover(tiers: Tiers, m: Manifest, quotas: Callable[[str], tuple[int, int]])
     job.pool_quota, job.nvme_quota = quotas(m.job)
     for t in m.tensors:
         try:
-            tiers.nvme.extents.claim(t.offset, t.extent_len)
+            tiers.nvme.extents.claim_spans(t.spans)
         except ValueError as exc:
             raise IntegrityError(
                 f"commit {m.tag!r} of job {m.job!r}: record of {t.key!r} at {t.offset} "
-                f"({t.extent_len} B) cannot be claimed ({exc}); if --nvme-size shrank, "
-                f"restart with the old size, else move the job's manifest aside") from None
-        disk = DiskExtent(t.offset, t.extent_len, m.job, t.key, ExtentState.CURRENT)
+                f"({t.extent_len} B in {len(t.spans)} extents) cannot be claimed ({exc}); if "
+                f"--nvme-size shrank, restart with the old size, else move the job's "
+                f"manifest aside") from None
+        disk = DiskExtent(t.spans, m.job, t.key, ExtentState.CURRENT)
         disk.hold()
         spec = TensorSpec(t.key, t.dtype, t.shape, t.nbytes)
         tiers.entries[(m.job, t.key)] = Entry(t.key, m.job, spec, t.version,

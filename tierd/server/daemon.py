@@ -390,7 +390,7 @@ class Daemon:
         io = self.records.write if t.direction is Direction.TO_NVME else self.records.read
         error = None
         try:
-            await io(t.disk.offset, t.entry.meta(), view)
+            await io(t.disk.spans, t.entry.meta(), view)
         except TierdError as exc:
             error = exc
             log.error("%s", exc)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tierd.backends.extents import Spans
 from tierd.backends.hostpool import Segment
+from tierd.backends.recordio import spans_len
 from tierd.errors import StateError
 
 
@@ -161,22 +163,35 @@ class ExtentState(enum.Enum):
 
 @dataclass(eq=False)
 class DiskExtent:
-    """An extent of the NVMe file holding one record of ``key``::
+    """The extents of the NVMe file holding one record of ``key`` (its
+    ``spans``, in order: see the Note on records in several extents in
+    :mod:`tierd.backends.recordio`)::
 
         WRITING --written--> CURRENT --retire--> HELD | DRAINING | FREED
         WRITING --abandon--> FREED
         HELD --unhold (last)--> DRAINING | FREED;  DRAINING --end_read (last)--> FREED
     """
 
-    offset: int
-    nbytes: int
+    spans: Spans
     job: str
     key: str
     state: ExtentState = ExtentState.WRITING
     readers: int = 0   # in-flight swap-ins reading it
     holds: int = 0     # commits naming it (the last one and one being made)
 
+    @property
+    def offset(self) -> int:
+        """Where the record starts (its header): what messages name."""
+        return self.spans[0][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file it takes, all spans together."""
+        return spans_len(self.spans)
+
     def __post_init__(self) -> None:
+        if not self.spans:
+            raise StateError(f"{self.key}: an NVMe record needs at least one extent")
         if self.state not in (ExtentState.WRITING, ExtentState.CURRENT):
             raise StateError(f"{self.key}: a new NVMe extent is WRITING or CURRENT (recovered "
                              f"from a commit), not {self.state.name}")

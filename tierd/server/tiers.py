@@ -59,7 +59,7 @@ class Tiers:
         if held != was_held:
             self.admission.held_only_bytes += disk.nbytes if held else -disk.nbytes
         if freed:
-            self.nvme.extents.free(disk.offset)
+            self.nvme.extents.free_spans(disk.spans)
             if disk.job in self.jobs:
                 self.jobs[disk.job].nvme_used -= disk.nbytes
 
@@ -126,14 +126,14 @@ class Tiers:
                 f"job {job.name!r} reached its NVMe quota ({job.nvme_used} of "
                 f"{job.nvme_quota} B used), cannot write {e.key} ({size} B); "
                 f"delete tensors or raise the job's quota in the config file")
-        off = self.nvme.extents.alloc(size)
-        if off is None:
+        spans = self.nvme.extents.alloc_spans(size)   # fails only on bytes, never on fragments
+        if spans is None:
             raise CapacityError(
                 f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used "
                 f"({self.admission.held_only_bytes} B by older versions the last commits "
                 f"name), cannot write {e.key} ({size} B); delete tensors, commit, or start "
                 f"the daemon with a larger --nvme-size")
-        disk = DiskExtent(off, self.nvme.extents.extent_size(size), e.job, e.key)
+        disk = DiskExtent(spans, e.job, e.key)
         job.nvme_used += disk.nbytes
         t = Transfer(Direction.TO_NVME, e, e.slot, disk, drop_slot)
         e.to_writing_back(t)
@@ -244,15 +244,17 @@ class Tiers:
         return first + eviction.least_recently_used(e for e in idle if id(e) not in chosen)
 
     def _reclaim_nvme(self, nbytes: int) -> bool:
-        """Free the NVMe copies of tensors whose pool copy is current until an
-        extent of ``nbytes`` fits; False if it still does not."""
+        """Free the NVMe copies of tensors whose pool copy is current until a
+        record of ``nbytes`` fits (free bytes suffice: records may span
+        several extents); False if it still does not."""
+        extents = self.nvme.extents
         for e in list(self.entries.values()):
-            if self.nvme.extents.largest_free() >= self.nvme.extents.extent_size(nbytes):
+            if extents.free_bytes >= extents.extent_size(nbytes):
                 return True
             if (e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
                     and not e.disk.holds and not e.disk.readers):   # a commit's record stays
                 self.mark_dirty(e)
-        return self.nvme.extents.largest_free() >= self.nvme.extents.extent_size(nbytes)
+        return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
                        protect: Iterable[Entry]) -> bool:

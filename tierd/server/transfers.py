@@ -31,6 +31,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from tierd.backends import recordio
+from tierd.backends.extents import Spans
 from tierd.backends.nvme import NvmeStore
 
 
@@ -69,46 +70,53 @@ class RecordTransfers:
     def _sum(self, data) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self.checksums, recordio.checksum, data)
 
-    async def write(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Write every data piece and checksum it beside the write, then the
-        header with the sums: a record torn before its header is written has
-        no valid header, so it is never read as whole."""
+    async def write(self, spans: Spans, meta: recordio.RecordMeta, data) -> None:
+        """Write every data piece into ``spans`` and checksum it beside the
+        write, then the header with the sums: a record torn before its header
+        is written has no valid header, so it is never read as whole."""
         pieces = recordio.pieces_of(len(data))
-        base = offset + meta.header_len()
+        hlen = meta.header_len()
         views = [data[s:s + n] for s, n in pieces]
+        scatter = recordio.Scatter(spans)
+        header = None
         try:
-            writes = [self._io(self.nvme.write_from, base + s, [v])
-                      for (s, _), v in zip(pieces, views)]
+            writes = [self._io(self.nvme.write_from, offset, bufs)
+                      for (s, _), v in zip(pieces, views)
+                      for offset, bufs in scatter.runs(hlen + s, [v])]
             sums = await self._all([*writes, *(self._sum(v) for v in views)])
+            header = recordio.encode_header(meta, sums[len(writes):])
+            await self._all([self._io(self.nvme.write_from, offset, bufs)
+                             for offset, bufs in scatter.runs(0, [header])])
         finally:
+            scatter.release()
             _release(views)
-        header = recordio.encode_header(meta, sums[len(writes):])
-        try:
-            await self._all([self._io(self.nvme.write_from, offset, [header])])
-        finally:
-            header.close()
+            if header is not None:
+                header.close()
 
-    async def _read_piece(self, offset: int, bufs: list) -> int:
-        """Read one piece (on an I/O thread), then sum its data (the last buffer)
-        on a checksum thread, so the I/O thread moves on to the next read."""
-        await self._io(self.nvme.read_into, offset, bufs)
-        return await self._sum(bufs[-1])
+    async def _read_piece(self, runs: list, piece) -> int:
+        """Read one piece (on I/O threads, one call per run of its spans),
+        then sum it on a checksum thread, so the I/O threads move on."""
+        await self._all([self._io(self.nvme.read_into, offset, bufs) for offset, bufs in runs])
+        return await self._sum(piece)
 
-    async def read(self, offset: int, meta: recordio.RecordMeta, data) -> None:
-        """Read the header and every piece, checksumming each as it lands,
-        then check them against the header (IntegrityError naming the key)."""
+    async def read(self, spans: Spans, meta: recordio.RecordMeta, data) -> None:
+        """Read the header and every piece from ``spans``, checksumming each
+        as it lands, then check them against the header (IntegrityError
+        naming the key)."""
         header = recordio.header_buffer(meta)
         pieces = recordio.pieces_of(len(data))
         views = [data[s:s + n] for s, n in pieces]
+        scatter = recordio.Scatter(spans)
         try:
-            base = offset + len(header)
+            hlen = len(header)
             got = await self._all(
-                self._read_piece(offset, [header, v]) if i == 0 else
-                self._read_piece(base + s, [v])
+                self._read_piece(scatter.runs(0, [header, v]) if i == 0 else
+                                 scatter.runs(hlen + s, [v]), v)
                 for i, ((s, _), v) in enumerate(zip(pieces, views)))
             algo, sums = recordio.parse_header(header, meta)
             recordio.verify_pieces(meta, algo, sums, got, data)
         finally:
+            scatter.release()
             _release(views)
             header.close()
 
