@@ -164,7 +164,8 @@ def test_concurrent_spills_and_fetches_keep_every_value(daemon_factory):
     """Three clients of one job evict, prefetch and read keys of their own at
     once, in a pool smaller than all their keys (48 of 66 MiB): records of one
     and two pieces cross in flight both ways, a read may have to wait for the
-    others' swap-ins to land, and every read is the value put."""
+    others' swap-ins to land, and every read is the value put (on a
+    fragmented file: tests/server/test_fragmentation.py)."""
     d = daemon_factory(pool="48MiB", nvme_size="256MiB")
     errors: list[BaseException] = []
 

@@ -51,13 +51,13 @@ larger pool lets more keys be held (``hold_fraction``) and more leases be in
 flight. So the pool asks for twice the model's state (everything holdable)
 and never less than the half of the available RAM up to 32 GiB that every
 embedded daemon had, within what the RAM gives. The NVMe file is
-preallocated at start, so it is sized from the need: twice what the pool
-cannot hold (free NVMe fragments: an 8B model's 39 GiB file had 6.8 GB free
-but no extent for a 2.1 GB record) plus slack, and for a named job (which
-may commit) room for two commits (a commit writes every tensor;
-copy-on-write keeps the previous one until the next is complete), within
-what the disk gives. The sizes an error suggests (:func:`shortfall`) keep
-the same margin: admission counts bytes, not extents.
+preallocated at start, so it is sized from the need: what the pool cannot
+hold plus slack (a record may span several free extents, so free bytes are
+as good as an extent: see the Note on records in several extents in
+tierd.backends.recordio), and for a named job (which may commit) room for
+two commits (a commit writes every tensor; copy-on-write keeps the previous
+one until the next is complete), within what the disk gives. The sizes an
+error suggests (:func:`shortfall`) keep the same margin.
 """
 
 from __future__ import annotations
@@ -255,9 +255,9 @@ class Sizes:
 
 
 def nvme_for(spill: int, need: StoreNeed) -> int:
-    """NVMe for ``spill`` bytes the pool cannot hold: twice that (free space
-    fragments, [Note: embedded daemon sizes]) plus slack."""
-    return 2 * max(0, spill) + slack(need)
+    """NVMe for ``spill`` bytes the pool cannot hold: that plus slack
+    ([Note: embedded daemon sizes])."""
+    return max(0, spill) + slack(need)
 
 
 def slack(need: StoreNeed) -> int:

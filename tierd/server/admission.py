@@ -2,10 +2,13 @@
 new tensor still fits in pool + NVMe.
 
 [Note: swap headroom] Bringing a tensor in from NVMe when the pool is full
-means writing a dirty victim out first, so NVMe needs a free extent of the
-largest tensor's size. Admitting at most pool + NVMe minus the largest tensor
-keeps that true: everything stored stays readable. Superseded NVMe records
-that only a commit still names (``held_only_bytes``) take room too.
+means writing a dirty victim out first, so NVMe needs free bytes of the
+largest tensor's record (bytes, not one extent: a record may span several,
+see the Note on records in several extents in :mod:`tierd.backends.recordio`;
+NVMe copies of tensors also in the pool give way). Admitting at most pool +
+NVMe minus the largest tensor keeps that true: everything stored stays
+readable. Superseded NVMe records that only a commit still names
+(``held_only_bytes``) take room too.
 
 A reserve first *checks* (:meth:`Admission.check`, which changes nothing),
 then takes its pool slots, and only then *admits* the grant: a reserve refused

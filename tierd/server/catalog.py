@@ -297,6 +297,8 @@ class Catalog:
             "pool_mapped_bytes": self.pool.mapped_bytes,
             "nvme_bytes": self.nvme.size,
             "nvme_used_bytes": self.nvme.extents.used,
+            # how fragmented the free bytes are (a record may span several extents)
+            "nvme_largest_free_bytes": self.nvme.extents.largest_free(),
             "nvme_direct_io": self.nvme.direct,
             # what admission counts (tierd.server.admission), for clients'
             # capacity checks: free = pool + NVMe - largest - held_only - stored

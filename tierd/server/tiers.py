@@ -116,9 +116,12 @@ class Tiers:
         self._started.append(t)
         blocked.wait.append(t)
 
-    def start_writeback(self, e: Entry, drop_slot: bool = True) -> Transfer:
-        """Write the entry's pool bytes to a new NVMe extent: never over the
-        extent of an older version, which a commit may still name."""
+    def start_writeback(self, e: Entry, drop_slot: bool = True,
+                        reclaim: bool = True) -> Transfer:
+        """Write the entry's pool bytes to a new NVMe record: never over the
+        record of an older version, which a commit may still name. ``reclaim``:
+        if the file is full, free the NVMe copies of tensors whose pool copy
+        is current first (admission counts each tensor once)."""
         job = self.jobs[e.job]
         size = e.meta().record_len()
         if job.nvme_quota and job.nvme_used + size > job.nvme_quota:
@@ -126,7 +129,10 @@ class Tiers:
                 f"job {job.name!r} reached its NVMe quota ({job.nvme_used} of "
                 f"{job.nvme_quota} B used), cannot write {e.key} ({size} B); "
                 f"delete tensors or raise the job's quota in the config file")
-        spans = self.nvme.extents.alloc_spans(size)   # fails only on bytes, never on fragments
+        # Fails only on bytes, never on fragments (a record may span several extents).
+        spans = self.nvme.extents.alloc_spans(size)
+        if spans is None and reclaim and self._reclaim_nvme(size):
+            spans = self.nvme.extents.alloc_spans(size)
         if spans is None:
             raise CapacityError(
                 f"NVMe tier full: {self.nvme.extents.used} of {self.nvme.size} B used "
@@ -285,8 +291,8 @@ class Tiers:
                 self.drop_slot(e)
                 self.counters.evictions += 1
                 return True
-            try:
-                blocked.wait.append(self.start_writeback(e))
+            try:   # a clean victim below costs no I/O: reclaim NVMe copies only then
+                blocked.wait.append(self.start_writeback(e, reclaim=False))
             except CapacityError:
                 # NVMe is full: a clean victim (one with a copy there) can make
                 # room now; else the NVMe copies of tensors also in the pool
