@@ -51,6 +51,8 @@ buffer; only its I/O is cut at span boundaries (:class:`Scatter`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import mmap
 import struct
 import zlib
@@ -202,27 +204,33 @@ class Scatter:
 
     def __init__(self, spans: Spans) -> None:
         self.spans = spans
+        self._ends = list(itertools.accumulate(length for _, length in spans))
         self._views: list[memoryview] = []
 
     def runs(self, pos: int, bufs: list) -> list[tuple[int, list[memoryview]]]:
         """(file offset, buffers) for one ``preadv``/``pwritev`` each, moving
         ``bufs`` (consecutive record bytes from record position ``pos``)."""
-        pieces = [(pos + done, b) for done, b in _positions(bufs)]
+        end = pos + sum(len(b) for b in bufs)
+        if pos < 0 or end > (self._ends[-1] if self._ends else 0):
+            raise ValueError(f"record bytes [{pos}, {end}) run past its spans "
+                             f"({self._ends[-1] if self._ends else 0} B)")
         out: list[tuple[int, list[memoryview]]] = []
-        span_pos = 0
-        for start, length in self.spans:
-            lo, hi = span_pos, span_pos + length
-            span_pos = hi
-            run = []
-            for at, buf in pieces:
-                a, b = max(lo, at), min(hi, at + len(buf))
-                if a < b:
-                    run.append((a, self._cut(buf, a - at, b - at)))
-            if run:
-                out.append((start + run[0][0] - lo, [v for _, v in run]))
-        if sum(len(v) for _, bs in out for v in bs) != sum(len(b) for b in bufs):
-            raise ValueError(f"record bytes {pos}+{sum(len(b) for b in bufs)} run past its "
-                             f"spans ({span_pos} B)")
+        i = bisect.bisect_right(self._ends, pos)
+        j, inside = 0, 0            # the buffer at ``pos`` and how far into it
+        at = pos
+        while at < end:
+            start, length = self.spans[i]
+            run_end = min(end, self._ends[i])
+            run, offset = [], start + at - (self._ends[i] - length)
+            while at < run_end:
+                n = min(len(bufs[j]) - inside, run_end - at)
+                if n:
+                    run.append(self._cut(bufs[j], inside, inside + n))
+                at, inside = at + n, inside + n
+                if inside == len(bufs[j]):
+                    j, inside = j + 1, 0
+            out.append((offset, run))
+            i += 1
         return out
 
     def _cut(self, buf, a: int, b: int) -> memoryview:
@@ -241,14 +249,6 @@ class Scatter:
             except BufferError:
                 pass
         self._views.clear()
-
-
-def _positions(bufs: list) -> list[tuple[int, object]]:
-    out, done = [], 0
-    for b in bufs:
-        out.append((done, b))
-        done += len(b)
-    return out
 
 
 def spans_len(spans: Spans) -> int:

@@ -68,7 +68,9 @@ def prepare(tiers: Tiers, s: Session, tag: str) -> CommitPlan | Blocked:
         if e.state is Residency.WRITING_BACK:
             blocked.wait.append(e.transfer)
         elif e.state is Residency.IN_POOL and (e.dirty or e.disk is None):
-            t = tiers.start_writeback(e, drop_slot=False)
+            # No reclaiming: freeing the job's own clean records here would only
+            # make the next round write them again.
+            t = tiers.start_writeback(e, drop_slot=False, reclaim=False)
             job.commit_written += t.nbytes
             blocked.wait.append(t)
     if blocked.wait:
