@@ -19,7 +19,10 @@ import msgpack
 import pytest
 import torch
 
+from safetensors import safe_open
+
 import tierd
+from tierd.archive import export_job
 from tierd.backends.manifest import ManifestStore
 from tierd.backends.nvme import DATA_FILE
 from tests.faults import harness
@@ -78,6 +81,10 @@ def test_a_tensor_larger_than_any_free_extent_spills_and_survives_a_restart(frag
             assert torch.equal(again.get("big"), big())
             for k in kept:
                 assert torch.equal(again.get(k), small(int(k[1:])))
+        # export reads the spans too ("big" alone: the prefix "b", stripped)
+        n, _ = export_job(d.nvme, JOB, tmp_path / "out.safetensors", prefix="b")
+        with safe_open(tmp_path / "out.safetensors", "pt") as f:
+            assert n == 1 and torch.equal(f.get_tensor("ig"), big())
     finally:
         d.stop()
 

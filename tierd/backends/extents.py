@@ -108,22 +108,6 @@ class ExtentAllocator:
         self._allocated[start] = need
         self.used += need
 
-    def claim_spans(self, spans: Spans) -> None:
-        """:meth:`claim` every extent of a record; all or none of them
-        (ValueError names the first that is not free)."""
-        done = []
-        try:
-            for start, length in spans:
-                if length <= 0 or length % self.align:
-                    raise ValueError(f"extent {start}+{length} is not a positive multiple "
-                                     f"of {self.align} B")
-                self.claim(start, length)
-                done.append(start)
-        except ValueError:
-            for start in done:
-                self.free(start)
-            raise
-
     def free_spans(self, spans: Spans) -> None:
         for start, _ in spans:
             self.free(start)
