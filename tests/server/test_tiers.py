@@ -197,3 +197,28 @@ def test_random_requests_keep_every_byte_accounted_for(steps):
                 d.read(key)
         finally:
             d.close()
+
+
+def test_an_evict_into_a_full_nvme_frees_copies_of_tensors_in_the_pool(tmp_path):
+    """Admission counts each tensor once: when NVMe's bytes are taken by a
+    clean copy of a tensor that is also in the pool, that copy gives way to
+    an explicit evict (it was refused with "NVMe tier full")."""
+    from tests.server.test_catalog import put, read, settle
+
+    pool, nvme = HostPool(16 * MiB, segment_size=8 * MiB), NvmeStore(tmp_path, 16 * MiB)
+    cat = Catalog(pool, nvme)
+    try:
+        s = cat.open_session(1, "job", pid=10, uid=0)
+        for fill, key in enumerate("acd", start=1):
+            put(cat, s, key, 6 * MiB, fill)
+        settle(cat, cat.evict, s, ("a",))
+        assert read(cat, s, "a") == bytes([1]) * 8      # back in the pool, its copy kept
+        settle(cat, cat.evict, s, ("c",))
+        assert nvme.extents.free_bytes < stored_size("d", "job", 6 * MiB)
+        settle(cat, cat.evict, s, ("d",))
+        a = cat.entries[("job", "a")]
+        assert a.state is Residency.IN_POOL and a.disk is None and a.dirty
+        assert [read(cat, s, k) for k in "acd"] == [bytes([f]) * 8 for f in (1, 2, 3)]
+    finally:
+        pool.close()
+        nvme.close()
