@@ -130,9 +130,9 @@ def test_memory_growth_during_load_is_bounded(tmp_path, daemon_factory):
     peak = [0]
     put_many = client.put_many
 
-    def measured(items):   # memory at each module's upload, the values in hand
+    def measured(items, dtypes=None):   # memory at each module's upload, the values in hand
         peak[0] = max(peak[0], _rss_anon())
-        put_many(items)
+        put_many(items, dtypes)
     client.put_many = measured
     model = _on_meta(make)
     before = _rss_anon()

@@ -11,6 +11,22 @@ mapping and descriptor of it are gone.
 client until it disconnects; it can't be revoked. So a segment is never given
 to a second job: when a job's segment empties and the budget is needed
 elsewhere, the segment is closed and a fresh memfd is made for the next job.
+
+[Note: segments made ahead]
+Growing the pool costs the first touch of every page: the daemon allocates a
+new segment's pages at once (``posix_fallocate``; see ``_make_memfd``), which
+zeroes them, at about 5 GB/s on one thread on the 2-core CI machine. Done in
+the reserve that needs the segment, that ran on the event loop, one segment
+after another, while the writing client waited: an attach or an optimizer's
+zeroed states (a job growing by hundreds of segments) paid it in series
+with its own copies. So while a job grows, the next ``ahead`` segments are
+made on threads of their own (one memfd each: fallocates of one memfd take
+its inode lock in turn, those of several memfds ran 1.7x one on 2 cores)
+and a reserve takes a finished one. A spare was never handed to a client, so
+any job may take it (the Note on segment lifetime holds). Spares count
+against the budget (``mapped_bytes``) and are the first thing given back
+when the budget is needed; only segments of the standard size are made ahead
+(a larger tensor gets its own exact segment, made in its reserve).
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ import logging
 import mmap
 import os
 import re
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tierd.backends.extents import PAGE, ExtentAllocator, align_up
@@ -67,25 +85,77 @@ class Segment:
         os.close(self.fd)
 
 
+def _make_memfd(label: str, size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``size`` bytes with every page allocated, and its mapping.
+
+    Allocating now (prefaulting) makes a full machine fail here with a clear
+    error instead of SIGBUS at a first touch later. Runs on the preparing
+    threads too: the calls it makes release the GIL.
+    """
+    try:
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+    except OSError as exc:
+        raise CapacityError(f"cannot create a pool segment: {exc.strerror}; the daemon "
+                            f"may be out of file descriptors (raise ulimit -n)") from None
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        os.close(fd)
+        raise CapacityError(f"cannot allocate a {size} B pool segment: {exc.strerror}; "
+                            f"lower --pool or free memory") from None
+    return fd, mm
+
+
+def _close_memfd(made: Future) -> None:
+    """Close a spare's memfd once made (or forget it if it was never made)."""
+    if made.cancel():
+        return
+    try:
+        fd, mm = made.result()
+    except CapacityError:
+        return
+    mm.close()
+    os.close(fd)
+
+
 class HostPool:
     """Shared-memory segments totalling at most ``budget`` bytes.
+
+    ``ahead`` > 0 makes up to that many standard segments ahead on threads
+    while jobs grow ([Note: segments made ahead]); 0 makes each in the
+    reserve that needs it.
 
     >>> pool = HostPool(64 << 20, segment_size=16 << 20)
     >>> seg, off = pool.allocate("job-a", 1000)
     >>> pool.free(seg, off)
     """
 
-    def __init__(self, budget: int, segment_size: int) -> None:
+    def __init__(self, budget: int, segment_size: int, ahead: int = 0) -> None:
         if budget < PAGE:
             raise CapacityError(f"pool size {budget} B is below one page ({PAGE} B)")
+        if ahead < 0:
+            raise ValueError(f"ahead={ahead}: the number of segments made ahead is >= 0")
         self.budget = align_up(budget)
         self.segment_size = min(align_up(segment_size), self.budget)
         self.segments: dict[int, Segment] = {}
         self._next_id = 1
+        self.ahead = ahead
+        self._spares: deque[Future] = deque()   # (fd, mmap) of standard segments, oldest first
+        self._preparer = (ThreadPoolExecutor(ahead, thread_name_prefix="tierd-pool")
+                          if ahead else None)
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        """Bytes of the budget in segments: the jobs' and the spares made ahead."""
+        return (sum(s.size for s in self.segments.values())
+                + len(self._spares) * self.segment_size)
+
+    @property
+    def spare_count(self) -> int:
+        """Segments made (or being made) ahead, not yet any job's."""
+        return len(self._spares)
 
     @property
     def used_bytes(self) -> int:
@@ -114,21 +184,31 @@ class HostPool:
             if off is not None:
                 return seg, off
         size = max(min(self.segment_size, limit), align_up(nbytes))
-        if self.mapped_bytes + size > self.budget:
+        if self.mapped_bytes - self._spare_bytes(size) + size > self.budget:
             self.release_empty(exclude=None, need=size)
-        if self.mapped_bytes + size > self.budget:
+        if self.mapped_bytes - self._spare_bytes(size) + size > self.budget:
             size = align_up(nbytes)  # a last, exact-size segment may still fit
+            if self.mapped_bytes + size > self.budget:
+                self.release_empty(exclude=None, need=size)
             if self.mapped_bytes + size > self.budget:
                 return None
         seg = self._create(job, size)
+        self._prepare()
         return seg, seg.extents.alloc(nbytes)
+
+    def _spare_bytes(self, size: int) -> int:
+        """Budget a new segment of ``size`` takes from the spares: one spare's,
+        when it is of their size and there is one."""
+        return self.segment_size if size == self.segment_size and self._spares else 0
 
     def free(self, seg: Segment, offset: int) -> None:
         seg.extents.free(offset)
 
     def release_empty(self, exclude: str | None, need: int) -> None:
-        """Close empty segments (of jobs other than ``exclude``) until ``need``
-        bytes of budget are free."""
+        """Close spares, then empty segments (of jobs other than ``exclude``),
+        until ``need`` bytes of budget are free."""
+        while self._spares and self.budget - self.mapped_bytes < need:
+            _close_memfd(self._spares.pop())   # the newest: perhaps not begun yet
         for seg in list(self.segments.values()):
             if self.budget - self.mapped_bytes >= need:
                 return
@@ -144,29 +224,39 @@ class HostPool:
         seg.close()
 
     def close(self) -> None:
+        while self._spares:
+            _close_memfd(self._spares.pop())
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=True)
         for seg in list(self.segments.values()):
             self.drop_segment(seg)
 
+    def _prepare(self) -> None:
+        """Begin making spares up to ``ahead``, within the budget."""
+        while (len(self._spares) < self.ahead
+               and self.mapped_bytes + self.segment_size <= self.budget):
+            self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
+                                                      self.segment_size))
+
+    def _take_spare(self) -> tuple[int, mmap.mmap] | None:
+        """The oldest spare (waiting for it to be made), or None: none, or
+        making it failed (the caller makes one itself and reports why)."""
+        if not self._spares:
+            return None
+        try:
+            return self._spares.popleft().result()
+        except CapacityError as exc:
+            log.warning("a pool segment made ahead failed (%s); making it in the reserve", exc)
+            return None
+
     def _create(self, job: str, size: int) -> Segment:
-        # The name only labels /proc/<pid>/fd links; a job name (perhaps from an
-        # old manifest) is reduced to safe characters and cut short, as the
-        # kernel refuses NUL and names over 249 bytes.
-        label = _UNSAFE.sub("_", job)[:64]
-        try:
-            fd = os.memfd_create(f"tierd-{label}", os.MFD_CLOEXEC)
-        except OSError as exc:
-            raise CapacityError(f"cannot create a pool segment: {exc.strerror}; the daemon "
-                                f"may be out of file descriptors (raise ulimit -n)") from None
-        try:
-            os.ftruncate(fd, size)
-            # Allocate every page now (prefault), so a full machine fails here
-            # with a clear error instead of SIGBUS on first touch later.
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.close(fd)
-            raise CapacityError(f"cannot allocate a {size} B pool segment: {exc.strerror}; "
-                                f"lower --pool or free memory") from None
+        made = self._take_spare() if size == self.segment_size else None
+        if made is None:
+            # The name only labels /proc/<pid>/fd links; a job name (perhaps from
+            # an old manifest) is reduced to safe characters and cut short, as the
+            # kernel refuses NUL and names over 249 bytes.
+            made = _make_memfd(f"tierd-{_UNSAFE.sub('_', job)[:64]}", size)
+        fd, mm = made
         seg = Segment(self._next_id, job, size, fd, mm)
         self._next_id += 1
         self.segments[seg.id] = seg

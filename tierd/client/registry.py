@@ -20,13 +20,17 @@ from tierd.client.keys import ModelKeys
 from tierd.client.store import Store
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
 
-#: Gives a parameter's value to store: a new CPU tensor in the parameter's
-#: dtype (``tierd.client.weights.WeightsPlan`` reads it from a checkpoint).
+#: Gives a parameter's value to store: a tensor on any device whose values,
+#: converted to the parameter's dtype, are the parameter's (``WeightsPlan``
+#: in ``tierd.client.weights`` reads it from a checkpoint). It is read once
+#: per stored key, converted on the way into the pool.
 ValueSource = Callable[[nn.Parameter], torch.Tensor]
 
 
 def _own_value(param: nn.Parameter) -> torch.Tensor:
-    return param.detach().to("cpu")
+    # where it is: a CUDA parameter is copied straight into the pinned pool
+    # (no pageable staging copy), see [Note: attach's write path] in tierd.client.attach
+    return param.detach()
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,14 +103,15 @@ class ParamRegistry:
         pending: list[str] = []   # a batch being put: some of it may be stored
         try:
             for module in dict.fromkeys(self.model.modules()):
-                uploads: dict[str, torch.Tensor] = {}
+                uploads: dict[str, torch.Tensor] = {}   # key -> value to store
+                dtypes: dict[str, torch.dtype] = {}     # key -> dtype it is stored in
                 first = len(taken)
                 for param in list(module._parameters.values()):
                     if param is None or isinstance(param, TieredParameter):
                         continue   # replaced already through a tied holder
                     hs = holders[id(param)]
-                    tp = self._make(session, param, hs[0][2], uploads, stored, on_grad,
-                                    source or _own_value)
+                    tp = self._make(session, param, hs[0][2], (uploads, dtypes), stored,
+                                    on_grad, source or _own_value)
                     taken.append((param, tp))
                     if tp.resident and tp.key in stored:
                         resumed.append(tp)
@@ -116,7 +121,7 @@ class ParamRegistry:
                     self.params[tp.name] = tp
                 if uploads:
                     pending = list(uploads)
-                    store.put_many(uploads)
+                    store.put_many(uploads, dtypes=dtypes)
                     put.extend(pending)
                     pending = []
                 if source is None:   # the caller's old Parameters keep no bytes alive
@@ -166,7 +171,8 @@ class ParamRegistry:
                 store.delete(keys)
 
     @staticmethod
-    def _make(session, param: nn.Parameter, name: str, uploads: dict[str, torch.Tensor],
+    def _make(session, param: nn.Parameter, name: str,
+              uploads: tuple[dict[str, torch.Tensor], dict[str, torch.dtype]],
               stored: frozenset[str], on_grad, source: ValueSource) -> TieredParam:
         cfg = session.config
         dtype = cfg.compute_dtype if param.is_floating_point() else param.dtype
@@ -180,17 +186,18 @@ class ParamRegistry:
                          orig_device=orig_device, resident=resident, session=session)
         need = (tp.key not in stored or (tp.has_master and tp.master_key not in stored)
                 or (resident and tp.key not in stored))
-        cpu = source(param) if need else None   # resuming: the committed value wins
+        value = source(param) if need else None   # resuming: the committed value wins
+        values, dtypes = uploads   # converted while copied into the pool: no temporaries
         if tp.key not in stored:
-            uploads[tp.key] = cpu.to(dtype)
+            values[tp.key], dtypes[tp.key] = value, dtype
         if tp.has_master and tp.master_key not in stored:
-            uploads[tp.master_key] = cpu.to(torch.float32)
+            values[tp.master_key], dtypes[tp.master_key] = value, torch.float32
         if new.requires_grad and on_grad is not None:
             new.register_post_accumulate_grad_hook(on_grad)
         if resident:
-            if cpu is not None:
+            if value is not None:
                 with torch.no_grad():
-                    new.data.copy_(cpu.to(dtype))
+                    new.data.copy_(value)
         else:
             new.untyped_storage().resize_(0)
         return tp

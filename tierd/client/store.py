@@ -55,7 +55,8 @@ class Store(Protocol):
 
     job: str
 
-    def put_many(self, items: Mapping[str, torch.Tensor]) -> None: ...
+    def put_many(self, items: Mapping[str, torch.Tensor],
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None: ...
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]: ...
     def get(self, key: str) -> torch.Tensor: ...
     def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending: ...
@@ -249,8 +250,13 @@ class LocalStore:
         self._call(self._table.abort, tuple(keys)).result()
 
     # ------------------------------------------------------------ store API
-    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
-        placed = self.reserve_async(items).result()
+    def put_many(self, items: Mapping[str, torch.Tensor],
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+        import torch
+        dtypes = dtypes or {}
+        like = {k: torch.empty(t.shape, dtype=dtypes[k], device="meta") if k in dtypes else t
+                for k, t in items.items()}
+        placed = self.reserve_async(like).result()
         for lease, t in zip(placed, items.values()):
             lease.tensor.copy_(t.detach())
         self.publish_async(items.keys()).result()

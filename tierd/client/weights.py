@@ -49,6 +49,13 @@ _DTYPES = {
 }
 
 
+#: (from, to) dtype pairs whose conversion is exact: every value of the first
+#: is one of the second, so converting straight to a third dtype gives what
+#: converting through the second would.
+_EXACT = frozenset((src, dst) for src in (torch.bfloat16, torch.float16)
+                   for dst in (torch.float32, torch.float64)) | {(torch.float32, torch.float64)}
+
+
 def _listed(names: list[str]) -> str:
     head = ", ".join(names[:_SHOWN])
     return f"{head}, ... ({len(names)} in all)" if len(names) > _SHOWN else head
@@ -245,11 +252,17 @@ class WeightsPlan:
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s value from the checkpoint (its own when not there and
-        not strict): a new CPU tensor in its dtype."""
+        not strict): a tensor whose values, in ``param``'s dtype, are the
+        parameter's. It keeps the file's dtype when converting to
+        ``param``'s loses nothing (a bf16 file for an fp32 model): the store
+        converts while copying into the pool, with no converted copy first."""
         name = self.params.get(id(param))
         if name is None:
-            return param.detach().to("cpu")
-        return self.reader.tensor(name).to(param.dtype)
+            return param.detach()
+        value = self.reader.tensor(name)
+        if (value.dtype, param.dtype) in _EXACT or value.dtype == param.dtype:
+            return value
+        return value.to(param.dtype)   # rounds as load_state_dict would
 
     def load_buffers(self, model: nn.Module) -> None:
         """Give the model its checkpoint buffers and re-create a meta model's

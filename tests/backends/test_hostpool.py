@@ -1,0 +1,90 @@
+"""The host pool's segments, with segments made ahead on threads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tierd.backends.hostpool import HostPool
+from tierd.errors import CapacityError
+
+MiB = 1 << 20
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_growing_job_takes_segments_made_ahead_within_the_budget():
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=2)
+    try:
+        got = []
+        for i in range(8):   # 8 segments' worth: the whole budget
+            seg, off = pool.allocate("a", 2 * MiB)
+            assert pool.mapped_bytes <= pool.budget
+            got.append((seg, off))
+            if i < 5:   # room for the two made ahead
+                assert pool.spare_count == 2
+        assert pool.spare_count == 0 and pool.mapped_bytes == pool.budget
+        assert len({seg.id for seg, _ in got}) == 8
+        assert pool.allocate("a", 2 * MiB) is None   # full: no spare is kept back
+    finally:
+        pool.close()
+
+
+def test_fresh_slots_read_zero_and_keep_what_is_written():
+    pool = HostPool(8 * MiB, segment_size=2 * MiB, ahead=2)
+    try:
+        slots = [pool.allocate("a", 2 * MiB) for _ in range(3)]   # two from spares
+        for i, (seg, off) in enumerate(slots):
+            view = seg.view(off, 2 * MiB)
+            assert view.tobytes() == bytes(2 * MiB)
+            view[:] = bytes([i + 1]) * (2 * MiB)
+        for i, (seg, off) in enumerate(slots):
+            assert seg.view(off, 2 * MiB).tobytes() == bytes([i + 1]) * (2 * MiB)
+    finally:
+        pool.close()
+
+
+def test_spares_give_way_to_a_large_tensor_and_to_other_jobs():
+    pool = HostPool(8 * MiB, segment_size=2 * MiB, ahead=3)
+    try:
+        pool.allocate("a", MiB)
+        assert pool.spare_count == 3 and pool.mapped_bytes == 8 * MiB
+        seg, _ = pool.allocate("b", 6 * MiB)   # needs the spares' budget, exact size
+        assert seg.size == 6 * MiB and seg.job == "b" and pool.spare_count == 0
+        assert pool.mapped_bytes == 8 * MiB
+        with pytest.raises(CapacityError, match="can never fit"):
+            pool.allocate("c", 9 * MiB)
+    finally:
+        pool.close()
+
+
+def test_a_spare_goes_to_whichever_job_grows_next():
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        pool.allocate("a", 2 * MiB)
+        assert pool.spare_count == 1
+        seg, _ = pool.allocate("b", MiB)
+        assert seg.job == "b" and pool.job_segments("a") != pool.job_segments("b")
+    finally:
+        pool.close()
+
+
+def test_dropping_jobs_and_closing_give_every_descriptor_back():
+    before = _fds()
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=4)
+    pool.allocate("a", 3 * MiB)
+    pool.drop_job("a")
+    pool.release_empty(exclude=None, need=pool.budget)
+    assert pool.mapped_bytes == 0 and pool.spare_count == 0
+    pool.allocate("a", MiB)
+    pool.close()
+    assert pool.mapped_bytes == 0
+    assert _fds() == before
+
+
+def test_ahead_must_not_be_negative():
+    with pytest.raises(ValueError, match="ahead=-1"):
+        HostPool(8 * MiB, segment_size=2 * MiB, ahead=-1)
