@@ -21,12 +21,13 @@ from torch import nn
 from tierd.client import distributed
 from tierd.client.attach_config import AttachConfig
 from tierd.client.attached import AttachSession, Resumed, is_attached, session_of
-from tierd.client.capacity import StoreNeed, model_need
+from tierd.client.capacity import StoreNeed, device_room, model_need
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
 from tierd.client.embedded import answers, ensure_daemon, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
+from tierd.client.placer import resolve_cap
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.config import default_socket_path
@@ -153,7 +154,10 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
                        group, plan: WeightsPlan | None) -> nn.Module:
     owns_client = client is None
     ranks = None
-    need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job)
+    gpu = 0 if group is not None else device_room(
+        resolve_cap(config.resolved_device(), config.gpu_memory_bytes, warn=False))
+    need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
+                      device=gpu)
     if group is not None:
         ranks, client = _join_ranks(group, model, client, job, config, need)
         if config.name is None:
@@ -161,7 +165,7 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
     elif client is None:
         client = connect(ensure_daemon(need=need, commits=job is not None), job=job)
     try:
-        _check_room(model, client, config, ranks)
+        _check_room(model, client, config, ranks, gpu)
         return _build(model, client, config, owns_client=owns_client, resume=resume,
                       ranks=ranks, plan=plan)
     except BaseException:
@@ -170,16 +174,18 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
         raise
 
 
-def _check_room(model: nn.Module, client, config: AttachConfig, ranks) -> None:
+def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int) -> None:
     """CapacityError, before anything is stored, when the daemon cannot hold
-    the model's values and training state (keys a resumed job has excepted);
-    under torch.distributed the node leader checks and every rank raises."""
+    the model's values and training state (keys a resumed job has excepted,
+    ``gpu`` bytes of it counted on the GPU: [Note: the GPU counted] in
+    tierd.client.capacity); under torch.distributed the node leader checks
+    and every rank raises."""
     text = None
     if ranks is None or ranks.leader:
         keys = ModelKeys.for_name(config.name)
         existing = client.keys(keys.all) if config.name is not None else ()
         need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
-                          existing=existing)
+                          existing=existing, device=gpu)
         count = sum(p.numel() for p in model.parameters())
         text = room_problem(client, need, f"{type(model).__name__} ({count:,} parameters)")
     if ranks is not None:

@@ -161,6 +161,13 @@ class AttachSession:
         self.held_bytes += nbytes
         return True
 
+    def drop_keys(self, keys: list[str], sizes: dict[str, int]) -> None:
+        """Delete ``keys`` from the store (``sizes``: their bytes, for the
+        hold budget); a hold on them ends first. No other lease may be pending."""
+        self.held_bytes -= sum(sizes[k] for k in self.leases.unhold(keys))
+        self.releases.drain(block=True)
+        self.client.delete(keys)
+
     def _model_bytes(self) -> int:
         """Bytes of the model's values in the store (compute copies and fp32 masters)."""
         return sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
@@ -309,7 +316,9 @@ class AttachSession:
                   and any(tp in f.bucket_of and not f.bucket_of[tp].cpu for f in fused)]
         if not unused:
             return
-        self.settle()   # the last writes of those keys have landed
+        # the last writes of those keys have landed (resident state stays off
+        # the store: [Note: resident state leaves the store] in tierd.optim.resident)
+        self.settle(write_resident=False)
         self.client.delete([tp.grad_key for tp in unused])
         for tp in unused:
             tp.grad_created = False

@@ -27,13 +27,20 @@ the store: they are reported, not counted. Saved activations that
 once a step ran): the embedded daemon's pool keeps room beyond the model
 for them.
 
-[Note: the GPU is not counted]
-The check counts the store only. Placement keeps weights and optimizer
-states on the GPU between steps (``tierd.client.placement``), but the store
-still keeps a copy of every resident value (commits, detach and re-planning
-read it), so the GPU adds no room today. Whoever makes placement keep values
-off the store must count the GPU here: add what it keeps off the store to
-what the daemon has in :func:`shortfall`.
+[Note: the GPU counted]
+Placement keeps units' weights and optimizer state on the GPU between steps
+(``tierd.client.placement``), and their values leave the store ([Note:
+resident state leaves the store] in ``tierd.optim.resident``; moments of
+resident units are made on the device: [Note: moments made when first
+needed] in ``tierd.optim.base``). So the GPU is room too: ``device`` is
+what placement may keep there, taken as half the placement cap, since the
+step's activations and the streaming window, which take the rest, are
+measured only by the first step. The store then needs the model's state
+less that, but never less than what the first step needs before any plan
+exists: compute copies, masters and the gradients it sums
+(:attr:`StoreNeed.total`). If the plan keeps less than assumed, storing the
+rest fails then with a CapacityError. Under torch.distributed nothing is
+counted: every rank reads the owners' keys, so they stay in the store.
 
 [Note: RAM the model gives back]
 A model built on the CPU holds its parameters in this process's memory when
@@ -120,6 +127,7 @@ class StoreNeed:
     largest: int = 0     # the largest single record
     assumed_optimizer: bool = False   # optimizer counted as AdamW (no optimizer yet)
     released: int = 0    # process memory attach frees: the model's CPU parameters
+    device: int = 0      # GPU room placement may keep state in ([Note: the GPU counted])
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,7 +138,8 @@ class StoreNeed:
     @classmethod
     def of(cls, items: Iterable[tuple[str, str, int]], *, job: str | None = None,
            existing: Iterable[str] = (), buffers: int = 0,
-           assumed_optimizer: bool = False, released: int = 0) -> "StoreNeed":
+           assumed_optimizer: bool = False, released: int = 0,
+           device: int = 0) -> "StoreNeed":
         """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``."""
         have = set(existing)
         sums = dict.fromkeys(KINDS, 0)
@@ -144,11 +153,18 @@ class StoreNeed:
             sums[kind] += size
             largest = max(largest, size)
         return cls(**sums, buffers=buffers, largest=largest,
-                   assumed_optimizer=assumed_optimizer, released=released)
+                   assumed_optimizer=assumed_optimizer, released=released, device=device)
+
+    @property
+    def state(self) -> int:
+        """Everything training keeps, wherever it lives."""
+        return self.params + self.master + self.optimizer + self.gradients
 
     @property
     def total(self) -> int:
-        return self.params + self.master + self.optimizer + self.gradients
+        """What the store must hold: the state less what the GPU may keep, at
+        least what the first step stores ([Note: the GPU counted])."""
+        return max(self.params + self.master + self.gradients, self.state - self.device)
 
     def describe(self) -> str:
         parts = [f"parameters {size_text(self.params)}"]
@@ -159,7 +175,11 @@ class StoreNeed:
             parts.append(f"optimizer state {size_text(self.optimizer)}{how}")
         if self.gradients:
             parts.append(f"fp32 gradients {size_text(self.gradients)}")
-        return " + ".join(parts) + f" = {size_text(self.total)}"
+        text = " + ".join(parts)
+        if self.total < self.state:
+            text += (f" = {size_text(self.state)}, less {size_text(self.state - self.total)} "
+                     f"the GPU keeps (of {size_text(self.device)} it may)")
+        return text + f" = {size_text(self.total)}"
 
 
 @dataclass(frozen=True)
@@ -283,11 +303,17 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
     return Sizes(max(pool, PAGE), max(nvme_size, PAGE))
 
 
+def device_room(cap: int | None) -> int:
+    """The GPU room counted for state under a placement cap ([Note: the GPU counted])."""
+    return 0 if cap is None else cap // 2
+
+
 def model_need(model, compute_dtype, keys, *, job: str | None = None,
-               existing: Iterable[str] = ()) -> StoreNeed:
+               existing: Iterable[str] = (), device: int = 0) -> StoreNeed:
     """What attaching ``model`` stores and its training adds, keys in
     ``existing`` (a resumed job's) excepted; ``keys`` is its
-    :class:`~tierd.client.keys.ModelKeys` ([Note: what the store holds for a model])."""
+    :class:`~tierd.client.keys.ModelKeys` ([Note: what the store holds for a
+    model]); ``device``: the GPU room counted ([Note: the GPU counted])."""
     import torch   # only here: the rest of this module is torch-free
 
     items: list[tuple[str, str, int]] = []
@@ -307,7 +333,7 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
     released = sum(p.numel() * p.element_size() for p in model.parameters()
                    if p.device.type == "cpu")   # meta ones hold nothing
     return StoreNeed.of(items, job=job, existing=existing, buffers=buffers,
-                        assumed_optimizer=trainable, released=released)
+                        assumed_optimizer=trainable, released=released, device=device)
 
 
 def unsized_defaults(machine: Machine) -> Sizes:

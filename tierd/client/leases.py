@@ -197,6 +197,14 @@ class LeaseTable:
         self._held.update(keys)
         return True
 
+    def unhold(self, keys: Iterable[str]) -> list[str]:
+        """End the holds on those of ``keys`` that are held; returns them."""
+        held = [k for k in dict.fromkeys(keys) if k in self._held]
+        self._held.difference_update(held)
+        if held:
+            self.release(held)
+        return held
+
     def unhold_all(self) -> None:
         """End every hold (e.g. before detach deletes the keys)."""
         self.end_holds()

@@ -48,6 +48,19 @@ final (``AutoStage.DONE``) does the placer measure a step, which then runs
 that plan, so the non-model memory it measures includes what the activation
 plan keeps, and placement takes what is left. The other order would let the
 activation planner's later steps grow past what placement left free.
+
+[Note: placing before the first update]
+The first (measuring) step updates in ``opt.step()``, after its backward.
+Placing there, with the forward and backward measured, rather than at the
+next forward means the resident units' optimizer state is made on the device
+by that first update and never stored ([Note: resident state leaves the
+store] in ``tierd.optim.resident``, [Note: moments made when first needed]
+in ``tierd.optim.base``): the store needs room only for the first step's
+gradients and what streams, not for the whole training state, which is what
+lets a model larger than pool + NVMe train. The update itself adds little
+device memory (one block at a time) beyond what the margin covers. Under
+torch.distributed the plan still waits for the next forward (every rank
+agrees on it there, [Note: one plan for every rank]).
 """
 
 from __future__ import annotations
@@ -82,12 +95,13 @@ class PlacerState(enum.Enum):
     PLACED = "placed"
 
 
-def resolve_cap(device: torch.device, requested: int | float | None) -> int | None:
+def resolve_cap(device: torch.device, requested: int | float | None, *,
+                warn: bool = True) -> int | None:
     """Device bytes the attached model may use in all (None: no placement).
 
     ``requested``: bytes, a fraction of the device's memory, or None (on
-    CUDA: the memory free at attach). Above what is free: a warning, and
-    what is free is used."""
+    CUDA: the memory free at attach). Above what is free: a warning (unless
+    not ``warn``), and what is free is used."""
     if requested == 0:
         return None   # stream everything
     if device.type != "cuda":
@@ -98,8 +112,9 @@ def resolve_cap(device: torch.device, requested: int | float | None) -> int | No
         return free
     cap = int(requested * total) if isinstance(requested, float) else int(requested)
     if cap > free:
-        warnings.warn(f"gpu_memory_bytes={requested} asks for {cap} bytes but {free} are free "
-                      f"on {device}; using {free}", stacklevel=4)
+        if warn:
+            warnings.warn(f"gpu_memory_bytes={requested} asks for {cap} bytes but {free} are free "
+                          f"on {device}; using {free}", stacklevel=4)
         return free
     return cap
 
@@ -195,6 +210,17 @@ class Placer:
                 self._place(non_model, budget)
         self._signature = signature
         self._start_measuring()
+
+    def before_update(self) -> None:
+        """``opt.step()`` is about to update in step() (deferred) at the end of
+        the measured window: place now rather than at the next forward, so the
+        first update already runs on the plan ([Note: placing before the first
+        update])."""
+        if self.state is not PlacerState.MEASURING or self._ranks is not None \
+                or not self._ready():
+            return
+        non_model = self._read_step()
+        self._place(non_model, max(0, self.cap - non_model - self._margin))
 
     def _ready(self) -> bool:
         """A whole step was measured, and activation tiering has its final plan;

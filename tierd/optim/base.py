@@ -18,6 +18,21 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
   torch.distributed and with ``fused=False``. Fused with ``placement="cpu"``,
   the update runs on host threads in the pool, overlapped with backward
   ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
+
+[Note: moments made when first needed]
+A new optimizer's moments are zeros, and a parameter's are first read by
+its first update. So the constructor stores none (``unborn``): the first
+update makes them, in the store for a bucket that streams or is updated on
+the CPU (:meth:`StreamedOptimizer.ensure_stored`, then held if the hold
+budget allows), on the device for one that placement keeps resident, where
+they never reach the store ([Note: resident state leaves the store] in
+``tierd.optim.resident``). At 8 B per parameter this is most of a model's
+training state: an 8B model's moments took 55 s to write at construction.
+Keys a resumed job has, or an earlier optimizer of the model left, are used
+or zeroed as before, and under torch.distributed (where every rank reads
+the owners' keys) they are made at construction. A commit stores the
+moments that exist; a parameter without them has never stepped, and resume
+makes them again.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tierd.client.capacity import StoreNeed
+from tierd.client.capacity import StoreNeed, device_room
 from tierd.client.embedded import room_problem
 from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter
@@ -67,7 +82,9 @@ def _check_capacity(opt: "StreamedOptimizer") -> None:
                                         for n in opt.state_names]
                                        + [("gradients", tp.grad_key)])]
             need = StoreNeed.of(items, job=getattr(session.client, "job", None),
-                                existing=session.client.keys(session.keys.all))
+                                existing=session.client.keys(session.keys.all),
+                                device=device_room(session.placer.cap if ranks is None
+                                                   else None))
             text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
                                 f"gradients of {len(tps)} parameters", attaching=False)
         if ranks is not None:
@@ -161,6 +178,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
+        #: state keys not in the store yet ([Note: moments made when first needed])
+        self.unborn: set[str] = set()
+        self._hold_later: set = set()   # sessions whose made moments are held
         _check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
         self._create_states()
@@ -174,12 +194,20 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     def _create_states(self) -> None:
         """Zero moments for every parameter (but those a resumed attach found in
-        the job, whose step counts are read back), in blocks, held if they fit."""
+        the job, whose step counts are read back): made when first needed
+        ([Note: moments made when first needed]), except under
+        torch.distributed and where an earlier optimizer left keys, which are
+        zeroed now; the stored ones are held if they fit."""
+        existing = {session: set(session.client.keys(session.keys.all))
+                    for session in self._by_session(self._owned())}
         for block in self._blocks(self._owned()):
             session = block[0].session
-            fresh = {self.state_key(tp, n): torch.zeros(tp.param.shape, dtype=torch.float32)
-                     for tp in block for n in self.state_names
+            fresh = {self.state_key(tp, n): tp for tp in block for n in self.state_names
                      if self.state_key(tp, n) not in session.resumed_keys}
+            if session.share is None:
+                later = [k for k in fresh if k not in existing[session]]
+                self.unborn.update(later)
+                fresh = {k: tp for k, tp in fresh.items() if k not in self.unborn}
             # held by an earlier optimizer of this model: the held view is what
             # every update reads, so it is zeroed in place (a put would make a
             # new version behind the hold's back)
@@ -187,7 +215,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     and k not in session.leases.shared]
             if held:
                 _zero_held(session, held)
-            rest = {k: v for k, v in fresh.items() if k not in held}
+            rest = {k: torch.zeros(tp.param.shape, dtype=torch.float32)
+                    for k, tp in fresh.items() if k not in held}
             if rest:
                 session.client.put_many(rest)
         for session, tps in self._by_session(self._owned()).items():
@@ -195,7 +224,30 @@ class StreamedOptimizer(torch.optim.Optimizer):
         for session, tps in self._by_session(self._owned()).items():
             keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
                     if not session.leases.is_held(k)}
-            session.try_hold(list(keys), sum(keys.values()))
+            # all or nothing, as if every moment were made now: the ones made
+            # later are held as they come only if all of them fit
+            stored = [k for k in keys if k not in self.unborn]
+            if session.try_hold(stored, sum(keys.values())):
+                self._hold_later.add(session)
+
+    def unborn_state(self, tps: list[TieredParam], device: torch.device) -> dict[str, torch.Tensor]:
+        """Zero moments of ``tps`` not made yet, by key, on ``device`` ([Note:
+        moments made when first needed]); the caller stores them or keeps them."""
+        return {k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
+                for tp in tps for n in self.state_names
+                if (k := self.state_key(tp, n)) in self.unborn}
+
+    def ensure_stored(self, tps: list[TieredParam]) -> None:
+        """Put the zero moments of ``tps`` not made yet, before their keys are leased."""
+        if not self.unborn:
+            return
+        for session, mine in self._by_session(tps).items():
+            fresh = self.unborn_state(mine, torch.device("cpu"))
+            if fresh:
+                session.client.put_many(fresh)
+                self.unborn.difference_update(fresh)
+                if session in self._hold_later and session.held_bytes:   # counted already
+                    session.leases.hold(fresh)
 
     def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
         """Step counts a commit stored ([Note: what a training commit holds] in
@@ -258,7 +310,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # stay in step() from now on ([Note: gradients users touch])
         touched = any(session.grad_views.any_ops() for session in sessions)
         for session in sessions:
-            session.settle()
+            session.placer.before_update()   # [Note: placing before the first update]
+            # the update reads resident state on the device, not in the pool
+            session.settle(write_resident=False)
         coef = self._clip_coef()
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
@@ -385,6 +439,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     coef: torch.Tensor | None) -> None:
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
+        self.ensure_stored([tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         views = session.leases.views(keys)

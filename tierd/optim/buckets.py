@@ -24,7 +24,9 @@ class BucketState(enum.Enum):
         gradient yet goes back to HOST (it is fetched again if one comes).
     RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
         moments stay on the device across steps and are updated there; no
-        lease is held and the pool's copy is older while ``dirty``.
+        lease is held and the pool's copy is older while ``dirty``, or
+        deleted (not ``stored``: [Note: resident state leaves the store] in
+        ``tierd.optim.resident``).
     UPDATING: a CPU bucket (``cpu``) whose update runs on a host thread, in
         place in the pool: its keys are leased until the thread is done, and
         nothing may read its master, moments or compute copy before that.
@@ -53,6 +55,7 @@ class Bucket:
     reserved: object = None        # new slots of its shared keys, asked at fetch
     pinned: bool = False           # its state stays on the device once fetched
     dirty: bool = False            # RESIDENT with values the pool does not have yet
+    stored: bool = True            # the store has (maybe older) copies of its values
     cpu: bool = False              # updated in the pool by host threads (placement)
     update: object = None          # UPDATING: the Future of its CPU update
 

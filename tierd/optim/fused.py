@@ -72,7 +72,7 @@ from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
 from tierd.optim.buckets import Bucket, BucketState
 from tierd.optim.cpu_update import HostUpdates
-from tierd.optim.resident import fetch_pooled_grads, write_back
+from tierd.optim.resident import fetch_pooled_grads, leave_store, write_back
 from tierd.errors import StateError
 
 
@@ -269,8 +269,7 @@ class FusedUpdates:
             self._fetch(b)
             if b.copy is not None:
                 self.session.copy.wait(b.copy)
-            self._keep(b)
-        b.dirty = True
+        self._keep(b)   # dirty from now on; the store's copies go
         return b.work
 
     def resident_bytes(self) -> int:
@@ -281,16 +280,22 @@ class FusedUpdates:
         fresh fetch go (the pool keeps its older bytes; ``dirty`` says so)."""
         for tp in b.tps:
             b.work.pop(tp.grad_key, None)
+        leaves = b.stored and self.session.share is None
         if b.state is BucketState.FETCHED:
             # the copy in may still read the pool: its keys go after its event
-            copied = set(b.copy.keys) if b.copy is not None else set()
+            # (at once when the keys are deleted next, which happens once)
+            copied = set(b.copy.keys) if b.copy is not None and not leaves else set()
             rest = [k for k in b.keys if k not in copied]
+            if leaves and b.copy is not None:
+                b.copy.synchronize()
             if rest:
                 self.session.leases.release(rest)
-            if b.copy is not None:
+            if copied:
                 self.session.releases.add(b.copy, written=False)
             self._fetched_bytes -= b.nbytes
         b.to_resident()
+        if leaves:   # [Note: resident state leaves the store] in tierd.optim.resident
+            leave_store(self.session, self.opt, b)
 
     def will_fetch(self, tp: TieredParam) -> bool:
         """``tp``'s master is to be fetched for this backward's update, and is not
@@ -364,7 +369,12 @@ class FusedUpdates:
         # (released after their copy in) would pin the pool until the step ends
         self.session.releases.drain()
         opt, session = self.opt, self.session
-        read = [k for tp in b.tps for k in opt.state_keys(tp)]
+        # moments not made yet: a pinned bucket makes them on the device, the
+        # others in the store ([Note: moments made when first needed] in tierd.optim.base)
+        fresh = opt.unborn_state(b.tps, session.device) if b.pinned else {}
+        if not b.pinned:
+            opt.ensure_stored(b.tps)
+        read = [k for tp in b.tps for k in opt.state_keys(tp) if k not in fresh]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
         b.keys = read + [tp.key for tp in b.tps if tp.has_master]
         session.leases.acquire(b.keys)
@@ -372,13 +382,13 @@ class FusedUpdates:
         copy = session.copy
         if copy.on_device:
             pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
-            b.to_fetched({k: d for k, (d, _) in zip(read, pairs)},
+            b.to_fetched({**{k: d for k, (d, _) in zip(read, pairs)}, **fresh},
                          copy.copy_in_many(pairs, tuple(read)))
         else:   # in place in the pool, but a shared key gets a new version instead,
             # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
-            b.to_fetched({k: v.clone() if b.pinned or k in shared else v
-                          for k, v in views.items()}, None)
+            b.to_fetched({**{k: v.clone() if b.pinned or k in shared else v
+                             for k, v in views.items()}, **fresh}, None)
         if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
         self._fetched_bytes += b.nbytes

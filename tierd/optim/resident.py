@@ -1,21 +1,63 @@
-"""Moving a resident bucket's tensors between the device and the pool
-([Note: resident optimizer state] in ``tierd.optim.fused``)."""
+"""Moving a resident bucket's tensors between the device and the store
+([Note: resident optimizer state] in ``tierd.optim.fused``).
+
+[Note: resident state leaves the store]
+Once a pinned bucket is RESIDENT, the device holds the newest master,
+moments and compute copies of its parameters, and the store's copies are
+only older bytes. They are deleted (:func:`leave_store`), so the GPU adds
+capacity instead of mirroring the store: a model whose training state
+exceeds pool + NVMe trains when placement keeps the difference on the
+device ([Note: the GPU counted] in ``tierd.client.capacity``). When the host
+is about to read the store (``state_dict``, ``commit``, ``detach``, streaming
+the bucket again) :func:`write_back` puts them back as new keys, which needs
+the room they took before; the first update after that deletes them again.
+Under torch.distributed every rank reads the owners' keys, so they stay.
+"""
 
 from __future__ import annotations
 
 from tierd.optim.buckets import BucketState
 
 
+def _values(opt, b) -> dict:
+    """A resident bucket's device tensors by store key: masters, moments, and
+    the compute copies of parameters that have a master."""
+    values = {k: b.work[k] for tp in b.tps for k in opt.state_keys(tp)}
+    values.update({tp.key: tp.param.data for tp in b.tps if tp.has_master})
+    return values
+
+
+def leave_store(session, opt, b) -> None:
+    """Delete the store's older copies of a RESIDENT bucket's values ([Note:
+    resident state leaves the store]); no lease on them may be pending."""
+    if not b.stored or session.share is not None:
+        return
+    values = _values(opt, b)
+    keys = [k for k in values if k not in opt.unborn]
+    session.drop_keys(keys, {k: values[k].numel() * values[k].element_size() for k in keys})
+    opt.unborn.difference_update(values)   # made on the device: put when written back
+    b.stored = False
+
+
 def write_back(session, opt, b) -> None:
     """Copy a resident bucket's master, moments and compute copy into the
-    pool (blocking: only when the host is about to read the pool). Under
+    store (blocking: only when the host is about to read the store). Under
     torch.distributed only the owner writes ([Note: resident units are
     replicas] in ``tierd.client.distributed``): keys every rank reads get new
     versions, published before this returns."""
     copy = session.copy
-    state = [k for tp in b.tps for k in opt.state_keys(tp)]
-    values = {k: b.work[k] for k in state}
-    values.update({tp.key: tp.param.data for tp in b.tps if tp.has_master})
+    values = _values(opt, b)
+    if not b.stored:   # [Note: resident state leaves the store]
+        placed = session.client.reserve_async(values).result()
+        try:
+            copy.copy_out_many([(lease.tensor, values[lease.key]) for lease in placed],
+                               tuple(values)).synchronize()
+        except BaseException:
+            session.client.abort(list(values))   # the device keeps the values
+            raise
+        session.client.publish_async(list(values)).result()
+        b.stored, b.dirty = True, False
+        return
     shared = session.leases.shared
     private = [k for k in values if k not in shared]
     if private:
