@@ -373,8 +373,7 @@ def shortfall(need: StoreNeed, room: DaemonRoom, *, what: str, daemon: str,
     lines = [f"{daemon[:1].upper()}{daemon[1:]} cannot hold {what}: it needs "
              f"{need.describe()}, largest tensor "
              f"{size_text(need.largest)}; the daemon has {size_text(room.free(need.largest))} "
-             f"free ({_have(room, need)}). The GPU adds no room: tierd keeps a copy of every "
-             f"GPU-resident value in the store."]
+             f"free ({_have(room, need)}).{_gpu_text(need)}"]
     if need.largest > room.pool:
         lines.append(f"Its largest tensor ({size_text(need.largest)}) is larger than the "
                      f"pool ({size_text(room.pool)}): the pool must hold it.")
@@ -384,6 +383,14 @@ def shortfall(need: StoreNeed, room: DaemonRoom, *, what: str, daemon: str,
         lines.append("(Trainable parameters are counted with AdamW's state and a gradient; "
                      "for inference only, call model.requires_grad_(False) before attach.)")
     return "\n".join(lines)
+
+
+def _gpu_text(need: StoreNeed) -> str:
+    if need.device:
+        return (f" Half the GPU's placement cap ({size_text(need.device)}) is counted for "
+                "state kept on it; a larger gpu_memory_bytes counts more.")
+    return (" No GPU room is counted (no placement cap: CPU without gpu_memory_bytes, "
+            "gpu_memory_bytes=0, or torch.distributed).")
 
 
 def _have(room: DaemonRoom, need: StoreNeed) -> str:

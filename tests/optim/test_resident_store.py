@@ -1,0 +1,140 @@
+"""The store holds no copy of what placement keeps on the device, and
+moments are made when first needed: the GPU adds room (CPU, explicit
+``gpu_memory_bytes``), and every read of the store still sees every value."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, session_of
+from tierd.client.placement import Place
+from tierd.client.store import LocalStore
+from tierd.errors import CapacityError
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+
+def _kinds(session) -> dict[str, int]:
+    """Stored keys of the model by kind (``p``, ``master``, ``grad``, ``optim``)."""
+    out: dict[str, int] = {}
+    for key in session.client.keys(session.keys.all):
+        kind = key[len(session.keys.prefix) + 1:].split("/")[0]
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def _placed(make, cap, **options):
+    ref = make()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=cap, **options)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return model, ref, opt, ref_opt
+
+
+def test_moments_are_made_by_the_first_update_not_the_constructor():
+    model, ref, opt, ref_opt = _placed(llama, None)
+    session = session_of(model)
+    assert "optim" not in _kinds(session)
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    assert _kinds(session)["optim"] == 2 * n      # streamed: both moments stored
+    assert_same_weights(model, ref)
+
+
+def test_resident_state_leaves_the_store_and_comes_back_for_reads():
+    model, ref, opt, ref_opt = _placed(llama, 1 << 30)
+    data = batches(6)
+    assert train(model, opt, data[:3]) == train(ref, ref_opt, data[:3])
+    session = session_of(model)
+    assert set(session.placer.plan.places.values()) == {Place.RESIDENT}
+    assert _kinds(session) == {}          # weights, masters, moments: all on the device
+    assert_same_weights(model, ref)       # state_dict puts them back first
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    assert _kinds(session) == {"p": n, "optim": 2 * n}
+    assert train(model, opt, data[3:]) == train(ref, ref_opt, data[3:])
+    assert _kinds(session) == {}          # the next update deleted them again
+    assert_same_weights(model, ref)
+
+
+def test_bf16_resident_keeps_no_master_or_compute_copy_in_the_store():
+    model, ref, opt, ref_opt = _placed(gpt2, 1 << 30, compute_dtype="bf16")
+    streamed = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                      compute_dtype="bf16")
+    streamed_opt = tierd.optim.AdamW(streamed.parameters(), lr=1e-3, weight_decay=0.01)
+    data = batches(4)
+    assert train(model, opt, data) == train(streamed, streamed_opt, data)
+    assert _kinds(session_of(model)) == {}
+    got, want = model.state_dict(), streamed.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_half_resident_model_streams_the_rest_from_the_store():
+    probe = attach(gpt2(), client=LocalStore(), device="cpu")
+    cap = sum(u.nbytes for u in session_of(probe).units) * 5 // 2   # of 4x: not all
+    tierd.detach(probe)
+    model, ref, opt, ref_opt = _placed(gpt2, cap)
+    data = batches(4)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    session = session_of(model)
+    places = set(session.placer.plan.places.values())
+    assert Place.RESIDENT in places and places != {Place.RESIDENT}
+    kinds = _kinds(session)
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    assert 0 < kinds["optim"] < 2 * n     # the streamed units' moments only
+    assert_same_weights(model, ref)
+
+
+def test_commit_and_resume_see_resident_values():
+    store = LocalStore(job="run1")
+    model = attach(gpt2(), client=store, job="run1", device="cpu", gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    tierd.commit(model, opt, 3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, batches(1, seed=7))   # deletes the resident keys again
+    store.restart()                          # the job holds its commit
+    object.__delattr__(model, "_tierd_session")
+    again = attach(gpt2(seed=9), client=store, job="run1", resume=True, device="cpu")
+    got = again.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+# ------------------------------------------------------------------ a real daemon
+def _small_daemon(daemon_factory):
+    # ~3.4M params: 13.6 MB of fp32 weights, 27 MB of moments, 13.6 MB of
+    # first-step gradients = 54 MB of state; the store holds 48 MiB
+    return daemon_factory(pool="16MiB", nvme_size="32MiB", extra=("--segment-size", "4MiB"))
+
+
+def _model():
+    return gpt2(n_layer=4, n_embd=256, vocab=1000)
+
+
+def test_a_model_larger_than_the_store_trains_with_the_gpu_counted(daemon_factory):
+    d = _small_daemon(daemon_factory)
+    ref = _model()
+    client = tierd.connect(d)
+    model = attach(copy.deepcopy(ref), client=client, device="cpu", gpu_memory_bytes=64 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    state = sum(p.numel() * 16 for p in ref.parameters())   # weights, moments, gradients
+    stats = client.stats()
+    assert stats["pool_bytes"] + stats["nvme_bytes"] < state
+    assert stats["stored_bytes"] < state // 8   # the device holds the rest
+    assert_same_weights(model, ref)             # written back: weights and moments fit
+
+
+def test_without_the_gpu_the_same_model_is_refused_before_anything_is_stored(daemon_factory):
+    d = _small_daemon(daemon_factory)
+    client = tierd.connect(d)
+    with pytest.raises(CapacityError, match="No GPU room is counted"):
+        attach(_model(), client=client, device="cpu")
+    assert client.stats()["stored_bytes"] == 0
