@@ -13,7 +13,7 @@ import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, plan_placement,
-                                    smallest_budget)
+                                    smallest_budget, stored)
 from tierd.client.placer import PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
@@ -66,6 +66,22 @@ def test_a_larger_measured_step_places_less():
     after = plan_placement(UNITS, cap - large_step)
     assert before.device_bytes > after.device_bytes
     assert after.streamed_bytes > before.streamed_bytes == 0
+
+
+def test_a_tight_store_trades_kept_weights_for_whole_units():
+    budget = sum(u.param_bytes for u in UNITS) + UNITS[0].state_bytes + 400
+    roomy = plan_placement(UNITS, budget)
+    assert roomy.units_at(Place.RESIDENT) == [0] and len(roomy.units_at(Place.WEIGHTS)) == 3
+    # unit 3 fits whole once unit 2's kept weights go back; units 1 and 2 never fit
+    room = stored(UNITS, roomy.places) - UNITS[3].store_bytes
+    tight = plan_placement(UNITS, budget, store_bytes=room)
+    assert tight.places == {0: Place.RESIDENT, 1: Place.WEIGHTS, 2: Place.STREAM,
+                            3: Place.RESIDENT}
+    assert stored(UNITS, tight.places) <= room and tight.device_bytes <= budget
+    assert tight.streamed_bytes == (roomy.streamed_bytes + 3 * UNITS[2].param_bytes
+                                    - 2 * UNITS[3].state_bytes)
+    hopeless = plan_placement(UNITS, budget, store_bytes=0)   # returned; the placer refuses
+    assert stored(UNITS, hopeless.places) > 0 and hopeless.device_bytes <= budget
 
 
 def test_units_without_state_only_keep_weights_and_bad_budgets_fail():

@@ -138,3 +138,35 @@ def test_without_the_gpu_the_same_model_is_refused_before_anything_is_stored(dae
     with pytest.raises(CapacityError, match="No GPU room is counted"):
         attach(_model(), client=client, device="cpu")
     assert client.stats()["stored_bytes"] == 0
+
+
+def test_a_store_too_full_for_the_streamed_moments_fails_at_placement_and_loses_nothing(
+        daemon_factory):
+    d = _small_daemon(daemon_factory)
+    ref = _model()
+    client = tierd.connect(d)
+    model = attach(copy.deepcopy(ref), client=client, device="cpu", gpu_memory_bytes=16 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    other = tierd.connect(d, job="other")   # another job fills the store meanwhile
+    for i in range(10):
+        other.put(f"filler{i}", torch.zeros(1 << 18))
+    data = batches(3, vocab=1000)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = data[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with pytest.raises(CapacityError, match="units it streams need .* in the store"):
+        opt.step()
+    assert not session_of(model).placer.plan          # nothing placed, nothing updated
+    other.delete([f"filler{i}" for i in range(10)])
+    opt.step()                                         # the same step, now with room
+    opt.zero_grad()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert loss.item() == ref_loss.item()
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert_same_weights(model, ref)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -54,6 +54,18 @@ spends the device budget on whole units only (``WEIGHTS`` would stream the
 state to the device for its update) and updates the rest on the host;
 ``cpu="none"`` never updates on the host.
 
+[Note: placement within the store]
+A ``RESIDENT`` unit's values leave the store ([Note: resident state leaves
+the store] in ``tierd.optim.resident``); every other place keeps them there
+(:attr:`UnitBytes.stored_bytes`). When the store cannot hold what the
+PCIe-saving plan leaves in it (``store_bytes``), units become ``RESIDENT``
+until it can, in unit order, ``WEIGHTS`` ones first (they need only their
+state's bytes more), skipping those too large, taking the device bytes from
+``WEIGHTS`` units, which go back to ``STREAM``, last first: a ``WEIGHTS`` unit's device bytes save
+PCIe time but no store room, a ``RESIDENT`` unit's save both. If even that
+cannot make the store hold the rest, the plan is returned as it is and the
+placer refuses it (``Placer._check_store``).
+
 A ``CPU`` unit's compute copy streams like a ``STREAM`` unit's rather than
 staying on the device: the device bytes are already spent on the units that
 save the most, and a compute copy kept on the device would have to be
@@ -88,6 +100,13 @@ class UnitBytes:
     param_bytes: int
     state_bytes: int
     grad_bytes: int = 0
+    #: bytes its values take in the store unless RESIDENT (0: param + state bytes)
+    stored_bytes: int = 0
+
+    @property
+    def store_bytes(self) -> int:
+        """Store bytes its values take at every place but ``RESIDENT``."""
+        return self.stored_bytes or self.param_bytes + self.state_bytes
 
     def device_bytes(self, place: Place) -> int:
         """Device bytes held between steps at ``place``."""
@@ -153,11 +172,12 @@ class Placement:
 
 
 def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "none",
-                   costs: Costs | None = None) -> Placement:
+                   costs: Costs | None = None, store_bytes: int | None = None) -> Placement:
     """Places within ``budget_bytes`` of device memory that save the most PCIe
     bytes (see [Note: the GPU is the first tier]); ``cpu`` ("none", "auto"
     with ``costs``, "all") says which streamed units update on the host
-    ([Note: choosing CPU updates]).
+    ([Note: choosing CPU updates]); ``store_bytes``: what the units not
+    resident may take in the store ([Note: placement within the store]).
 
     Example:
         >>> units = [UnitBytes(0, 2, 12), UnitBytes(1, 2, 12)]
@@ -176,6 +196,8 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "non
     if cpu == "auto" and costs is None:
         raise ValueError("cpu='auto' needs the measured costs (costs=Costs(...))")
     places = _place_on_device(units, budget_bytes, whole=cpu == "all")
+    if store_bytes is not None:
+        _fit_store(units, places, budget_bytes, store_bytes)
     if cpu == "all":
         places.update({u.index: Place.CPU for u in units
                        if places[u.index] is Place.STREAM and u.state_bytes})
@@ -218,6 +240,33 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *,
             places[u.index] = place
             left -= cost
     return places
+
+
+def stored(units: list[UnitBytes], places: dict[int, Place]) -> int:
+    """Store bytes the units not ``RESIDENT`` take."""
+    return sum(u.store_bytes for u in units if places[u.index] is not Place.RESIDENT)
+
+
+def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: int,
+               store_bytes: int) -> None:
+    """Units to ``RESIDENT`` until the store holds the rest ([Note: placement
+    within the store])."""
+    candidates = [u for u in units if places[u.index] is not Place.RESIDENT and u.state_bytes]
+    candidates.sort(key=lambda u: places[u.index] is not Place.WEIGHTS)
+    used = sum(u.device_bytes(places[u.index]) for u in units)
+    for u in candidates:
+        if stored(units, places) <= store_bytes:
+            return
+        need = u.device_bytes(Place.RESIDENT) - u.device_bytes(places[u.index])
+        givers = [w for w in reversed(units) if w is not u and places[w.index] is Place.WEIGHTS]
+        if used + need > budget_bytes + sum(w.param_bytes for w in givers):
+            continue   # too large even with every kept weight given back
+        while used + need > budget_bytes:
+            w = givers.pop(0)
+            places[w.index] = Place.STREAM
+            used -= w.param_bytes
+        places[u.index] = Place.RESIDENT
+        used += need
 
 
 def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs) -> None:

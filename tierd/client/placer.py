@@ -71,8 +71,10 @@ import warnings
 
 import torch
 
-from tierd.client.placement import Place, Placement, UnitBytes, plan_placement
+from tierd.client.capacity import DaemonRoom, size_text
+from tierd.client.placement import Place, Placement, UnitBytes, plan_placement, stored
 from tierd.client.torch_internals import tree_flatten
+from tierd.errors import CapacityError
 from tierd.optim.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
@@ -255,8 +257,13 @@ class Placer:
             members = set(registry.members(unit))
             mine = [b for f in self._session.optimizers for b in f.buckets
                     if all(tp in members for tp in b.tps)]
+            # in the store: compute copies and fp32 masters (the compute copy
+            # itself in fp32), moments ([Note: placement within the store])
+            stored = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master for tp in members)
+            stored += sum(b.nbytes - 4 * sum(tp.param.numel() for tp in b.tps) for b in mine)
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
-                                 sum(b.nbytes for b in mine), sum(b.grad_bytes for b in mine)))
+                                 sum(b.nbytes for b in mine), sum(b.grad_bytes for b in mine),
+                                 stored))
         return out
 
     def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
@@ -277,7 +284,10 @@ class Placer:
         # CPU updates: what the optimizers' placement allows, at measured costs
         cpu, costs = next((c for c in (f.host.choice() for f in self._session.optimizers)
                            if c[0] != "none"), ("none", None))
-        plan = plan_placement(units, budget, cpu=cpu, costs=costs)
+        room = self._store_room(units)
+        plan = plan_placement(units, budget, cpu=cpu, costs=costs, store_bytes=room)
+        if room is not None and stored(units, plan.places) > room:
+            self._refuse(units, plan, room)
         self._apply(plan)
         self.plan, self._non_model = plan, non_model
         self.state = PlacerState.PLACED
@@ -289,6 +299,31 @@ class Placer:
                  len(plan.units_at(Place.STREAM)), len(plan.units_at(Place.CPU)),
                  plan.device_bytes, plan.streamed_bytes,
                  budget, self.cap, non_model, self._margin)
+
+    def _store_room(self, units: list[UnitBytes]) -> int | None:
+        """Store bytes the units' values may take: what is free plus what they
+        take now (moments not made yet excepted); None where the store keeps
+        resident values anyway (ranks) or does not say (an in-process store)."""
+        session = self._session
+        if self._ranks is not None:
+            return None
+        room = DaemonRoom.from_stats(session.client.stats())
+        if room is None:
+            return None
+        unborn = sum(f.opt.unborn_bytes(list(f.bucket_of)) for f in session.optimizers)
+        return room.free() + sum(u.store_bytes for u in units) - unborn
+
+    def _refuse(self, units: list[UnitBytes], plan: Placement, room: int) -> None:
+        """CapacityError, before anything changes: the store cannot hold what
+        the best plan leaves in it ([Note: placement within the store])."""
+        raise CapacityError(
+            f"placement keeps {size_text(plan.device_bytes)} on the GPU "
+            f"({len(plan.units_at(Place.RESIDENT))} of {len(units)} units whole), and the "
+            f"units it streams need {size_text(stored(units, plan.places))} in the store, "
+            f"which can give them {size_text(room)}. Give the daemon a larger pool or NVMe "
+            "file (TIERD_POOL / TIERD_NVME_SIZE, or `tierd serve --pool/--nvme-size`), or "
+            "the GPU more room (a larger gpu_memory_bytes, a smaller batch, activation "
+            "checkpointing)")
 
     def _apply(self, plan: Placement) -> None:
         session = self._session

@@ -60,6 +60,11 @@ def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
     return None
 
 
+def _pinned(fused: list[FusedUpdates], tp: TieredParam) -> bool:
+    """``tp``'s state is kept on the device by placement."""
+    return any(f.bucket_of[tp].pinned for f in fused if tp in f.bucket_of)
+
+
 def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
     """``tp``'s state is updated on the CPU ([Note: CPU updates overlapped with
     backward] in tierd.optim.cpu_update)."""
@@ -237,6 +242,11 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 for tp in tps for n in self.state_names
                 if (k := self.state_key(tp, n)) in self.unborn}
 
+    def unborn_bytes(self, tps: list[TieredParam]) -> int:
+        """Bytes of the moments of ``tps`` not made yet."""
+        return sum(tp.param.numel() * 4 for tp in tps for n in self.state_names
+                   if self.state_key(tp, n) in self.unborn)
+
     def ensure_stored(self, tps: list[TieredParam]) -> None:
         """Put the zero moments of ``tps`` not made yet, before their keys are leased."""
         if not self.unborn:
@@ -314,10 +324,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
             # the update reads resident state on the device, not in the pool
             session.settle(write_resident=False)
         coef = self._clip_coef()
+        # resident blocks first: their values leave the store, which makes room
+        # for the moments the streamed ones make ([Note: moments made when first needed])
+        work = []
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
-            for block in self._blocks(tps):
-                self._step_block(group, block, coef)
+            pinned = [tp for tp in tps if _pinned(self._fused, tp)]
+            work += [(0, group, block) for block in self._blocks(pinned)]
+            work += [(1, group, block) for block in self._blocks(
+                [tp for tp in tps if tp not in set(pinned)])]
+        for _, group, block in sorted(work, key=lambda w: w[0]):
+            self._step_block(group, block, coef)
         for f in self._fused:
             f.after_step()
         if touched:
