@@ -7,6 +7,7 @@ from tierd.errors import ProtocolError
 
 REQUESTS = [
     P.Reserve((P.TensorSpec("a", "float32", (2, 3), 24), P.TensorSpec("b", "bool", (), 1))),
+    P.Reserve((P.TensorSpec("z", "bfloat16", (4,), 8),), zero=True),
     P.Publish(("a", "b")), P.Abort(("a",)), P.Lease(("a",), write=True), P.Release(("a",), True),
     P.Prefetch(("x", "y")), P.Evict(("a",)), P.Delete(("a",)), P.Keys("opt/"), P.Stats(),
 ]
@@ -36,6 +37,8 @@ def test_replies_round_trip():
                     "body": {"specs": [["k", "float32", [-1], 4]]}}), "shape dim"),
     (msgpack.packb({"v": P.VERSION, "id": 1, "op": "reserve",
                     "body": {"specs": [["k", "object", [1], 4]]}}), "dtype"),
+    (msgpack.packb({"v": P.VERSION, "id": 1, "op": "reserve",
+                    "body": {"specs": [], "zero": 1}}), "zero"),
     (b"\x00" * (P.MAX_FRAME_BYTES + 1), "exceeds"),
 ])
 def test_malformed_frames_are_protocol_errors(frame, why):

@@ -31,7 +31,7 @@ import msgpack
 
 from tierd.errors import ProtocolError
 
-VERSION = 1
+VERSION = 2   # 2: reserve's ``zero``
 MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024
@@ -76,10 +76,12 @@ class Placement:
 # --------------------------------------------------------------- requests
 @dataclass(frozen=True)
 class Reserve:
-    """Allocate pool slots for new versions of these keys (writer fills them)."""
+    """Allocate pool slots for new versions of these keys (writer fills them);
+    with ``zero`` the slots read zeros already (the writer may just publish)."""
 
     op: ClassVar[str] = "reserve"
     specs: tuple[TensorSpec, ...]
+    zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,8 @@ def _placement(v: Any) -> Placement:
 def _body(cls: type, body: dict) -> Any:
     match cls.op:
         case "reserve":
-            return Reserve(tuple(_spec(s) for s in _list(body.get("specs"), "specs")))
+            return Reserve(tuple(_spec(s) for s in _list(body.get("specs"), "specs")),
+                           _bool(body.get("zero", False), "zero"))
         case "lease":
             return Lease(_keys(body.get("keys")), _bool(body.get("write", False), "write"))
         case "release":

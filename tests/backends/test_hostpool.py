@@ -88,3 +88,20 @@ def test_dropping_jobs_and_closing_give_every_descriptor_back():
 def test_ahead_must_not_be_negative():
     with pytest.raises(ValueError, match="ahead=-1"):
         HostPool(8 * MiB, segment_size=2 * MiB, ahead=-1)
+
+
+def test_zero_writes_only_bytes_that_were_used_before():
+    pool = HostPool(8 * MiB, segment_size=4 * MiB)
+    try:
+        seg, off = pool.allocate("a", MiB)
+        assert seg.zero(off, MiB) is False                 # a new memfd's pages
+        seg.view(off, MiB)[:] = b"\x05" * MiB
+        pool.free(seg, off)
+        again, off2 = pool.allocate("a", MiB + 1)
+        assert (again, off2) == (seg, off)                 # the same bytes, used
+        assert seg.zero(off2, MiB + 1) is True
+        assert seg.view(off2, MiB + 1).tobytes() == bytes(MiB + 1)
+        _, past = pool.allocate("a", MiB)
+        assert past >= off2 + MiB + 1 and seg.zero(past, MiB) is False
+    finally:
+        pool.close()

@@ -16,7 +16,8 @@ def test_quick_run_reports_every_case(tmp_path):
     cases = [r["case"] for r in out["rows"]]
     assert cases[:3] == ["cpu fp32 model, compute bf16", "cpu fp32 model, compute fp32",
                          "weights= bf16 file, meta fp32 model, compute bf16"]
-    assert cases[-2:] == ["zeros, fresh pool", "zeros, warm pool"]
+    assert cases[-4:] == ["zeros by put_many, fresh pool", "zeros by put_many, warm pool",
+                          "zeros by put_zeros, fresh pool", "zeros by put_zeros, warm pool"]
     for r in out["rows"]:
         assert r["bytes"] > 0 and r["seconds"] > 0 and r["gb_per_s"] > 0, r
     by_case = {r["case"]: r for r in out["rows"]}

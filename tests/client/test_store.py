@@ -86,3 +86,32 @@ def test_both_stores_implement_the_protocol(daemon):
             w.tensor.fill_(2)
             s.release(["k"], written=True)
             assert s.get("k").tolist() == [2.0, 2.0]
+
+
+def test_put_zeros_reads_zeros_on_both_stores_where_other_values_lay(daemon):
+    import tierd
+    meta = {"z/a": torch.empty(512, 1024, device="meta"),          # 2 MiB
+            "z/b": torch.empty(3, 5, dtype=torch.bfloat16, device="meta")}
+    with tierd.connect(daemon) as client:
+        for s in (client, LocalStore()):
+            s.put_many({"old": torch.full((512, 1024), 3.0)})
+            s.delete(["old"])                            # its pool bytes are free, not zero
+            s.put_zeros(meta)
+            got = s.get_many(list(meta))
+            assert torch.equal(got["z/a"], torch.zeros(512, 1024))
+            assert torch.equal(got["z/b"], torch.zeros(3, 5, dtype=torch.bfloat16))
+            s.put_zeros({"z/a": torch.empty(2, device="meta")})   # a new version, as put
+            assert s.get("z/a").tolist() == [0.0, 0.0]
+
+
+def test_put_many_converts_to_the_dtypes_asked_for_bitwise(daemon):
+    import tierd
+    src = torch.randn(1000) * 1000
+    with tierd.connect(daemon) as client:
+        for s in (client, LocalStore()):
+            s.put_many({"bf": src, "f64": src, "same": src},
+                       dtypes={"bf": torch.bfloat16, "f64": torch.float64})
+            got = s.get_many(["bf", "f64", "same"])
+            assert got["bf"].dtype == torch.bfloat16 and torch.equal(got["bf"], src.bfloat16())
+            assert got["f64"].dtype == torch.float64 and torch.equal(got["f64"], src.double())
+            assert torch.equal(got["same"], src)

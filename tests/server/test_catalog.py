@@ -386,3 +386,23 @@ def test_nvme_copies_of_pooled_tensors_give_way_to_dirty_ones(tmp_path):
         assert read(cat, s, k) == bytes([20 + i if i >= 2 else i]) * 8
     pool.close()
     nvme.close()
+
+
+def test_a_zero_reserve_reads_zeros_in_fresh_and_in_reused_bytes(catalog):
+    s = catalog.open_session(1, None, pid=1, uid=0)
+    put(catalog, s, "used", 2 * MiB, fill=7)
+    catalog.delete(s, ("used",))                       # its bytes go back, still 7s
+    specs = (TensorSpec("again", "uint8", (2 * MiB,), 2 * MiB),      # reuses them
+             TensorSpec("fresh", "uint8", (MiB + 5,), MiB + 5))      # past them: never written
+    placed = settle(catalog, catalog.reserve, s, specs, True)
+    assert placed[0].offset == 0 and placed[1].offset >= 2 * MiB
+    for p in placed:
+        assert bytes(catalog.pool.segments[p.segment].view(p.offset, p.nbytes)) == bytes(p.nbytes)
+    catalog.publish(s, ("again", "fresh"))
+    assert read(catalog, s, "again") == bytes(8)
+    # without zero a reserve leaves what was there (the writer fills it)
+    catalog.delete(s, ("again",))
+    put(catalog, s, "x", 2 * MiB, fill=9)
+    catalog.delete(s, ("x",))
+    (p,) = settle(catalog, catalog.reserve, s, (TensorSpec("y", "uint8", (8,), 8),))
+    assert bytes(catalog.pool.segments[p.segment].view(p.offset, 8)) == bytes([9]) * 8

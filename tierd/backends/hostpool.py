@@ -59,9 +59,22 @@ def available_memory() -> int:
     return 1 << 62
 
 
+_ZEROS = bytes(1 << 20)   # what zero() writes, a MiB at a time
+
+
 @dataclass(eq=False)
 class Segment:
-    """One memfd of the pool, owned by one job, mapped by the daemon."""
+    """One memfd of the pool, owned by one job, mapped by the daemon.
+
+    [Note: zero slots]
+    A new memfd's pages are zero, and the extent allocator hands out the
+    lowest free extent that fits, so a segment's bytes past the end of the
+    highest extent it ever handed out (``touched``) were never written. A
+    slot allocated there is zero already: a reserve that asks for zeros
+    (the optimizer's first moments, gradients) needs no write for it, by
+    the daemon or the client. Only a slot that reuses bytes below
+    ``touched`` is written with zeros, by :meth:`zero`.
+    """
 
     id: int
     job: str
@@ -69,12 +82,35 @@ class Segment:
     fd: int
     mm: mmap.mmap
     extents: ExtentAllocator = field(init=False)
+    touched: int = field(init=False, default=0)   # end of the highest extent handed out
+    _fresh: set[int] = field(init=False, default_factory=set)   # live extents past it when made
 
     def __post_init__(self) -> None:
         self.extents = ExtentAllocator(self.size)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.mm)[offset:offset + nbytes]
+
+    def handed_out(self, offset: int, nbytes: int) -> None:
+        """The allocator gave ``[offset, offset + nbytes)`` out; note whether
+        its bytes are still the memfd's zeros."""
+        if offset >= self.touched:
+            self._fresh.add(offset)
+        self.touched = max(self.touched, offset + self.extents.extent_size(nbytes))
+
+    def returned(self, offset: int) -> None:
+        self._fresh.discard(offset)
+
+    def zero(self, offset: int, nbytes: int) -> bool:
+        """Make a slot just handed out read zeros; True when that took a
+        write (its bytes were used before), False when they were still zero."""
+        if offset in self._fresh:
+            self._fresh.discard(offset)   # whoever has it writes it from now on
+            return False
+        for start in range(offset, offset + nbytes, len(_ZEROS)):
+            end = min(start + len(_ZEROS), offset + nbytes)
+            self.mm[start:end] = _ZEROS[:end - start]
+        return True
 
     def close(self) -> None:
         try:
@@ -182,6 +218,7 @@ class HostPool:
         for seg in self.job_segments(job):
             off = seg.extents.alloc(nbytes)
             if off is not None:
+                seg.handed_out(off, nbytes)
                 return seg, off
         size = max(min(self.segment_size, limit), align_up(nbytes))
         if self.mapped_bytes - self._spare_bytes(size) + size > self.budget:
@@ -194,7 +231,9 @@ class HostPool:
                 return None
         seg = self._create(job, size)
         self._prepare()
-        return seg, seg.extents.alloc(nbytes)
+        off = seg.extents.alloc(nbytes)
+        seg.handed_out(off, nbytes)
+        return seg, off
 
     def _spare_bytes(self, size: int) -> int:
         """Budget a new segment of ``size`` takes from the spares: one spare's,
@@ -203,6 +242,7 @@ class HostPool:
 
     def free(self, seg: Segment, offset: int) -> None:
         seg.extents.free(offset)
+        seg.returned(offset)
 
     def release_empty(self, exclude: str | None, need: int) -> None:
         """Close spares, then empty segments (of jobs other than ``exclude``),

@@ -11,9 +11,10 @@ or fp32 alone), the client's CPU time and minor page faults, and the
 daemon's CPU time. Cases: a CPU fp32 model attached with ``compute_dtype``
 bf16 and fp32, the same values streamed from a bf16 safetensors file into a
 meta model (``weights=``), and, with CUDA, the model built on the GPU in
-bf16 (the figure issue 17 asks for: >= 5 GB/s). ``zeros`` puts zero tensors
-in 64 MiB batches as the optimizer's states are created, into a fresh pool
-and again into the warm one (its segments kept). Each case checks a stored
+bf16 (the figure issue 17 asks for: >= 5 GB/s). The ``zeros`` cases store
+zero tensors in 64 MiB batches as the optimizer's states are created, into a
+fresh pool and again into the warm one (its segments kept), by ``put_many``
+of ``torch.zeros`` and by ``put_zeros``. Each case checks a stored
 value against the source, bitwise, before it counts. Models are Llama
 blocks from config with random weights (no download).
 
@@ -167,8 +168,10 @@ def attach_case(args, case: str, compute: torch.dtype, device: str = "cpu",
     return m.row(case, nbytes, params=sum(p.numel() for p in model.parameters()))
 
 
-def zeros_case(args) -> list[dict]:
-    """Zero fp32 tensors put in batches, into a fresh pool, then a warm one."""
+def zeros_case(args, how: str) -> list[dict]:
+    """Zero fp32 tensors stored in batches, into a fresh pool, then a warm one
+    (its segments kept): ``put_many`` of ``torch.zeros`` (what ``tierd.optim``
+    does for its moments) or ``put_zeros`` (nothing copied)."""
     n = ZERO_BATCH // 4 // 4   # four tensors per batch
     batches = max(1, int(args.zeros_gb * 1e9) // ZERO_BATCH)
     nbytes = batches * ZERO_BATCH
@@ -177,16 +180,19 @@ def zeros_case(args) -> list[dict]:
     try:
         client = tierd.connect(daemon.socket)
         register_pool(client, torch.device(args.device))   # as an attached model's client
-        for case in ("zeros, fresh pool", "zeros, warm pool"):
+        for pool in ("fresh", "warm"):
             keys = []
             with Meter(daemon.process.pid) as m:
                 for b in range(batches):
-                    batch = {f"z/{b}.{i}": torch.zeros(n) for i in range(4)}
-                    client.put_many(batch)
-                    keys += batch
+                    names = [f"z/{b}.{i}" for i in range(4)]
+                    if how == "put_zeros":
+                        client.put_zeros({k: torch.empty(n, device="meta") for k in names})
+                    else:
+                        client.put_many({k: torch.zeros(n) for k in names})
+                    keys += names
             if not torch.equal(client.get(keys[-1]), torch.zeros(n)):
                 raise AssertionError("a stored zero tensor reads back non-zero")
-            rows.append(m.row(case, nbytes))
+            rows.append(m.row(f"zeros by {how}, {pool} pool", nbytes))
             client.delete(keys)
         client.close()
     finally:
@@ -225,7 +231,7 @@ def run(args) -> list[dict]:
                                 weights=path))
     if args.device == "cuda":
         rows.append(attach_case(args, "gpu bf16 model, compute bf16", bf16, "cuda", bf16))
-    rows += zeros_case(args)
+    rows += zeros_case(args, "put_many") + zeros_case(args, "put_zeros")
     return rows
 
 

@@ -93,6 +93,10 @@ class _StoreCalls:
             raise
         yield P.Publish(tuple(items))
 
+    def _put_zeros(self, like: Mapping[str, torch.Tensor]) -> Generator:
+        yield P.Reserve(_specs(like), zero=True)
+        yield P.Publish(tuple(like))
+
     def _get(self, keys: tuple[str, ...]) -> Generator:
         placed = yield P.Lease(keys)
         try:
@@ -119,6 +123,17 @@ class _StoreCalls:
         >>> c.put_many({"p/w": w32}, dtypes={"p/w": torch.bfloat16})   # doctest: +SKIP
         """
         return self._run(self._put(dict(items), dtypes))
+
+    def put_zeros(self, like: Mapping[str, torch.Tensor]):
+        """Store zero tensors shaped like the values of ``like`` (only shape
+        and dtype are read: meta tensors do). Nothing is copied: the daemon
+        hands out slots that read zero, most of them fresh pool pages that
+        need no write at all (see [Note: zero slots] in
+        ``tierd.backends.hostpool``).
+
+        >>> c.put_zeros({"opt/0.m": torch.empty(4096, 4096, device="meta")})   # doctest: +SKIP
+        """
+        return self._run(self._put_zeros(dict(like)))
 
     def get(self, key: str):
         """A new CPU tensor with the stored bytes; ``KeyError`` if there is none."""

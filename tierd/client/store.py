@@ -57,6 +57,7 @@ class Store(Protocol):
 
     def put_many(self, items: Mapping[str, torch.Tensor],
                  dtypes: Mapping[str, torch.dtype] | None = None) -> None: ...
+    def put_zeros(self, like: Mapping[str, torch.Tensor]) -> None: ...
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]: ...
     def get(self, key: str) -> torch.Tensor: ...
     def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending: ...
@@ -263,6 +264,10 @@ class LocalStore:
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
         self.put_many({key: tensor})
+
+    def put_zeros(self, like: Mapping[str, torch.Tensor]) -> None:
+        import torch
+        self.put_many({k: torch.zeros(t.shape, dtype=t.dtype) for k, t in like.items()})
 
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = tuple(keys)

@@ -118,7 +118,10 @@ class Catalog:
             self.pool.release_empty(exclude=None, need=self.pool.budget)
 
     # ------------------------------------------------------------ requests
-    def reserve(self, s: Session, specs: tuple[TensorSpec, ...]) -> list[Placement] | Blocked:
+    def reserve(self, s: Session, specs: tuple[TensorSpec, ...],
+                zero: bool = False) -> list[Placement] | Blocked:
+        """A RESERVED slot per spec (all or none); with ``zero`` each reads
+        zeros (see [Note: zero slots] in ``tierd.backends.hostpool``)."""
         for spec in specs:
             if spec_nbytes(spec) != spec.nbytes:
                 raise StateError(f"{spec.key}: nbytes {spec.nbytes} does not match "
@@ -137,6 +140,8 @@ class Catalog:
         self.admission.admit(job, grant)
         out = []
         for spec, slot in zip(specs, got):
+            if zero:
+                slot.segment.zero(slot.offset, spec.nbytes)
             s.reserved[spec.key] = (spec, slot)
             old = self.entries.get((s.job, spec.key))
             version = old.version + 1 if old else 1

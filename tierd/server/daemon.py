@@ -327,8 +327,8 @@ class Daemon:
         c = self.catalog
         try:
             match req:
-                case P.Reserve(specs):
-                    r = c.reserve(s, specs)
+                case P.Reserve(specs, zero):
+                    r = c.reserve(s, specs, zero)
                 case P.Publish(keys):
                     r = c.publish(s, keys)
                 case P.Abort(keys):
