@@ -82,10 +82,10 @@ class GradBucket:
     def _create(self, tps: list[TieredParam]) -> None:
         """Gradient keys are made on first use: a model trained with a fused
         optimizer never needs them."""
-        missing = {tp.grad_key: torch.zeros(tp.param.shape, dtype=torch.float32)
+        missing = {tp.grad_key: torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
                    for tp in tps if not tp.grad_created}
-        if missing:
-            self._client.put_many(missing)
+        if missing:   # zeroed slots: no zeros made here and copied in
+            self._client.put_zeros(missing)
             for tp in tps:
                 tp.grad_created = True
 
