@@ -270,3 +270,23 @@ def test_buffers_of_a_meta_model(tmp_path):
     attach(model, client=LocalStore(), device="cpu", weights=tmp_path / "m.safetensors")
     assert_same_weights(model, ref)   # running_mean/var and num_batches_tracked too
     assert torch.equal(model.scale, ref.scale)
+
+
+def test_a_large_tensor_read_in_pieces_on_threads_is_bitwise_and_a_short_file_fails(
+        tmp_path, monkeypatch):
+    from tierd.client import weights
+    monkeypatch.setattr(weights, "READ_PIECE", 64 << 10)
+    monkeypatch.setattr(weights, "READ_THREADS", 3)
+    g = torch.Generator().manual_seed(1)
+    values = {"big": torch.randn(1000, 300, generator=g), "small": torch.randn(7, generator=g)}
+    save_file(values, tmp_path / "w.safetensors")
+    reader = weights.CheckpointReader(tmp_path / "w.safetensors")
+    try:
+        assert torch.equal(reader.tensor("big"), values["big"])   # 19 pieces
+        assert torch.equal(reader.tensor("small"), values["small"])
+        with open(tmp_path / "w.safetensors", "r+b") as f:   # cut short after planning
+            f.truncate(reader._where["big"].end - 1000)
+        with pytest.raises(ValueError, match="cannot read tensor 'big'.*bytes early"):
+            reader.tensor("big")
+    finally:
+        reader.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,11 @@ from torch import nn
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _SHOWN = 5   # names listed per kind in an error
+#: a tensor at least this large is read in pieces of this size on several
+#: threads (``os.preadv`` releases the GIL; the kernel's copies then run in
+#: parallel, from the page cache or the disk's queue)
+READ_PIECE = 32 << 20
+READ_THREADS = min(8, os.cpu_count() or 1)
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -121,6 +127,16 @@ def _anonymous(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=torch.uint8)
 
 
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` with the file's bytes from ``offset``."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(f"the file ends {len(view) - done} bytes early")
+        done += got
+
+
 class CheckpointReader:
     """The tensors of a safetensors checkpoint by name, read one at a time.
 
@@ -142,6 +158,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._where: dict[str, _Entry] = {}   # tensor name -> where its bytes are
+        self._readers: ThreadPoolExecutor | None = None   # made for the first large tensor
         for file, names in self._layout().items():
             entries = _entries(file)
             for name in names if names is not None else sorted(entries):
@@ -184,7 +201,10 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Nothing stays open between reads; kept for ``with``."""
+        """No file stays open between reads; stops the reading threads."""
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -208,14 +228,22 @@ class CheckpointReader:
         e = self._where[name]
         dtype = self.dtype(name)
         raw = _anonymous(e.end - e.begin)
-        view, done = memoryview(raw.numpy()), 0
+        view = memoryview(raw.numpy())
         try:
             with open(e.file, "rb", buffering=0) as f:
-                while done < len(view):
-                    got = os.preadv(f.fileno(), [view[done:]], e.begin + done)
-                    if got == 0:
-                        raise ValueError(f"the file ends {len(view) - done} bytes early")
-                    done += got
+                if len(view) < 2 * READ_PIECE or READ_THREADS == 1:
+                    _read_into(f.fileno(), view, e.begin)
+                else:
+                    if self._readers is None:
+                        self._readers = ThreadPoolExecutor(READ_THREADS,
+                                                           thread_name_prefix="tierd-read")
+                    pieces = [self._readers.submit(_read_into, f.fileno(),
+                                                   view[at:at + READ_PIECE], e.begin + at)
+                              for at in range(0, len(view), READ_PIECE)]
+                    for piece in pieces:   # every one waited for before the file closes
+                        piece.exception()
+                    for piece in pieces:
+                        piece.result()
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot read tensor {name!r} from {e.file}: {err}") from err
         return raw.view(dtype).reshape(e.shape)
