@@ -105,3 +105,21 @@ def test_zero_writes_only_bytes_that_were_used_before():
         assert past >= off2 + MiB + 1 and seg.zero(past, MiB) is False
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("advice", [None, 9999], ids=["populated", "fallback"])
+def test_a_segment_larger_than_the_standard_one_is_allocated_by_threads(monkeypatch, advice):
+    from tierd.backends import hostpool
+    monkeypatch.setattr(hostpool, "POPULATE_PIECE", MiB)   # 5 pieces
+    if advice is not None:   # an advice the kernel refuses (EINVAL): fallocate instead
+        monkeypatch.setattr(hostpool, "_MADV_POPULATE_WRITE", advice)
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=hostpool.POPULATE_THREADS)
+    try:
+        seg, off = pool.allocate("a", 5 * MiB - 100)
+        assert seg.size == 5 * MiB and off == 0
+        assert os.fstat(seg.fd).st_blocks * 512 >= 5 * MiB   # every page allocated
+        assert seg.view(0, 5 * MiB).tobytes() == bytes(5 * MiB)
+        seg.view(0, 5 * MiB)[:] = b"\x03" * (5 * MiB)
+        assert seg.view(0, 5 * MiB).tobytes() == b"\x03" * (5 * MiB)
+    finally:
+        pool.close()
