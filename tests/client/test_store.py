@@ -115,3 +115,20 @@ def test_put_many_converts_to_the_dtypes_asked_for_bitwise(daemon):
             assert got["bf"].dtype == torch.bfloat16 and torch.equal(got["bf"], src.bfloat16())
             assert got["f64"].dtype == torch.float64 and torch.equal(got["f64"], src.double())
             assert torch.equal(got["same"], src)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_copy_in_converts_bitwise_from_either_device_in_pieces(device, monkeypatch):
+    from tierd.client import connection
+    monkeypatch.setattr(connection, "COPY_PIECE", 4096)   # 1000 x 7 fp32: 7 pieces
+    src = (torch.randn(1000, 7) * 100).to(device)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        dst = torch.empty(1000, 7, dtype=dtype)
+        connection.copy_in(dst, src)
+        assert torch.equal(dst, src.cpu().to(dtype))
+    half = src.to(torch.bfloat16).t()   # not contiguous, another dtype
+    dst = torch.empty(7, 1000)
+    connection.copy_in(dst, half)
+    assert torch.equal(dst, half.cpu().float())

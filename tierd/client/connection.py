@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     import torch
 
 POLL_MS = 10
+#: a CUDA value stored in another dtype is converted on its GPU this many
+#: bytes (of the stored dtype) at a time: the GPU memory it takes meanwhile
+COPY_PIECE = 256 << 20
 
 
 def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
@@ -49,6 +52,24 @@ def _specs(like: Mapping[str, torch.Tensor],
         specs.append(P.TensorSpec(k, dtype_name(dtype), tuple(t.shape),
                                   t.numel() * dtype.itemsize))
     return tuple(specs)
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` (any device and dtype, ``dst``'s shape) into the pool view
+    ``dst``, converted on the way.
+
+    A CPU source converts in the copy itself (torch's threads, no temporary).
+    A CUDA source in another dtype is converted on its GPU in pieces of
+    ``COPY_PIECE`` bytes, each then copied device -> page-locked pool: a
+    blocking cross-device ``copy_`` that converts would do it on the CPU,
+    through a pageable temporary (and a pageable device-to-host copy)."""
+    if src.device.type == "cpu" or src.dtype == dst.dtype:
+        dst.copy_(src)
+        return
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    step = max(1, COPY_PIECE // dst.element_size())
+    for at in range(0, flat_dst.numel(), step):
+        flat_dst[at:at + step].copy_(flat_src[at:at + step].to(dst.dtype))
 
 
 def _decode(frame: bytes) -> tuple[int, Any]:
@@ -87,7 +108,7 @@ class _StoreCalls:
         placed = yield P.Reserve(_specs(items, dtypes))
         try:
             for p, t in zip(placed.placements, tensors):
-                self.control.tensor(p).copy_(t)
+                copy_in(self.control.tensor(p), t)
         except BaseException:
             yield P.Abort(tuple(items))
             raise
