@@ -80,7 +80,8 @@ class Segment:
     slot allocated there is zero already: a reserve that asks for zeros
     (the optimizer's first moments, gradients) needs no write for it, by
     the daemon or the client. Only a slot that reuses bytes below
-    ``touched`` is written with zeros, by :meth:`zero`.
+    ``touched`` is written with zeros, by :meth:`zero` (on the daemon's event
+    loop: 0.3 s of its CPU per GB on the CI machine).
     """
 
     id: int

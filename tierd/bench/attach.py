@@ -30,15 +30,27 @@ the way drops the temporaries (a fp32 model to bf16: 1/3 of the bytes
 written, and their faults); segments made ahead on threads take the
 daemon's page zeroing out of the client's path; on CUDA a GPU model goes
 device -> pinned pool at PCIe speed instead of through pageable memory.
-Measured on the 2-core CI machine, which others loaded (wall times there
-swing 2x from run to run, so the client's CPU seconds and page faults are
-the figures), `--layers 4 --d 2048 --ff 5632 --kv 512 --vocab 32000
---zeros-gb 1` (311M parameters), before -> after: fp32 model to bf16
-(1.87 GB stored) 3.1 -> 1.2 client CPU s, 603k -> 457k faults (the rest are
-the pool's pages, one fault per 4 KiB page on a CPU-only client: 0.2-0.35
-s/GB here whether faulted, MAP_POPULATE'd or MADV_POPULATE_WRITE'd);
-weights= 5.1 -> 3.8 s, 937k -> 610k faults; fp32 to fp32 and zeros: no
-change in CPU (nothing was converted), 0.3-0.5 daemon CPU s per GB.
+Measured on the 2-core CI machine, which others loaded (wall times swing
+up to 2x between runs: the client's CPU seconds and page faults are the
+steadier figures), `--layers 4 --d 2048 --ff 5632 --kv 512 --vocab 32000
+--zeros-gb 1` (311M parameters), three runs each, before -> after:
+| case | seconds | client CPU s | client faults |
+| fp32 model, compute bf16 (1.87 GB) | 2.1-2.7 -> 1.7-1.8 | 1.7-2.3 -> 1.2 | 603k -> 458k |
+| fp32 model, compute fp32 (1.25 GB) | 1.1-1.3 -> 1.1-1.2 | 0.8 -> 0.8 | 305k -> 305k |
+| weights= bf16 file (1.87 GB) | 3.4 -> 1.1 | 2.9 -> 1.3 | 824k -> 610k |
+| zeros, put_many, fresh (0.94 GB) | 1.6 -> 1.6 | 1.4 -> 1.3 | 459k -> 455k |
+| zeros, put_zeros, fresh | (new) 0.24 | 0.0 | 0.3k |
+What is left on a CPU-only client here is one fault per 4 KiB page of the
+pool it writes: ~0.35 s/GB on this virtual machine, the same whether the
+daemon allocated the pages (fallocate) or also zeroed and mapped them
+(MADV_POPULATE_WRITE), and whether the client faults them or populates its
+mapping in one call: only larger pages would cut it (shmem THP, off here).
+With CUDA, ``cudaHostRegister`` of each new segment takes that cost
+(0.05 s/GiB measured on the H200). Predicted there (16 cores, H200): a CPU
+or GPU model at 5-10 GB/s (page-locking ~20 GB/s, the copies 20-40 GB/s on
+16 threads or PCIe, the daemon's allocation off the path on 8 threads),
+``put_zeros`` at the daemon's allocation rate on 8 threads, ``weights=``
+from a cached file near the CPU model's.
 """
 
 from __future__ import annotations
