@@ -13,9 +13,9 @@ to a second job: when a job's segment empties and the budget is needed
 elsewhere, the segment is closed and a fresh memfd is made for the next job.
 
 [Note: segments made ahead]
-Growing the pool costs the first touch of every page: the daemon allocates a
-new segment's pages at once (``posix_fallocate``; see ``_make_memfd``), which
-zeroes them, at about 5 GB/s on one thread on the 2-core CI machine. Done in
+Growing the pool costs an allocation of every page: the daemon allocates a
+new segment's pages at once (``posix_fallocate``; see ``_make_memfd``), at
+about 5 GB/s on one thread on the 2-core CI machine. Done in
 the reserve that needs the segment, that ran on the event loop, one segment
 after another, while the writing client waited: an attach or an optimizer's
 zeroed states (a job growing by hundreds of segments) paid it in series
