@@ -25,7 +25,9 @@ its inode lock in turn, those of several memfds ran 1.7x one on 2 cores)
 and a reserve takes a finished one. A spare was never handed to a client, so
 any job may take it (the Note on segment lifetime holds). Spares count
 against the budget (``mapped_bytes``) and are the first thing given back
-when the budget is needed; only segments of the standard size are made ahead.
+when the budget is needed; none is made unless ``ahead`` more segments would
+still fit (so a pool at its budget does not make and drop them in turn), and
+only segments of the standard size are made ahead.
 A larger tensor gets its own exact segment, made in its reserve: with at
 least ``POPULATE_THREADS`` threads its pages are allocated by them in
 64 MiB pieces (MADV_POPULATE_WRITE, which faults pages of one memfd in
@@ -333,9 +335,11 @@ class HostPool:
             self.drop_segment(seg)
 
     def _prepare(self) -> None:
-        """Begin making spares up to ``ahead``, within the budget."""
+        """Begin making spares up to ``ahead`` while the budget keeps room for
+        ``ahead`` more segments besides: a pool near its budget (spilling to
+        NVMe) would give each spare back soon after making it."""
         while (len(self._spares) < self.ahead
-               and self.mapped_bytes + self.segment_size <= self.budget):
+               and self.mapped_bytes + (1 + self.ahead) * self.segment_size <= self.budget):
             self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
                                                       self.segment_size))
 
