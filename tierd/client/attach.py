@@ -157,7 +157,7 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
     gpu = 0 if group is not None else device_room(
         resolve_cap(config.resolved_device(), config.gpu_memory_bytes, warn=False))
     need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
-                      device=gpu)
+                      device=gpu, lazy_masters=group is None)
     if group is not None:
         ranks, client = _join_ranks(group, model, client, job, config, need)
         if config.name is None:
@@ -185,7 +185,7 @@ def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int)
         keys = ModelKeys.for_name(config.name)
         existing = client.keys(keys.all) if config.name is not None else ()
         need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
-                          existing=existing, device=gpu)
+                          existing=existing, device=gpu, lazy_masters=ranks is None)
         count = sum(p.numel() for p in model.parameters())
         text = room_problem(client, need, f"{type(model).__name__} ({count:,} parameters)")
     if ranks is not None:
@@ -198,7 +198,7 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
            resume: bool, ranks, plan: WeightsPlan | None = None) -> nn.Module:
     """Find what is stored already, then build the session (one place)."""
     keys = ModelKeys.for_name(config.name)
-    expected = expected_keys(model, keys, config.compute_dtype)
+    expected = expected_keys(model, keys, config.compute_dtype, masters=ranks is not None)
     resumed = Resumed()
     if resume:
         stored = resumable_keys(client, keys.prefix, expected)

@@ -123,6 +123,9 @@ class AttachSession:
         self.grad_views = GradViews(self)   # p.grad as users see it
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         register_pool(client, self.device)
+        # [Note: masters made when first needed] in tierd.client.registry (every
+        # rank reads the owners' masters under torch.distributed: stored there)
+        self.lazy_masters = ranks is None
         self.registry = ParamRegistry(model, self, store=client, stored=resumed.keys,
                                       on_grad=self.on_grad, source=source)
         self.params = self.registry.params
@@ -338,9 +341,9 @@ class AttachSession:
         Under torch.distributed a rank's own resident copy is read (the pool
         has its owner's, written back by the owner alone)."""
         local = {} if self.share is None else device_values(self, tps)
-        got = self.read([tp.master_key for tp in tps if tp not in local])
+        got = self.read([tp.value_key for tp in tps if tp not in local])
         return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
-                else got[tp.master_key].to(tp.orig_dtype) for tp in tps}
+                else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients by parameter name (for inspection)."""

@@ -35,7 +35,9 @@ resident units are made on the device: [Note: moments made when first
 needed] in ``tierd.optim.base``). So the GPU is room too: ``device`` is
 what placement may keep there, taken as three quarters of the placement
 cap, since the step's activations and the streaming window, which take the
-rest, are measured only by the first step (a Llama-3-8B layer stack at
+rest, are measured only by the first step (fp32 masters attach does not store are
+made by it too: [Note: masters made when first needed] in
+``tierd.client.registry``) (a Llama-3-8B layer stack at
 T=2048, B=4 with checkpointing needs well under a quarter of an H200 for
 them). The embedded daemon's NVMe file is still sized as if nothing were on
 the GPU (within the disk): a plan that keeps less than assumed then spills
@@ -132,6 +134,9 @@ class StoreNeed:
     assumed_optimizer: bool = False   # optimizer counted as AdamW (no optimizer yet)
     released: int = 0    # process memory attach frees: the model's CPU parameters
     device: int = 0      # GPU room placement may keep state in ([Note: the GPU counted])
+    #: of ``master``: masters the first update makes, not attach (tierd.client.registry,
+    #: [Note: masters made when first needed])
+    master_later: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -143,11 +148,12 @@ class StoreNeed:
     def of(cls, items: Iterable[tuple[str, str, int]], *, job: str | None = None,
            existing: Iterable[str] = (), buffers: int = 0,
            assumed_optimizer: bool = False, released: int = 0,
-           device: int = 0) -> "StoreNeed":
-        """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``."""
-        have = set(existing)
+           device: int = 0, later: Iterable[str] = ()) -> "StoreNeed":
+        """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``;
+        masters whose key is in ``later`` are made by the first update."""
+        have, after = set(existing), set(later)
         sums = dict.fromkeys(KINDS, 0)
-        largest = 0
+        largest = master_later = 0
         for kind, key, nbytes in items:
             if kind not in sums:
                 raise ValueError(f"kind {kind!r} is not one of {KINDS}")
@@ -155,9 +161,11 @@ class StoreNeed:
                 continue
             size = record_bytes(key, nbytes, job)
             sums[kind] += size
+            master_later += size if kind == "master" and key in after else 0
             largest = max(largest, size)
         return cls(**sums, buffers=buffers, largest=largest,
-                   assumed_optimizer=assumed_optimizer, released=released, device=device)
+                   assumed_optimizer=assumed_optimizer, released=released, device=device,
+                   master_later=master_later)
 
     @property
     def state(self) -> int:
@@ -168,7 +176,8 @@ class StoreNeed:
     def total(self) -> int:
         """What the store must hold: the state less what the GPU may keep, at
         least what the first step stores ([Note: the GPU counted])."""
-        return max(self.params + self.master + self.gradients, self.state - self.device)
+        first_step = self.params + self.master - self.master_later + self.gradients
+        return max(first_step, self.state - self.device)
 
     def describe(self) -> str:
         parts = [f"parameters {size_text(self.params)}"]
@@ -313,14 +322,18 @@ def device_room(cap: int | None) -> int:
 
 
 def model_need(model, compute_dtype, keys, *, job: str | None = None,
-               existing: Iterable[str] = (), device: int = 0) -> StoreNeed:
+               existing: Iterable[str] = (), device: int = 0,
+               lazy_masters: bool = False) -> StoreNeed:
     """What attaching ``model`` stores and its training adds, keys in
     ``existing`` (a resumed job's) excepted; ``keys`` is its
     :class:`~tierd.client.keys.ModelKeys` ([Note: what the store holds for a
-    model]); ``device``: the GPU room counted ([Note: the GPU counted])."""
+    model]); ``device``: the GPU room counted ([Note: the GPU counted]);
+    ``lazy_masters``: attach leaves out masters of parameters already in the
+    compute dtype ([Note: masters made when first needed] in tierd.client.registry)."""
     import torch   # only here: the rest of this module is torch-free
 
     items: list[tuple[str, str, int]] = []
+    later: list[str] = []
     for name, p in model.named_parameters():   # tied parameters once
         dtype = compute_dtype if p.is_floating_point() else p.dtype
         n = p.numel()
@@ -329,6 +342,8 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
             continue
         if dtype != torch.float32:
             items.append(("master", keys.master(name), n * 4))
+            if lazy_masters and p.dtype == dtype:
+                later.append(keys.master(name))
         items.append(("gradients", keys.grad(name), n * GRAD_BYTES))
         for state in ("exp_avg", "exp_avg_sq"):
             items.append(("optimizer", keys.state(state, name), n * ADAMW_STATE_BYTES // 2))
@@ -337,7 +352,8 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
     released = sum(p.numel() * p.element_size() for p in model.parameters()
                    if p.device.type == "cpu")   # meta ones hold nothing
     return StoreNeed.of(items, job=job, existing=existing, buffers=buffers,
-                        assumed_optimizer=trainable, released=released, device=device)
+                        assumed_optimizer=trainable, released=released, device=device,
+                        later=later)
 
 
 def unsized_defaults(machine: Machine) -> Sizes:

@@ -5,6 +5,21 @@ whose bytes are in the store, and the *units* are built (see [Note: units and
 when parameters are resident] in ``tierd.client.attached``); at detach the
 ordinary parameters are put back. The registry owns the name -> TieredParam
 maps, the units and the module -> unit map; nothing else writes them.
+
+[Note: masters made when first needed]
+Below fp32 compute a trainable parameter has an fp32 master. When the value
+attach stores is already in the compute dtype (a model built or loaded in
+bf16), the master is exactly the compute copy cast up, so attach stores
+none (``TieredParam.master_made`` is False): the first update makes it, on
+the device for a resident unit, else in the store from the stored compute
+copy (``StreamedOptimizer.unborn_state`` in ``tierd.optim.base``). Attach
+then writes 2 B/param instead of 6, and the first step, whose gradients
+are all in the store before any plan exists, needs no room for masters:
+an 8B model's first step needs 48 GB of store instead of 80. Values read
+before (``state_dict``, detach) come from the compute copy, which is the
+same number. A job resumed from a commit made before a parameter's first
+update has no master for it: made the same way. Under torch.distributed
+every rank reads its owner's master from the store, so attach stores it.
 """
 
 from __future__ import annotations
@@ -54,13 +69,17 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
     return holders
 
 
-def expected_keys(model: nn.Module, keys: ModelKeys, compute_dtype: torch.dtype) -> list[str]:
-    """The keys attach stores for ``model``'s values (``p/`` and ``master/``)."""
+def expected_keys(model: nn.Module, keys: ModelKeys, compute_dtype: torch.dtype, *,
+                  masters: bool = True) -> list[str]:
+    """The keys a job resuming ``model`` must have: its compute copies
+    (``p/``), and with ``masters`` its fp32 masters (``master/``; without,
+    a missing one is made from the compute copy: [Note: masters made when
+    first needed])."""
     out = []
     for name, p in model.named_parameters():
         out.append(keys.param(name))
         dtype = compute_dtype if p.is_floating_point() else p.dtype
-        if dtype != torch.float32 and p.requires_grad:
+        if masters and dtype != torch.float32 and p.requires_grad:
             out.append(keys.master(name))
     return out
 
@@ -154,12 +173,12 @@ class ParamRegistry:
         """A failed attach: the model's own Parameters back (values of emptied
         ones read back from the store), and every key it put deleted."""
         emptied = [(p, tp) for p, tp in taken
-                   if p.numel() == 0 and tp.param.numel() and tp.master_key in put]
+                   if p.numel() == 0 and tp.param.numel() and tp.value_key in put]
         if emptied:
             with contextlib.suppress(Exception):   # the store may be what failed
-                got = store.get_many([tp.master_key for _, tp in emptied])
+                got = store.get_many([tp.value_key for _, tp in emptied])
                 for p, tp in emptied:
-                    p.data = got[tp.master_key].to(tp.orig_dtype).to(tp.orig_device)
+                    p.data = got[tp.value_key].to(tp.orig_dtype).to(tp.orig_device)
         for param, _ in taken:
             for holder, attr, _ in holders[id(param)]:
                 holder._parameters[attr] = param
@@ -184,14 +203,20 @@ class ParamRegistry:
         orig_device = torch.device("cpu") if param.is_meta else param.device
         tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=param.dtype,
                          orig_device=orig_device, resident=resident, session=session)
-        need = (tp.key not in stored or (tp.has_master and tp.master_key not in stored)
+        master_missing = tp.has_master and tp.master_key not in stored
+        # resuming a job whose master was never made: the stored compute copy is its value
+        from_stored = master_missing and tp.key in stored and session.lazy_masters
+        need = (tp.key not in stored or (master_missing and not from_stored)
                 or (resident and tp.key not in stored))
         value = source(param) if need else None   # resuming: the committed value wins
         values, dtypes = uploads   # converted while copied into the pool: no temporaries
         if tp.key not in stored:
             values[tp.key], dtypes[tp.key] = value, dtype
-        if tp.has_master and tp.master_key not in stored:
-            values[tp.master_key], dtypes[tp.master_key] = value, torch.float32
+        if master_missing:
+            if from_stored or (session.lazy_masters and value.dtype == dtype):
+                tp.master_made = False   # [Note: masters made when first needed]
+            else:
+                values[tp.master_key], dtypes[tp.master_key] = value, torch.float32
         if new.requires_grad and on_grad is not None:
             new.register_post_accumulate_grad_hook(on_grad)
         if resident:

@@ -93,6 +93,9 @@ class TieredParam:
         self.grad_key = keys.grad(name)
         self.has_master = param.dtype != torch.float32 and param.requires_grad
         self.master_key = keys.master(name) if self.has_master else self.key
+        # False while the fp32 master is the compute copy's exact upcast and was
+        # not stored ([Note: masters made when first needed] in tierd.client.registry)
+        self.master_made = True
         self.nbytes = param.numel() * param.element_size()
         # The summed gradient is in the pool under grad_key (False after zero_grad).
         self.grad_in_pool = False
@@ -105,6 +108,11 @@ class TieredParam:
         self._inflight: InflightCopy | None = None
         self.state = ParamState.DEVICE if resident else ParamState.HOST
         param.tiered = self
+
+    @property
+    def value_key(self) -> str:
+        """The key with its most precise stored value: the fp32 master once made."""
+        return self.master_key if self.master_made else self.key
 
     def __repr__(self) -> str:
         return f"TieredParam({self.name!r}, {self.state.name}, {self.nbytes} B)"

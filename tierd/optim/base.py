@@ -86,8 +86,11 @@ def _check_capacity(opt: "StreamedOptimizer") -> None:
                      for kind, key in ([("optimizer", opt.state_key(tp, n))
                                         for n in opt.state_names]
                                        + [("gradients", tp.grad_key)])]
+            unmade = [tp for tp in tps if not tp.master_made]   # made by the first update
+            later = [tp.master_key for tp in unmade]
+            items += [("master", tp.master_key, tp.param.numel() * 4) for tp in unmade]
             need = StoreNeed.of(items, job=getattr(session.client, "job", None),
-                                existing=session.client.keys(session.keys.all),
+                                existing=session.client.keys(session.keys.all), later=later,
                                 device=device_room(session.placer.cap if ranks is None
                                                    else None))
             text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
@@ -184,7 +187,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
         #: state keys not in the store yet ([Note: moments made when first needed])
-        self.unborn: set[str] = set()
+        self.unborn: dict[str, TieredParam] = {}
         self._hold_later: set = set()   # sessions whose made moments are held
         _check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
@@ -202,16 +205,19 @@ class StreamedOptimizer(torch.optim.Optimizer):
         the job, whose step counts are read back): made when first needed
         ([Note: moments made when first needed]), except under
         torch.distributed and where an earlier optimizer left keys, which are
-        zeroed now; the stored ones are held if they fit."""
+        zeroed now; the stored ones are held if they fit. fp32 masters attach
+        did not store are made when first needed too."""
+        owned = self._owned()
         existing = {session: set(session.client.keys(session.keys.all))
-                    for session in self._by_session(self._owned())}
-        for block in self._blocks(self._owned()):
+                    for session in self._by_session(owned)}
+        self.unborn.update({tp.master_key: tp for tp in owned if not tp.master_made})
+        for block in self._blocks(owned):
             session = block[0].session
             fresh = {self.state_key(tp, n): tp for tp in block for n in self.state_names
                      if self.state_key(tp, n) not in session.resumed_keys}
             if session.share is None:
-                later = [k for k in fresh if k not in existing[session]]
-                self.unborn.update(later)
+                self.unborn.update({k: tp for k, tp in fresh.items()
+                                    if k not in existing[session]})
                 fresh = {k: tp for k, tp in fresh.items() if k not in self.unborn}
             # held by an earlier optimizer of this model: the held view is what
             # every update reads, so it is zeroed in place (a put would make a
@@ -224,9 +230,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     for k, tp in fresh.items() if k not in held}
             if rest:
                 session.client.put_many(rest)
-        for session, tps in self._by_session(self._owned()).items():
+        for session, tps in self._by_session(owned).items():
             self._load_step_counts(session, tps)
-        for session, tps in self._by_session(self._owned()).items():
+        for session, tps in self._by_session(owned).items():
             keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
                     if not session.leases.is_held(k)}
             # all or nothing, as if every moment were made now: the ones made
@@ -236,26 +242,51 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 self._hold_later.add(session)
 
     def unborn_state(self, tps: list[TieredParam], device: torch.device) -> dict[str, torch.Tensor]:
-        """Zero moments of ``tps`` not made yet, by key, on ``device`` ([Note:
-        moments made when first needed]); the caller stores them or keeps them."""
-        return {k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
-                for tp in tps for n in self.state_names
-                if (k := self.state_key(tp, n)) in self.unborn}
+        """The state of ``tps`` not made yet, by key, on ``device`` ([Note:
+        moments made when first needed]): zero moments, and fp32 masters cast
+        from the compute copy (a resident one's device copy, else the store's);
+        the caller stores them or keeps them, then calls :meth:`made`."""
+        out: dict[str, torch.Tensor] = {}
+        masters = [tp for tp in tps if tp.has_master and tp.master_key in self.unborn]
+        stored = [tp for tp in masters if not tp.resident]
+        if stored:
+            session = stored[0].session
+            keys = [tp.key for tp in stored]
+            session.leases.acquire(keys)
+            try:
+                views = session.leases.views(keys)
+                out.update({tp.master_key: views[tp.key].to(device, torch.float32, copy=True)
+                            for tp in stored})
+            finally:
+                session.leases.release(keys)
+        out.update({tp.master_key: tp.param.data.to(device, torch.float32, copy=True)
+                    for tp in masters if tp.resident})
+        out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
+                    for tp in tps for n in self.state_names
+                    if (k := self.state_key(tp, n)) in self.unborn})
+        return out
+
+    def made(self, keys) -> None:
+        """State keys now made (stored, or kept on the device until written back)."""
+        for k in keys:
+            tp = self.unborn.pop(k, None)
+            if tp is not None and k == tp.master_key:
+                tp.master_made = True
 
     def unborn_bytes(self, tps: list[TieredParam]) -> int:
-        """Bytes of the moments of ``tps`` not made yet."""
-        return sum(tp.param.numel() * 4 for tp in tps for n in self.state_names
-                   if self.state_key(tp, n) in self.unborn)
+        """Bytes of the state of ``tps`` not made yet."""
+        mine = set(tps)
+        return sum(tp.param.numel() * 4 for tp in self.unborn.values() if tp in mine)
 
     def ensure_stored(self, tps: list[TieredParam]) -> None:
-        """Put the zero moments of ``tps`` not made yet, before their keys are leased."""
+        """Put the state of ``tps`` not made yet, before their keys are leased."""
         if not self.unborn:
             return
         for session, mine in self._by_session(tps).items():
             fresh = self.unborn_state(mine, torch.device("cpu"))
             if fresh:
                 session.client.put_many(fresh)
-                self.unborn.difference_update(fresh)
+                self.made(fresh)
                 if session in self._hold_later and session.held_bytes:   # counted already
                     session.leases.hold(fresh)
 

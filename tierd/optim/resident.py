@@ -35,7 +35,7 @@ def leave_store(session, opt, b) -> None:
     values = _values(opt, b)
     keys = [k for k in values if k not in opt.unborn]
     session.drop_keys(keys, {k: values[k].numel() * values[k].element_size() for k in keys})
-    opt.unborn.difference_update(values)   # made on the device: put when written back
+    opt.made(values)   # made on the device: put when written back
     b.stored = False
 
 
