@@ -58,7 +58,7 @@ from tierd.client.store import Store
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
-from tierd.optim.resident import device_values
+from tierd.optim.resident import check_room_to_write_back, device_values
 
 _SESSION_ATTR = "_tierd_session"
 
@@ -269,6 +269,8 @@ class AttachSession:
         ``synchronize`` also every copy landed (before the host reads the pool)
         and no value kept for the next step; resident optimizer state is
         written to the pool unless ``write_resident`` is False."""
+        if synchronize and write_resident:
+            check_room_to_write_back(self)   # nothing written if it cannot all be
         self.grads.flush()
         self.mover.settle(synchronize=synchronize)
         if synchronize:
@@ -327,8 +329,10 @@ class AttachSession:
             tp.grad_created = False
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """New CPU tensors with the stored bytes of this session's keys."""
-        self.settle()
+        """New CPU tensors with the stored bytes of this session's keys (not
+        those of resident optimizer state, which :meth:`read_values` reads on
+        the device: [Note: resident state leaves the store] in tierd.optim.resident)."""
+        self.settle(write_resident=False)
         keys = list(dict.fromkeys(keys))
         self.leases.acquire(keys)
         try:
@@ -338,9 +342,9 @@ class AttachSession:
 
     def read_values(self, tps: list[TieredParam]) -> dict[TieredParam, torch.Tensor]:
         """Current values (fp32 master if any), as new CPU tensors in the original dtype.
-        Under torch.distributed a rank's own resident copy is read (the pool
-        has its owner's, written back by the owner alone)."""
-        local = {} if self.share is None else device_values(self, tps)
+        Resident optimizer state is read on the device, with no write-back
+        (under torch.distributed a rank's own copy: the pool has its owner's)."""
+        local = device_values(self, tps)
         got = self.read([tp.value_key for tp in tps if tp not in local])
         return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
                 else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
@@ -372,10 +376,13 @@ class AttachSession:
         """Detach: hooks off, ordinary parameters back, the model's keys deleted."""
         if self.activations is not None:
             self.activations.close()
+        values = self.read_values(list(self.params.values()))
+        for opt in self.optimizers:   # read: its keys are deleted below anyway
+            opt.discard_resident()
         self.placer.close()
         self.hooks.remove()
         self.settle()
-        self.registry.restore(self.read_values(list(self.params.values())))
+        self.registry.restore(values)
         self.leases.unhold_all()
         ranks = None if self.share is None else self.share.ranks
         if ranks is not None:   # the node's keys go once every rank has read them

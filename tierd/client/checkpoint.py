@@ -52,10 +52,15 @@ def resumable_keys(client, prefix: str, expected: list[str]) -> frozenset[str]:
     missing = [k for k in expected if k not in existing]
     if missing:
         found = "none" if len(missing) == len(expected) else f"{len(missing)} of {len(expected)} missing"
+        hint = ("" if len(missing) == len(expected) else
+                "; if a training process of this job ended since its last commit, the units "
+                "it kept on the GPU took their newest values with it (they are not in the "
+                "store between commits): restart the daemon, which brings the job back to "
+                "its last commit, and resume from there")
         raise StateError(
             f"job {client.job!r} (last commit {tags[-1]!r}) has no parameter keys for "
             f"this model under {prefix + '/'!r} ({found}, e.g. {missing[0]!r}); pass the "
-            "name= (AttachConfig.name) the committed run used, and the same model")
+            f"name= (AttachConfig.name) the committed run used, and the same model{hint}")
     return existing
 
 

@@ -266,7 +266,7 @@ class GradViews:
 
     def _apply_now(self, tps: list[TieredParam]) -> None:
         session = self._session
-        session.settle()
+        session.settle(write_resident=False)   # gradients only
         keys = [tp.grad_key for tp in tps]
         session.leases.acquire(keys)
         try:

@@ -185,8 +185,12 @@ class Placer:
         """A root forward begins a step (``signature``: its inputs' shapes)."""
         if self.state is PlacerState.OFF:
             return
-        if self._ranks is not None and not torch.is_grad_enabled():
-            return   # not a training step: [Note: one plan for every rank]
+        if not torch.is_grad_enabled() and (self._ranks is not None
+                                            or self._session.optimizers):
+            # not a training step ([Note: one plan for every rank]): an
+            # evaluation batch of another shape must not stream the resident
+            # state again, which would put it all back into the store
+            return
         changed = self._signature is not None and signature != self._signature
         non_model = self._read_step()
         grew = (self.state is PlacerState.PLACED
@@ -310,8 +314,15 @@ class Placer:
         room = DaemonRoom.from_stats(session.client.stats())
         if room is None:
             return None
-        unborn = sum(f.opt.unborn_bytes(list(f.bucket_of)) for f in session.optimizers)
-        return room.free() + sum(u.store_bytes for u in units) - unborn
+        # what the model's values take now: each parameter once (a tied one is
+        # in two units), with the state of each optimizer that has it
+        values = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
+                     for tp in session.params.values())
+        for f in session.optimizers:
+            tps = list(f.bucket_of)
+            values += sum(4 * tp.param.numel() * len(f.opt.state_names) for tp in tps)
+            values -= f.opt.unborn_bytes(tps)
+        return room.free() + values
 
     def _refuse(self, units: list[UnitBytes], plan: Placement, room: int) -> None:
         """CapacityError, before anything changes: the store cannot hold what

@@ -237,8 +237,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     if not session.leases.is_held(k)}
             # all or nothing, as if every moment were made now: the ones made
             # later are held as they come only if all of them fit
-            stored = [k for k in keys if k not in self.unborn]
-            if session.try_hold(stored, sum(keys.values())):
+            stored = {k: n for k, n in keys.items() if k not in self.unborn}
+            budget = session.config.hold_fraction * session.pool_bytes
+            if session.held_bytes + sum(keys.values()) <= budget \
+                    and session.try_hold(list(stored), sum(stored.values())):
                 self._hold_later.add(session)
 
     def unborn_state(self, tps: list[TieredParam], device: torch.device) -> dict[str, torch.Tensor]:
@@ -287,8 +289,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
             if fresh:
                 session.client.put_many(fresh)
                 self.made(fresh)
-                if session in self._hold_later and session.held_bytes:   # counted already
-                    session.leases.hold(fresh)
+                if session in self._hold_later and session.held_bytes \
+                        and session.leases.hold(fresh):
+                    session.held_bytes += sum(t.numel() * 4 for t in fresh.values())
 
     def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
         """Step counts a commit stored ([Note: what a training commit holds] in
@@ -356,7 +359,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
             session.settle(write_resident=False)
         coef = self._clip_coef()
         # resident blocks first: their values leave the store, which makes room
-        # for the moments the streamed ones make ([Note: moments made when first needed])
+        # for the state the streamed ones make ([Note: moments made when first needed])
         work = []
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
@@ -364,7 +367,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
             work += [(0, group, block) for block in self._blocks(pinned)]
             work += [(1, group, block) for block in self._blocks(
                 [tp for tp in tps if tp not in set(pinned)])]
-        for _, group, block in sorted(work, key=lambda w: w[0]):
+        work.sort(key=lambda w: w[0])
+        # before any update: resident state onto the device (its store keys go),
+        # then what the others lack is made, so a store too full for it fails
+        # with nothing updated
+        for streamed, _, block in work:
+            if streamed:
+                self.ensure_stored(block)
+            else:
+                for tp in block:
+                    _resident_work(self._fused, tp)
+        for _, group, block in work:
             self._step_block(group, block, coef)
         for f in self._fused:
             f.after_step()

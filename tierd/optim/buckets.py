@@ -103,6 +103,12 @@ class Bucket:
         self.copy, self.readers = None, []
         self.state, self.dirty = BucketState.RESIDENT, True
 
+    def discard(self) -> None:
+        """RESIDENT -> HOST without writing back: the values were read (detach)."""
+        self._expect(BucketState.RESIDENT, action="be discarded")
+        self.work, self.copy, self.readers = {}, None, []
+        self.state, self.dirty, self.stored = BucketState.HOST, False, True
+
     def to_host(self) -> None:
         """Back to HOST: after the step (DONE), a fetch not used (FETCHED), or
         resident state written back (RESIDENT, not dirty)."""

@@ -258,6 +258,13 @@ class FusedUpdates:
                     write_back(self.session, self.opt, bucket)
                 bucket.to_host()
 
+    def discard_resident(self) -> None:
+        """Forget resident state without writing it back (detach has read it)."""
+        self.host.wait_all()
+        for b in self.buckets:
+            if b.state is BucketState.RESIDENT:
+                b.discard()
+
     def resident_work(self, tp: TieredParam) -> dict[str, torch.Tensor] | None:
         """The device state of ``tp``'s pinned bucket for an update in
         ``step()`` (fetched and kept now if it is not yet); None when its

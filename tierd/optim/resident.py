@@ -16,6 +16,8 @@ Under torch.distributed every rank reads the owners' keys, so they stay.
 
 from __future__ import annotations
 
+from tierd.client.capacity import DaemonRoom, record_bytes, size_text
+from tierd.errors import CapacityError
 from tierd.optim.buckets import BucketState
 
 
@@ -25,6 +27,30 @@ def _values(opt, b) -> dict:
     values = {k: b.work[k] for tp in b.tps for k in opt.state_keys(tp)}
     values.update({tp.key: tp.param.data for tp in b.tps if tp.has_master})
     return values
+
+
+def check_room_to_write_back(session) -> None:
+    """CapacityError, before anything is written, when the store cannot take
+    back every resident value that left it ([Note: resident state leaves the
+    store]): a commit, or streaming the units again, needs that room."""
+    need = {k: v.numel() * v.element_size() for f in session.optimizers for b in f.buckets
+            if b.state is BucketState.RESIDENT and not b.stored
+            for k, v in _values(f.opt, b).items()}
+    if not need:
+        return
+    room = DaemonRoom.from_stats(session.client.stats())
+    job = getattr(session.client, "job", None)
+    total = sum(record_bytes(k, n, job) for k, n in need.items())
+    if room is None or total <= room.free(max(record_bytes(k, n, job) for k, n in need.items())):
+        return
+    raise CapacityError(
+        f"{len(need)} values placement keeps only on the GPU ({size_text(total)}: weights, "
+        f"fp32 masters and moments) must go back into the store before it is read (a "
+        f"commit) or the units stream again (new input shapes), and the store has "
+        f"{size_text(room.free())} free (pool {size_text(room.pool)} + NVMe "
+        f"{size_text(room.nvme)}). Give the daemon that much more pool or NVMe "
+        "(TIERD_POOL / TIERD_NVME_SIZE, or `tierd serve --pool/--nvme-size`); nothing was "
+        "written and training can go on")
 
 
 def leave_store(session, opt, b) -> None:
