@@ -110,6 +110,11 @@ def _unregister(f: FusedUpdates) -> None:
     f.opt._fused.remove(f)
 
 
+def _like(tp: TieredParam) -> torch.Tensor:
+    """Shape and dtype of one of ``tp``'s fp32 state tensors, with no bytes."""
+    return torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
+
+
 def _zero_held(session, keys: list[str]) -> None:
     """Zero held state keys in place (see ``_create_states``)."""
     session.settle()   # no copy out of an earlier optimizer still landing there
@@ -226,10 +231,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     and k not in session.leases.shared]
             if held:
                 _zero_held(session, held)
-            rest = {k: torch.zeros(tp.param.shape, dtype=torch.float32)
-                    for k, tp in fresh.items() if k not in held}
+            rest = {k: _like(tp) for k, tp in fresh.items() if k not in held}
             if rest:
-                session.client.put_many(rest)
+                session.client.put_zeros(rest)
         for session, tps in self._by_session(owned).items():
             self._load_step_counts(session, tps)
         for session, tps in self._by_session(owned).items():
@@ -243,7 +247,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     and session.try_hold(list(stored), sum(stored.values())):
                 self._hold_later.add(session)
 
-    def unborn_state(self, tps: list[TieredParam], device: torch.device) -> dict[str, torch.Tensor]:
+    def unborn_state(self, tps: list[TieredParam], device: torch.device, *,
+                     moments: bool = True) -> dict[str, torch.Tensor]:
         """The state of ``tps`` not made yet, by key, on ``device`` ([Note:
         moments made when first needed]): zero moments, and fp32 masters cast
         from the compute copy (a resident one's device copy, else the store's);
@@ -263,9 +268,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
                 session.leases.release(keys)
         out.update({tp.master_key: tp.param.data.to(device, torch.float32, copy=True)
                     for tp in masters if tp.resident})
-        out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
-                    for tp in tps for n in self.state_names
-                    if (k := self.state_key(tp, n)) in self.unborn})
+        if moments:
+            out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
+                        for tp in tps for n in self.state_names
+                        if (k := self.state_key(tp, n)) in self.unborn})
         return out
 
     def made(self, keys) -> None:
@@ -285,9 +291,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
         if not self.unborn:
             return
         for session, mine in self._by_session(tps).items():
-            fresh = self.unborn_state(mine, torch.device("cpu"))
+            masters = [tp for tp in mine if tp.has_master and tp.master_key in self.unborn]
+            fresh = self.unborn_state(masters, torch.device("cpu"), moments=False)
+            wanted = set(mine)
+            zeros = {k: _like(tp) for k, tp in self.unborn.items()
+                     if k not in fresh and tp in wanted}
             if fresh:
                 session.client.put_many(fresh)
+            if zeros:
+                session.client.put_zeros(zeros)   # no bytes copied
+            fresh.update(zeros)
+            if fresh:
                 self.made(fresh)
                 if session in self._hold_later and session.held_bytes \
                         and session.leases.hold(fresh):
