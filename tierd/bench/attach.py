@@ -37,7 +37,7 @@ steadier figures), `--layers 4 --d 2048 --ff 5632 --kv 512 --vocab 32000
 | case | seconds | client CPU s | client faults |
 | fp32 model, compute bf16 (1.87 GB) | 2.1-2.7 -> 1.7-1.8 | 1.7-2.3 -> 1.2 | 603k -> 458k |
 | fp32 model, compute fp32 (1.25 GB) | 1.1-1.3 -> 1.1-1.2 | 0.8 -> 0.8 | 305k -> 305k |
-| weights= bf16 file (1.87 GB) | 3.4 -> 1.1 | 2.9 -> 1.3 | 824k -> 610k |
+| weights= bf16 file (1.87 GB) | 3.4 -> 0.9 | 2.9 -> 1.1 | 824k -> 458k |
 | zeros, put_many, fresh (0.94 GB) | 1.6 -> 1.6 | 1.4 -> 1.3 | 459k -> 455k |
 | zeros, put_zeros, fresh | (new) 0.24 | 0.0 | 0.3k |
 What is left on a CPU-only client here is one fault per 4 KiB page of the
@@ -50,7 +50,8 @@ With CUDA, ``cudaHostRegister`` of each new segment takes that cost
 or GPU model at 5-10 GB/s (page-locking ~20 GB/s, the copies 20-40 GB/s on
 16 threads or PCIe, the daemon's allocation off the path on 8 threads),
 ``put_zeros`` at the daemon's allocation rate on 8 threads, ``weights=``
-from a cached file near the CPU model's.
+from a cached file near the CPU model's (its values are copied from a
+mapping of the file, [Note: reading a tensor] in ``tierd.client.weights``).
 """
 
 from __future__ import annotations
