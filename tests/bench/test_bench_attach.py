@@ -24,6 +24,9 @@ def test_quick_run_reports_every_case(tmp_path):
     params = by_case["cpu fp32 model, compute bf16"]["params"]
     assert by_case["cpu fp32 model, compute bf16"]["bytes"] == 6 * params   # bf16 + fp32 master
     assert by_case["cpu fp32 model, compute fp32"]["bytes"] == 4 * params
+    # a bf16 file's values are the masters already: the first update makes them
+    weights = by_case["weights= bf16 file, meta fp32 model, compute bf16"]
+    assert weights["bytes"] == 2 * params and weights["master_bytes"] == 0
     assert json.loads((tmp_path / "a.json").read_text())["rows"] == out["rows"]
 
 
