@@ -125,3 +125,34 @@ def test_a_segment_larger_than_the_standard_one_is_allocated_by_threads(monkeypa
         assert seg.view(0, 5 * MiB).tobytes() == b"\x03" * (5 * MiB)
     finally:
         pool.close()
+
+
+def _mapped_kib(mm) -> int:
+    """Resident KiB of this process's mapping ``mm`` (pages its tables map)."""
+    import ctypes
+    export = ctypes.c_char.from_buffer(mm)
+    start = ctypes.addressof(export)
+    del export
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        span = line.split()[0]   # "start-end" on a mapping's first line, "Name:" after
+        if not span.endswith(":") and int(span.split("-")[0], 16) == start:
+            rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.parametrize("ahead, zeroed", [(1, False), (4, True)])
+def test_with_threads_to_spare_segments_made_ahead_are_zeroed_by_the_daemon(ahead, zeroed):
+    from tierd.backends import hostpool
+    assert hostpool.POPULATE_THREADS == 4
+    pool = HostPool(64 * MiB, segment_size=2 * MiB, ahead=ahead)
+    try:
+        pool.allocate("a", 2 * MiB)                # made in the reserve, fallocated
+        seg, _ = pool.allocate("b", MiB)           # a spare
+        assert seg.job == "b"
+        assert _mapped_kib(seg.mm) == (2 * MiB // 1024 if zeroed else 0)
+        assert os.fstat(seg.fd).st_blocks * 512 >= 2 * MiB
+        assert seg.view(0, 2 * MiB).tobytes() == bytes(2 * MiB)
+    finally:
+        pool.close()

@@ -13,9 +13,14 @@ to a second job: when a job's segment empties and the budget is needed
 elsewhere, the segment is closed and a fresh memfd is made for the next job.
 
 [Note: segments made ahead]
-Growing the pool costs an allocation of every page: the daemon allocates a
-new segment's pages at once (``posix_fallocate``; see ``_make_memfd``), at
-about 5 GB/s on one thread on the 2-core CI machine. Done in
+Growing the pool costs an allocation and a first touch of every page. The
+daemon allocates a new segment's pages at once (``posix_fallocate``; see
+``_make_memfd``), about 5 GB/s on one thread on the 2-core CI machine; the
+kernel zeroes a page allocated so only at its first touch, in whichever
+process touches it first: a client's copy, or its ``cudaHostRegister`` (one
+thread in the driver). A first touch is what cost on the H200 host
+(``pin_memory()`` 0.5 s/GiB against 0.05 s/GiB registering touched pages;
+an 8B attach at ~1 GB/s "bound by first touches"). Done in
 the reserve that needs the segment, that ran on the event loop, one segment
 after another, while the writing client waited: an attach or an optimizer's
 zeroed states (a job growing by hundreds of segments) paid it in series
@@ -28,12 +33,17 @@ against the budget (``mapped_bytes``) and are the first thing given back
 when the budget is needed; none is made unless ``ahead`` more segments would
 still fit (so a pool at its budget does not make and drop them in turn), and
 only segments of the standard size are made ahead.
-A larger tensor gets its own exact segment, made in its reserve: with at
-least ``POPULATE_THREADS`` threads its pages are allocated by them in
-64 MiB pieces (MADV_POPULATE_WRITE, which faults pages of one memfd in
-parallel), else by one fallocate. On the CI machine one populating thread
-allocated 1.7 GB/s, two 3.2 GB/s, one fallocate 4.7 GB/s; an 8B Llama's
-embedding and head (2.1 GB each in fp32) are such tensors.
+With at least ``POPULATE_THREADS`` threads (cores to spare) the daemon
+also zeroes the pages it makes (MADV_POPULATE_WRITE: allocate, zero, map),
+so the first touches happen on its threads, ahead, and a client's copy or
+registration only maps pages. A larger tensor gets its own exact segment,
+made in its reserve: with that many threads its pages are populated by all
+of them in 64 MiB pieces (faults of one memfd run in parallel), else
+allocated by one fallocate; an 8B Llama's embedding and head (2.1 GB each
+in fp32) are such tensors. On the CI machine (2 cores: one thread, so
+fallocate) populating ran 1.7 GB/s on one thread and 3.2 GB/s on two,
+fallocate 4.7 GB/s, and a client's copy into populated pages was 10 %
+faster than into fallocated ones (its page faults cost there, not zeroing).
 """
 
 from __future__ import annotations
@@ -138,11 +148,11 @@ POPULATE_PIECE = 64 << 20
 POPULATE_THREADS = 4
 
 
-def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor) -> None:
-    """Allocate every page of a new mapping with MADV_POPULATE_WRITE, in
-    pieces on ``threads``: page faults of one memfd run in parallel, where
-    fallocates of it take its inode lock in turn ([Note: segments made
-    ahead]). OSError as fallocate's would be (ENOMEM; EINVAL before 5.14)."""
+def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor | None) -> None:
+    """Allocate and zero every page of a new mapping with MADV_POPULATE_WRITE,
+    in pieces on ``threads`` (page faults of one memfd run in parallel, where
+    fallocates of it take its inode lock in turn), or on this thread.
+    OSError as fallocate's would be (ENOMEM; EINVAL before Linux 5.14)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     export = ctypes.c_char.from_buffer(mm)   # the address; let go before the mapping closes
@@ -156,6 +166,10 @@ def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor) -> None:
             raise OSError(code, os.strerror(code))
 
     try:
+        if threads is None:
+            for at in range(0, size, POPULATE_PIECE):
+                piece(at)
+            return
         pieces = [threads.submit(piece, at) for at in range(0, size, POPULATE_PIECE)]
         for p in pieces:
             p.exception()   # all of them done before the export goes
@@ -165,11 +179,12 @@ def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor) -> None:
         del export
 
 
-def _make_memfd(label: str, size: int,
+def _make_memfd(label: str, size: int, populate: bool = False,
                 threads: ThreadPoolExecutor | None = None) -> tuple[int, mmap.mmap]:
-    """A memfd of ``size`` bytes with every page allocated, and its mapping;
-    with ``threads``, allocated by them (:func:`_populate`), else by one
-    ``posix_fallocate``.
+    """A memfd of ``size`` bytes with every page allocated, and its mapping.
+    With ``populate`` the pages are also zeroed now (:func:`_populate`, on
+    ``threads`` or this one), else allocated by one ``posix_fallocate``,
+    which leaves the zeroing to the first touch, in a client.
 
     Allocating now (prefaulting) makes a full machine fail here with a clear
     error instead of SIGBUS at a first touch later. Runs on the preparing
@@ -183,10 +198,10 @@ def _make_memfd(label: str, size: int,
     mm = None
     try:
         os.ftruncate(fd, size)
-        if threads is None:
+        if not populate:
             os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if threads is not None:
+        if populate:
             try:
                 _populate(mm, size, threads)
             except OSError as exc:
@@ -241,8 +256,9 @@ class HostPool:
                           if ahead else None)
         # a segment larger than the standard one is made in its reserve, by
         # these threads when there are enough to beat one fallocate
+        self._populate = ahead >= POPULATE_THREADS   # zero pages here, on threads
         self._populaters = (ThreadPoolExecutor(ahead, thread_name_prefix="tierd-populate")
-                            if ahead >= POPULATE_THREADS else None)
+                            if self._populate else None)
 
     @property
     def mapped_bytes(self) -> int:
@@ -341,7 +357,7 @@ class HostPool:
         while (len(self._spares) < self.ahead
                and self.mapped_bytes + (1 + self.ahead) * self.segment_size <= self.budget):
             self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
-                                                      self.segment_size))
+                                                      self.segment_size, self._populate))
 
     def _take_spare(self) -> tuple[int, mmap.mmap] | None:
         """The oldest spare (waiting for it to be made), or None: none, or
@@ -360,8 +376,9 @@ class HostPool:
             # The name only labels /proc/<pid>/fd links; a job name (perhaps from
             # an old manifest) is reduced to safe characters and cut short, as the
             # kernel refuses NUL and names over 249 bytes.
-            made = _make_memfd(f"tierd-{_UNSAFE.sub('_', job)[:64]}", size,
-                               self._populaters if size > self.segment_size else None)
+            big = self._populate and size > self.segment_size
+            made = _make_memfd(f"tierd-{_UNSAFE.sub('_', job)[:64]}", size, big,
+                               self._populaters if big else None)
         fd, mm = made
         seg = Segment(self._next_id, job, size, fd, mm)
         self._next_id += 1
