@@ -216,6 +216,10 @@ class ServeConfig:
     segment_size: Size = 256 << 20
     """Pool memory is created per job in segments of this size (at most 1/16 of
     the pool; a larger tensor gets a segment of its own size)."""
+    pool_threads: int | None = None
+    """Threads making pool segments ahead while a job grows (0: each is made in
+    the reserve that needs it); unset: half the cores, at most 8. With 4 or
+    more they also zero the pages, so clients' first touches are done."""
     io_threads: int = 8
     """Threads doing NVMe reads and writes."""
     max_requests_per_client: int = 256
@@ -256,6 +260,8 @@ class ServeConfig:
         for name in ("pool", "nvme_size", "segment_size"):
             if getattr(self, name) < 4096:
                 raise ValueError(f"{name} = {getattr(self, name)} B is below one page (4096 B)")
+        if self.pool_threads is not None and self.pool_threads < 0:
+            raise ValueError(f"pool_threads = {self.pool_threads}; use 0 (none) or more")
         for name in ("io_threads", "max_requests_per_client", "max_requests",
                      "max_sessions_per_uid"):
             if getattr(self, name) < 1:

@@ -344,3 +344,12 @@ async def test_async_client(daemon):
     with pytest.raises(KeyError):
         await c.get("b")
     await c.close()
+
+
+@pytest.mark.parametrize("threads, spares", [("0", 0), ("2", 2)])
+def test_pool_threads_make_segments_ahead_as_configured(daemon_factory, threads, spares):
+    d = daemon_factory(pool="256MiB", extra=("--pool-threads", threads))
+    with d.connect() as c:
+        c.put("w", torch.ones(1024))   # the job's first 16 MiB segment, then the spares
+        assert c.stats()["pool_mapped_bytes"] == (1 + spares) * (16 << 20)
+        assert torch.equal(c.get("w"), torch.ones(1024))

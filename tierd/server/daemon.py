@@ -70,10 +70,11 @@ class Daemon:
         # A job's memory is never handed to another job while it holds one
         # tensor in the segment, so a segment as large as a small pool would
         # let one tiny job keep every other job out: at most 1/16 of the pool.
-        # Segments are made ahead on up to 8 threads, half the cores at most:
-        # [Note: segments made ahead] in tierd.backends.hostpool.
+        # [Note: segments made ahead] in tierd.backends.hostpool
+        ahead = (cfg.pool_threads if cfg.pool_threads is not None
+                 else min(8, max(1, (os.cpu_count() or 2) // 2)))
         self.pool = HostPool(cfg.pool, min(cfg.segment_size, max(cfg.pool // 16, 1 << 20)),
-                             ahead=min(8, max(1, (os.cpu_count() or 2) // 2)))
+                             ahead=ahead)
         self.catalog = Catalog(self.pool, self.nvme, cfg.allow_root_join, cfg.quotas,
                                self.manifests)
         try:
