@@ -182,6 +182,14 @@ class _Table:
             e = self.entries[k]
             e.value, e.reserved, e.version = e.reserved, None, e.version + 1
 
+    def delete(self, keys: tuple[str, ...]) -> None:
+        entries = [self.entry(k) for k in keys]   # all of them, or none deleted
+        for k, e in zip(keys, entries):
+            if e.writer:
+                raise StateError(f"{k}: cannot delete while write-leased")
+        for k in keys:
+            self.entries.pop(k, None)
+
     def abort(self, keys: Iterable[str]) -> None:
         for k in keys:
             e = self.entries.get(k)
@@ -280,15 +288,7 @@ class LocalStore:
         return self.get_many((key,))[key]
 
     def delete(self, keys: str | Iterable[str]) -> None:
-        self._call(self._delete, (keys,) if isinstance(keys, str) else tuple(keys)).result()
-
-    def _delete(self, keys: tuple[str, ...]) -> None:
-        entries = [self._table.entry(k) for k in keys]   # all of them, or none deleted
-        for k, e in zip(keys, entries):
-            if e.writer:
-                raise StateError(f"{k}: cannot delete while write-leased")
-        for k in keys:
-            self._table.entries.pop(k, None)
+        self._call(self._table.delete, (keys,) if isinstance(keys, str) else tuple(keys)).result()
 
     def keys(self, prefix: str = "") -> list[str]:
         entries = self._table.entries
