@@ -103,8 +103,20 @@ class Bucket:
         self.copy, self.readers = None, []
         self.state, self.dirty = BucketState.RESIDENT, True
 
+    def left_store(self) -> None:
+        """RESIDENT: the store's older copies of its values were deleted
+        ([Note: resident state leaves the store] in ``tierd.optim.resident``)."""
+        self._expect(BucketState.RESIDENT, action="leave the store")
+        self.stored = False
+
+    def written_back(self) -> None:
+        """RESIDENT: the store has its current values (until the next update)."""
+        self._expect(BucketState.RESIDENT, action="be written back")
+        self.stored, self.dirty = True, False
+
     def discard(self) -> None:
-        """RESIDENT -> HOST without writing back: the values were read (detach)."""
+        """RESIDENT -> HOST without writing back: the values were read (detach),
+        or the store has the owner's (a replica under torch.distributed)."""
         self._expect(BucketState.RESIDENT, action="be discarded")
         self.work, self.copy, self.readers = {}, None, []
         self.state, self.dirty, self.stored = BucketState.HOST, False, True

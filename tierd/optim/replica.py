@@ -103,8 +103,7 @@ class ReplicaUpdates(FusedUpdates):
         """Free the device state (never written back: see :meth:`settle`)."""
         for bucket in self.buckets if b is None else [b]:
             if bucket.state is BucketState.RESIDENT:
-                bucket.dirty = False
-                bucket.to_host()
+                bucket.discard()
 
 
 def _covering(session, tp: TieredParam) -> FusedUpdates | None:

@@ -62,7 +62,7 @@ def leave_store(session, opt, b) -> None:
     keys = [k for k in values if k not in opt.unborn]
     session.drop_keys(keys, {k: values[k].numel() * values[k].element_size() for k in keys})
     opt.made(values)   # made on the device: put when written back
-    b.stored = False
+    b.left_store()
 
 
 def write_back(session, opt, b) -> None:
@@ -82,7 +82,7 @@ def write_back(session, opt, b) -> None:
             session.client.abort(list(values))   # the device keeps the values
             raise
         session.client.publish_async(list(values)).result()
-        b.stored, b.dirty = True, False
+        b.written_back()
         return
     shared = session.leases.shared
     private = [k for k in values if k not in shared]
@@ -95,7 +95,7 @@ def write_back(session, opt, b) -> None:
     if published:
         session.share.publish(published)
         session.releases.drain(block=True)   # the copies landed, the publish is sent
-    b.dirty = False
+    b.written_back()
 
 
 def device_values(session, tps) -> dict:
