@@ -54,8 +54,8 @@ The first (measuring) step updates in ``opt.step()``, after its backward.
 Placing there, with the forward and backward measured, rather than at the
 next forward means the resident units' optimizer state is made on the device
 by that first update and never stored ([Note: resident state leaves the
-store] in ``tierd.optim.resident``, [Note: moments made when first needed]
-in ``tierd.optim.base``): the store needs room only for the first step's
+store] in ``tierd.optim.resident``, [Note: state made when first needed]
+in ``tierd.optim.state``): the store needs room only for the first step's
 gradients and what streams, not for the whole training state, which is what
 lets a model larger than pool + NVMe train. The update itself adds little
 device memory (one block at a time) beyond what the margin covers. Under
@@ -321,7 +321,7 @@ class Placer:
         for f in session.optimizers:
             tps = list(f.bucket_of)
             values += sum(4 * tp.param.numel() * len(f.opt.state_names) for tp in tps)
-            values -= f.opt.unborn_bytes(tps)
+            values -= f.opt.unmade.nbytes(tps)
         return room.free() + values
 
     def _refuse(self, units: list[UnitBytes], plan: Placement, room: int) -> None:

@@ -12,7 +12,7 @@ attach stores is already in the compute dtype (a model built or loaded in
 bf16), the master is exactly the compute copy cast up, so attach stores
 none (``TieredParam.master_made`` is False): the first update makes it, on
 the device for a resident unit, else in the store from the stored compute
-copy (``StreamedOptimizer.unborn_state`` in ``tierd.optim.base``). Attach
+copy (``UnmadeState.values`` in ``tierd.optim.state``). Attach
 then writes 2 B/param instead of 6, and the first step, whose gradients
 are all in the store before any plan exists, needs no room for masters:
 an 8B model's first step needs 48 GB of store instead of 80. Values read

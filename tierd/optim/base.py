@@ -18,21 +18,6 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
   torch.distributed and with ``fused=False``. Fused with ``placement="cpu"``,
   the update runs on host threads in the pool, overlapped with backward
   ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
-
-[Note: moments made when first needed]
-A new optimizer's moments are zeros, and a parameter's are first read by
-its first update. So the constructor stores none (``unborn``): the first
-update makes them, in the store for a bucket that streams or is updated on
-the CPU (:meth:`StreamedOptimizer.ensure_stored`, then held if the hold
-budget allows), on the device for one that placement keeps resident, where
-they never reach the store ([Note: resident state leaves the store] in
-``tierd.optim.resident``). At 8 B per parameter this is most of a model's
-training state: an 8B model's moments took 55 s to write at construction.
-Keys a resumed job has, or an earlier optimizer of the model left, are used
-or zeroed as before, and under torch.distributed (where every rank reads
-the owners' keys) they are made at construction. A commit stores the
-moments that exist; a parameter without them has never stepped, and resume
-makes them again.
 """
 
 from __future__ import annotations
@@ -48,6 +33,7 @@ from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.errors import CapacityError
 from tierd.optim.cpu_update import overlapped
 from tierd.optim.fused import FusedUpdates
+from tierd.optim.state import UnmadeState
 
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
@@ -108,22 +94,6 @@ def _unregister(f: FusedUpdates) -> None:
     f.settle()
     f.session.optimizers.remove(f)
     f.opt._fused.remove(f)
-
-
-def _like(tp: TieredParam) -> torch.Tensor:
-    """Shape and dtype of one of ``tp``'s fp32 state tensors, with no bytes."""
-    return torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
-
-
-def _zero_held(session, keys: list[str]) -> None:
-    """Zero held state keys in place (see ``_create_states``)."""
-    session.settle()   # no copy out of an earlier optimizer still landing there
-    session.leases.acquire(keys)
-    try:
-        for view in session.leases.views(keys).values():
-            view.zero_()
-    finally:
-        session.leases.release(keys, written=True)
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
@@ -191,12 +161,11 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
         self._fused: list[FusedUpdates] = []
-        #: state keys not in the store yet ([Note: moments made when first needed])
-        self.unborn: dict[str, TieredParam] = {}
-        self._hold_later: set = set()   # sessions whose made moments are held
+        #: its state not made yet ([Note: state made when first needed] in tierd.optim.state)
+        self.unmade = UnmadeState(self)
         _check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
-        self._create_states()
+        self.unmade.create(self._owned())
         for session, tps in self._by_session(self._owned()).items():
             # "cpu" fuses too (on host threads) where they overlap backward
             can_fuse = (placement or session.config.optimizer_placement) != "cpu" \
@@ -204,120 +173,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
             use = fused if fused is not None else max_grad_norm is None and can_fuse
             if use or can_fuse:   # not fusing: the buckets placement may keep resident
                 self._register(session, tps, prefetch_bytes, fusing=bool(use))
-
-    def _create_states(self) -> None:
-        """Zero moments for every parameter (but those a resumed attach found in
-        the job, whose step counts are read back): made when first needed
-        ([Note: moments made when first needed]), except under
-        torch.distributed and where an earlier optimizer left keys, which are
-        zeroed now; the stored ones are held if they fit. fp32 masters attach
-        did not store are made when first needed too."""
-        owned = self._owned()
-        existing = {session: set(session.client.keys(session.keys.all))
-                    for session in self._by_session(owned)}
-        self.unborn.update({tp.master_key: tp for tp in owned if not tp.master_made})
-        for block in self._blocks(owned):
-            session = block[0].session
-            fresh = {self.state_key(tp, n): tp for tp in block for n in self.state_names
-                     if self.state_key(tp, n) not in session.resumed_keys}
-            if session.share is None:
-                self.unborn.update({k: tp for k, tp in fresh.items()
-                                    if k not in existing[session]})
-                fresh = {k: tp for k, tp in fresh.items() if k not in self.unborn}
-            # held by an earlier optimizer of this model: the held view is what
-            # every update reads, so it is zeroed in place (a put would make a
-            # new version behind the hold's back)
-            held = [k for k in fresh if session.leases.is_held(k)
-                    and k not in session.leases.shared]
-            if held:
-                _zero_held(session, held)
-            rest = {k: _like(tp) for k, tp in fresh.items() if k not in held}
-            if rest:
-                session.client.put_zeros(rest)
-        for session, tps in self._by_session(owned).items():
-            self._load_step_counts(session, tps)
-        for session, tps in self._by_session(owned).items():
-            keys = {k: tp.param.numel() * 4 for tp in tps for k in self.state_keys(tp)
-                    if not session.leases.is_held(k)}
-            # all or nothing, as if every moment were made now: the ones made
-            # later are held as they come only if all of them fit
-            stored = {k: n for k, n in keys.items() if k not in self.unborn}
-            budget = session.config.hold_fraction * session.pool_bytes
-            if session.held_bytes + sum(keys.values()) <= budget \
-                    and session.try_hold(list(stored), sum(stored.values())):
-                self._hold_later.add(session)
-
-    def unborn_state(self, tps: list[TieredParam], device: torch.device, *,
-                     moments: bool = True) -> dict[str, torch.Tensor]:
-        """The state of ``tps`` not made yet, by key, on ``device`` ([Note:
-        moments made when first needed]): zero moments, and fp32 masters cast
-        from the compute copy (a resident one's device copy, else the store's);
-        the caller stores them or keeps them, then calls :meth:`made`."""
-        out: dict[str, torch.Tensor] = {}
-        masters = [tp for tp in tps if tp.has_master and tp.master_key in self.unborn]
-        stored = [tp for tp in masters if not tp.resident]
-        if stored:
-            session = stored[0].session
-            keys = [tp.key for tp in stored]
-            session.leases.acquire(keys)
-            try:
-                views = session.leases.views(keys)
-                out.update({tp.master_key: views[tp.key].to(device, torch.float32, copy=True)
-                            for tp in stored})
-            finally:
-                session.leases.release(keys)
-        out.update({tp.master_key: tp.param.data.to(device, torch.float32, copy=True)
-                    for tp in masters if tp.resident})
-        if moments:
-            out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
-                        for tp in tps for n in self.state_names
-                        if (k := self.state_key(tp, n)) in self.unborn})
-        return out
-
-    def made(self, keys) -> None:
-        """State keys now made (stored, or kept on the device until written back)."""
-        for k in keys:
-            tp = self.unborn.pop(k, None)
-            if tp is not None and k == tp.master_key:
-                tp.master_made = True
-
-    def unborn_bytes(self, tps: list[TieredParam]) -> int:
-        """Bytes of the state of ``tps`` not made yet."""
-        mine = set(tps)
-        return sum(tp.param.numel() * 4 for tp in self.unborn.values() if tp in mine)
-
-    def ensure_stored(self, tps: list[TieredParam]) -> None:
-        """Put the state of ``tps`` not made yet, before their keys are leased."""
-        if not self.unborn:
-            return
-        for session, mine in self._by_session(tps).items():
-            masters = [tp for tp in mine if tp.has_master and tp.master_key in self.unborn]
-            fresh = self.unborn_state(masters, torch.device("cpu"), moments=False)
-            wanted = set(mine)
-            zeros = {k: _like(tp) for k, tp in self.unborn.items()
-                     if k not in fresh and tp in wanted}
-            if fresh:
-                session.client.put_many(fresh)
-            if zeros:
-                session.client.put_zeros(zeros)   # no bytes copied
-            fresh.update(zeros)
-            if fresh:
-                self.made(fresh)
-                if session in self._hold_later and session.held_bytes \
-                        and session.leases.hold(fresh):
-                    session.held_bytes += sum(t.numel() * 4 for t in fresh.values())
-
-    def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
-        """Step counts a commit stored ([Note: what a training commit holds] in
-        tierd.client.checkpoint); a parameter without one has never stepped."""
-        keys = {tp: session.keys.step_count(tp.name) for tp in tps}
-        stored = [k for k in keys.values() if k in session.resumed_keys]
-        if not stored:
-            return
-        counts = session.client.get_many(stored)
-        for tp, k in keys.items():
-            if k in counts and float(counts[k]) > 0:
-                self.state[tp.param]["step"] = float(counts[k])
 
     def step_counts(self, session) -> dict[str, torch.Tensor]:
         """Every parameter's step count of ``session`` as tensors to store at a commit."""
@@ -373,7 +228,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
             session.settle(write_resident=False)
         coef = self._clip_coef()
         # resident blocks first: their values leave the store, which makes room
-        # for the state the streamed ones make ([Note: moments made when first needed])
+        # for the state the streamed ones make ([Note: state made when first needed] in tierd.optim.state)
         work = []
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
@@ -387,7 +242,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # with nothing updated
         for streamed, _, block in work:
             if streamed:
-                self.ensure_stored(block)
+                self.unmade.ensure_stored(block)
             else:
                 for tp in block:
                     _resident_work(self._fused, tp)
@@ -514,7 +369,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     coef: torch.Tensor | None) -> None:
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
-        self.ensure_stored([tp for tp in block if resident[tp] is None])
+        self.unmade.ensure_stored([tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         views = session.leases.views(keys)

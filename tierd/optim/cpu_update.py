@@ -237,7 +237,7 @@ class HostUpdates:
         if not items:
             return
         session, opt = self._fused.session, self._fused.opt
-        opt.ensure_stored([tp for tp, _ in items])
+        opt.unmade.ensure_stored([tp for tp, _ in items])
         keys = list(dict.fromkeys(k for tp, _ in items for k in (
             *opt.state_keys(tp), tp.grad_key, *([tp.key] if tp.has_master else []))))
         session.leases.acquire(keys)

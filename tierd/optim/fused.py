@@ -377,10 +377,10 @@ class FusedUpdates:
         self.session.releases.drain()
         opt, session = self.opt, self.session
         # moments not made yet: a pinned bucket makes them on the device, the
-        # others in the store ([Note: moments made when first needed] in tierd.optim.base)
-        fresh = opt.unborn_state(b.tps, session.device) if b.pinned else {}
+        # others in the store ([Note: state made when first needed] in tierd.optim.state)
+        fresh = opt.unmade.values(b.tps, session.device) if b.pinned else {}
         if not b.pinned:
-            opt.ensure_stored(b.tps)
+            opt.unmade.ensure_stored(b.tps)
         read = [k for tp in b.tps for k in opt.state_keys(tp) if k not in fresh]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
         b.keys = read + [tp.key for tp in b.tps if tp.has_master]

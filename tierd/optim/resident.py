@@ -59,9 +59,9 @@ def leave_store(session, opt, b) -> None:
     if not b.stored or session.share is not None:
         return
     values = _values(opt, b)
-    keys = [k for k in values if k not in opt.unborn]
+    keys = [k for k in values if k not in opt.unmade]
     session.drop_keys(keys, {k: values[k].numel() * values[k].element_size() for k in keys})
-    opt.made(values)   # made on the device: put when written back
+    opt.unmade.made(values)   # made on the device: put when written back
     b.left_store()
 
 

@@ -1,0 +1,172 @@
+"""Which of an optimizer's state keys exist: made at construction, or when
+first needed.
+
+[Note: state made when first needed]
+A new optimizer's moments are zeros, and a parameter's are first read by
+its first update. So the constructor stores none: the first update makes
+them, in the store for a bucket that streams or is updated on the CPU
+(:meth:`UnmadeState.ensure_stored`, with ``put_zeros``: nothing copied;
+then held if the hold budget allows), on the device for one that placement
+keeps resident, where they never reach the store ([Note: resident state
+leaves the store] in ``tierd.optim.resident``). fp32 masters that attach did
+not store ([Note: masters made when first needed] in
+``tierd.client.registry``) are made the same way, cast from the compute
+copy. At 8 B per parameter the moments are most of a model's training
+state: an 8B model's took 55 s to write at construction. Keys a resumed job
+has, or an earlier optimizer of the model left, are used or zeroed as
+before, and under torch.distributed (where every rank reads the owners'
+keys) the moments are made at construction. A commit stores the state that
+exists; a parameter without it has never stepped, and resume makes it again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierd.client.tiered_param import TieredParam
+
+
+def _like(tp: TieredParam) -> torch.Tensor:
+    """Shape and dtype of one of ``tp``'s fp32 state tensors, with no bytes."""
+    return torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
+
+
+def _zero_held(session, keys: list[str]) -> None:
+    """Zero held state keys in place (see :meth:`UnmadeState.create`)."""
+    session.settle()   # no copy out of an earlier optimizer still landing there
+    session.leases.acquire(keys)
+    try:
+        for view in session.leases.views(keys).values():
+            view.zero_()
+    finally:
+        session.leases.release(keys, written=True)
+
+
+class UnmadeState:
+    """One optimizer's state keys not made yet, by key (the parameter they
+    belong to), and how they are made ([Note: state made when first needed]).
+
+    Example:
+        >>> unmade = UnmadeState(opt); unmade.create(params)   # doctest: +SKIP
+        >>> unmade.ensure_stored(block)    # before leasing the block's keys  # doctest: +SKIP
+    """
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+        self.keys: dict[str, TieredParam] = {}
+        self._hold_later: set = set()   # sessions whose made keys are held
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def create(self, owned: list[TieredParam]) -> None:
+        """At construction: moments for every parameter of ``owned`` (but those
+        a resumed attach found in the job, whose step counts are read back),
+        made now only under torch.distributed or where an earlier optimizer
+        left keys (zeroed); the stored ones are held if they fit."""
+        opt = self.opt
+        existing = {session: set(session.client.keys(session.keys.all))
+                    for session in opt._by_session(owned)}
+        self.keys.update({tp.master_key: tp for tp in owned if not tp.master_made})
+        for block in opt._blocks(owned):
+            session = block[0].session
+            fresh = {opt.state_key(tp, n): tp for tp in block for n in opt.state_names
+                     if opt.state_key(tp, n) not in session.resumed_keys}
+            if session.share is None:
+                self.keys.update({k: tp for k, tp in fresh.items()
+                                  if k not in existing[session]})
+                fresh = {k: tp for k, tp in fresh.items() if k not in self.keys}
+            # held by an earlier optimizer of this model: the held view is what
+            # every update reads, so it is zeroed in place (a put would make a
+            # new version behind the hold's back)
+            held = [k for k in fresh if session.leases.is_held(k)
+                    and k not in session.leases.shared]
+            if held:
+                _zero_held(session, held)
+            rest = {k: _like(tp) for k, tp in fresh.items() if k not in held}
+            if rest:
+                session.client.put_zeros(rest)
+        for session, tps in opt._by_session(owned).items():
+            self._load_step_counts(session, tps)
+            keys = {k: tp.param.numel() * 4 for tp in tps for k in opt.state_keys(tp)
+                    if not session.leases.is_held(k)}
+            # all or nothing, as if every key were made now: the ones made
+            # later are held as they come only if all of them fit
+            stored = {k: n for k, n in keys.items() if k not in self.keys}
+            budget = session.config.hold_fraction * session.pool_bytes
+            if session.held_bytes + sum(keys.values()) <= budget \
+                    and session.try_hold(list(stored), sum(stored.values())):
+                self._hold_later.add(session)
+
+    def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
+        """Step counts a commit stored ([Note: what a training commit holds] in
+        tierd.client.checkpoint); a parameter without one has never stepped."""
+        keys = {tp: session.keys.step_count(tp.name) for tp in tps}
+        stored = [k for k in keys.values() if k in session.resumed_keys]
+        if not stored:
+            return
+        counts = session.client.get_many(stored)
+        for tp, k in keys.items():
+            if k in counts and float(counts[k]) > 0:
+                self.opt.state[tp.param]["step"] = float(counts[k])
+
+    def values(self, tps: list[TieredParam], device: torch.device, *,
+               moments: bool = True) -> dict[str, torch.Tensor]:
+        """The state of ``tps`` not made yet, by key, on ``device``: fp32
+        masters cast from the compute copy (a resident one's device copy, else
+        the store's) and (with ``moments``) zero moments; the caller stores
+        them or keeps them, then calls :meth:`made`."""
+        out: dict[str, torch.Tensor] = {}
+        masters = [tp for tp in tps if tp.has_master and tp.master_key in self.keys]
+        stored = [tp for tp in masters if not tp.resident]
+        if stored:
+            session = stored[0].session
+            keys = [tp.key for tp in stored]
+            session.leases.acquire(keys)
+            try:
+                views = session.leases.views(keys)
+                out.update({tp.master_key: views[tp.key].to(device, torch.float32, copy=True)
+                            for tp in stored})
+            finally:
+                session.leases.release(keys)
+        out.update({tp.master_key: tp.param.data.to(device, torch.float32, copy=True)
+                    for tp in masters if tp.resident})
+        if moments:
+            opt = self.opt
+            out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
+                        for tp in tps for n in opt.state_names
+                        if (k := opt.state_key(tp, n)) in self.keys})
+        return out
+
+    def made(self, keys) -> None:
+        """State keys now made (stored, or kept on the device until written back)."""
+        for k in keys:
+            tp = self.keys.pop(k, None)
+            if tp is not None and k == tp.master_key:
+                tp.master_made = True
+
+    def nbytes(self, tps: list[TieredParam]) -> int:
+        """Bytes of the state of ``tps`` not made yet."""
+        mine = set(tps)
+        return sum(tp.param.numel() * 4 for tp in self.keys.values() if tp in mine)
+
+    def ensure_stored(self, tps: list[TieredParam]) -> None:
+        """Put the state of ``tps`` not made yet, before their keys are leased."""
+        if not self.keys:
+            return
+        for session, mine in self.opt._by_session(tps).items():
+            masters = [tp for tp in mine if tp.has_master and tp.master_key in self.keys]
+            fresh = self.values(masters, torch.device("cpu"), moments=False)
+            wanted = set(mine)
+            zeros = {k: _like(tp) for k, tp in self.keys.items()
+                     if k not in fresh and tp in wanted}
+            if fresh:
+                session.client.put_many(fresh)
+            if zeros:
+                session.client.put_zeros(zeros)   # no bytes copied
+            fresh.update(zeros)
+            if fresh:
+                self.made(fresh)
+                if session in self._hold_later and session.held_bytes \
+                        and session.leases.hold(fresh):
+                    session.held_bytes += sum(t.numel() * 4 for t in fresh.values())
