@@ -232,7 +232,8 @@ def test_commit_and_resume_with_resident_units():
     assert session_of(model).placer.state is PlacerState.PLACED
     tierd.commit(model, opt, 3)
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    store.restart()
+    train(model, opt, batches(1, seed=7))   # resident values leave the store again
+    store.restart()                          # the job holds its commit
     object.__delattr__(model, "_tierd_session")
     again = attach(gpt2(seed=9), client=store, job="run1", resume=True, device="cpu")
     got = again.state_dict()

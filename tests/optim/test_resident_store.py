@@ -90,21 +90,6 @@ def test_a_half_resident_model_streams_the_rest_from_the_store():
     assert_same_weights(model, ref)
 
 
-def test_commit_and_resume_see_resident_values():
-    store = LocalStore(job="run1")
-    model = attach(gpt2(), client=store, job="run1", device="cpu", gpu_memory_bytes=1 << 30)
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
-    train(model, opt, batches(3))
-    tierd.commit(model, opt, 3)
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    train(model, opt, batches(1, seed=7))   # deletes the resident keys again
-    store.restart()                          # the job holds its commit
-    object.__delattr__(model, "_tierd_session")
-    again = attach(gpt2(seed=9), client=store, job="run1", resume=True, device="cpu")
-    got = again.state_dict()
-    assert all(torch.equal(got[k], v) for k, v in want.items())
-
-
 # ------------------------------------------------------------------ a real daemon
 def _small_daemon(daemon_factory):
     # ~3.4M params: 13.6 MB of fp32 weights, 27 MB of moments, 13.6 MB of
