@@ -11,14 +11,18 @@ from tierd.client.releases import PendingReleases, ReleaseKind
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.errors import StateError
-from tierd.optim.buckets import Bucket, BucketState
+from tierd.optim.buckets import Bucket, BucketState, update_window
+
+
+def _param(numel: int = 2, dtype=torch.float32) -> TieredParam:
+    return TieredParam(name="h.0.weight", keys=ModelKeys("m"),
+                       param=TieredParameter(torch.empty(numel, dtype=dtype)),
+                       orig_dtype=torch.float32, orig_device=torch.device("cpu"),
+                       resident=False, session=None)
 
 
 def _bucket() -> Bucket:
-    tp = TieredParam(name="h.0.weight", keys=ModelKeys("m"),
-                     param=TieredParameter(torch.empty(2)), orig_dtype=torch.float32,
-                     orig_device=torch.device("cpu"), resident=False, session=None)
-    return Bucket(3, {}, [tp], 24)
+    return Bucket(3, {}, [_param()], 24)
 
 
 def test_a_bucket_goes_host_fetched_done_host():
@@ -76,3 +80,17 @@ def test_pending_releases_go_by_kind_in_one_request_each():
     assert calls == [("publish", ["d"]), ("release", ["a", "b", "e"], False),
                      ("release", ["c"], True)]
     assert len(r) == 0
+
+
+def test_the_update_window_counts_the_largest_streamed_bucket_and_gradients():
+    def bucket(numel: int, dtype=torch.bfloat16, **kw) -> Bucket:
+        return Bucket(0, {}, [_param(numel, dtype)], numel * 12, **kw)
+
+    streamed, big_pinned = bucket(100), bucket(1000, pinned=True)
+    # a pinned bucket's state is resident (not fetched), but its gradients are
+    # still held while it updates: 1000 x (fp32 + bf16)
+    assert update_window([streamed, big_pinned], 64) == 6000 + 2 * 64 + 1200
+    assert update_window([big_pinned], 64) == 6000          # nothing streams
+    assert update_window([bucket(10, cpu=True)], 64) == 60   # CPU updates fetch nothing
+    assert update_window([bucket(10, torch.float32)], 0) == 80 + 120
+    assert update_window([], 64) == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
+    logging.basicConfig(stream=sys.stdout, format="[%(name)s] %(message)s")
+    logging.getLogger("tierd.placement").setLevel(logging.INFO)   # the plan, in the log
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)

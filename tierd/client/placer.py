@@ -61,6 +61,18 @@ lets a model larger than pool + NVMe train. The update itself adds little
 device memory (one block at a time) beyond what the margin covers. Under
 torch.distributed the plan still waits for the next forward (every rank
 agrees on it there, [Note: one plan for every rank]).
+
+[Note: the update window]
+The measured first step updates in ``opt.step()``, after its activations are
+freed, but every later backward runs the fused update ([Note: fused update]
+in ``tierd.optim.fused``) next to the activations: streamed buckets' master
+and moments fetched ahead (up to twice ``prefetch_bytes``, plus the bucket
+running now whatever its size) and one bucket's gradients in fp32. A step
+measured without it would under-count the next step's peak by that much (at
+13B on the H200: a 318M-parameter layer, 3.8 GB of state, 1.9 GB of
+gradients, besides 4 GiB of window), which the margin does not cover: the
+second step ran out of memory. So a measured step that ran no fused update
+adds the optimizers' window (``tierd.optim.buckets.update_window``) to its peak.
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ from tierd.client.capacity import DaemonRoom, size_text
 from tierd.client.placement import Place, Placement, UnitBytes, plan_placement, stored
 from tierd.client.torch_internals import tree_flatten
 from tierd.errors import CapacityError
+from tierd.optim.buckets import update_window
 from tierd.optim.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
@@ -142,6 +155,7 @@ class Placer:
         self._signature = None           # root inputs' shapes of the measured step
         self._non_model = 0              # measured non-model peak the plan assumed
         self._measured_steps = 0
+        self._fused_before = 0           # fused-update backwards when measuring began
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         self.state = PlacerState.OFF     # under ranks until :meth:`join_ranks`
@@ -245,13 +259,22 @@ class Placer:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self._session.device)
         self._measured_steps += 1
+        self._fused_before = self._fused_backwards()
+
+    def _fused_backwards(self) -> int:
+        return sum(f.fused_backwards for f in self._session.optimizers)
 
     def _read_step(self) -> int:
-        """Non-model bytes of the step that just ended (0 on the CPU)."""
+        """Non-model bytes of the step that just ended (0 on the CPU), with
+        the fused update's window if that step did not run it ([Note: the
+        update window])."""
         if not self._cuda or self._measured_steps == 0:
             return 0
         peak = torch.cuda.max_memory_allocated(self._session.device)
-        return max(0, peak - self._base - self.resident_bytes())
+        window = 0 if self._fused_backwards() > self._fused_before else sum(
+            update_window(f.buckets, f.prefetch_bytes) for f in self._session.optimizers
+            if f.fusing)
+        return max(0, peak - self._base - self.resident_bytes()) + window
 
     # ------------------------------------------------------------- plan
     def unit_bytes(self) -> list[UnitBytes]:

@@ -104,6 +104,7 @@ class FusedUpdates:
         self.backwards = 0           # outermost backwards ended since step()
         self.active = False          # this backward updates (ends the window)
         self.updated = False         # a fused update ran since the last step()
+        self.fused_backwards = 0     # backwards that ran fused updates, all told
         self._got: dict[TieredParam, int] = {}
         self._grads: dict[TieredParam, torch.Tensor] = {}
         self._updated: set[TieredParam] = set()   # updated in this backward
@@ -193,6 +194,7 @@ class FusedUpdates:
                     self._update(b)
             self._release_fetched()   # copies out go on landing into the next step
             self.updated = True
+            self.fused_backwards += 1
             self.active = False
         for tp, n in self._got.items():
             self.expected[tp] = max(self.expected.get(tp, 0), n)
