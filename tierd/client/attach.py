@@ -154,8 +154,11 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
                        group, plan: WeightsPlan | None) -> nn.Module:
     owns_client = client is None
     ranks = None
+    device = config.resolved_device()
+    # a model built on the device leaves it at attach: its bytes count as room
+    on_device = sum(p.nbytes for p in model.parameters() if p.device == device)
     gpu = 0 if group is not None else device_room(
-        resolve_cap(config.resolved_device(), config.gpu_memory_bytes, warn=False))
+        resolve_cap(device, config.gpu_memory_bytes, warn=False, leaving=on_device))
     need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
                       device=gpu, lazy_masters=group is None)
     if group is not None:

@@ -111,18 +111,20 @@ class PlacerState(enum.Enum):
 
 
 def resolve_cap(device: torch.device, requested: int | float | None, *,
-                warn: bool = True) -> int | None:
+                warn: bool = True, leaving: int = 0) -> int | None:
     """Device bytes the attached model may use in all (None: no placement).
 
     ``requested``: bytes, a fraction of the device's memory, or None (on
-    CUDA: the memory free at attach). Above what is free: a warning (unless
-    not ``warn``), and what is free is used."""
+    CUDA: the memory free at attach, counting as free the ``leaving`` bytes
+    of the model's parameters on the device, which attach moves to the
+    store). Above what is free: a warning (unless not ``warn``), and what is
+    free is used."""
     if requested == 0:
         return None   # stream everything
     if device.type != "cuda":
         return None if requested is None else int(requested)
     free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + leaving
     if requested is None:
         return free
     cap = int(requested * total) if isinstance(requested, float) else int(requested)
