@@ -99,3 +99,47 @@ def test_fused_false_and_clipping_use_the_deferred_path(daemon):
         tierd.optim.AdamW(model.parameters(), fused=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="accumulation_steps"):
         tierd.optim.AdamW(model.parameters(), accumulation_steps=0)
+
+
+def test_the_first_step_frees_each_gradient_as_its_update_uses_it(daemon):
+    # [Note: gradients freed as they are used]: the first window is updated in
+    # step() with every gradient in the store; they go block by block, so no
+    # gradient key is left by the end of step(), and p.grad says why.
+    model, ref = _pair(llama, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    session = session_of(model)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    grad_keys = [tp.grad_key for tp in session.params.values()]
+    assert set(grad_keys) <= set(session.client.keys())
+    opt.step()
+    assert not set(grad_keys) & set(session.client.keys())   # before zero_grad
+    p = next(model.parameters())
+    with pytest.raises(StateError, match="already used its gradient"):
+        p.grad.sum()
+    opt.zero_grad()
+    assert p.grad is None
+    # and training is torch's, bitwise, from that first step on
+    train(ref, ref_opt, batches(1))
+    data = batches(3, seed=2)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
+def test_the_first_step_keeps_gradients_a_later_window_sums(daemon):
+    # a window of several backwards sums gradients in the store every step,
+    # and gradients clipped through p.grad are read again: neither is freed early
+    for accumulate, clip in ((2, None), (1, 1.0)):
+        model, _ = _pair(gpt2, daemon)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        session = session_of(model)
+        for ids in batches(accumulate):
+            (model(input_ids=ids, labels=ids).loss / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        p = next(model.parameters())
+        assert p.grad.norm() > 0   # still readable before zero_grad, as in torch
+        assert {tp.grad_key for tp in session.params.values()} <= set(session.client.keys())
+        opt.zero_grad()

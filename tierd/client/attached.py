@@ -45,7 +45,7 @@ from tierd.client.backward import BackwardTracker
 from tierd.client.copy_stream import CopyStream, register_pool
 from tierd.client.distributed import Ranks
 from tierd.client.grad_view import GradViews
-from tierd.client.grads import GradBucket
+from tierd.client.grads import GradBucket, free_grads, unused_grads
 from tierd.client.hooks import ModuleHooks
 from tierd.client.keys import ModelKeys
 from tierd.client.leases import LeaseTable
@@ -313,20 +313,12 @@ class AttachSession:
         window of one). The first (learning) step sums every gradient in the
         pool; kept, those keys would hold 4 B/param of store for nothing (an
         8B model: 32 GB). A later window that needs them makes them again."""
-        if self.share is not None:
-            return   # the node's ranks write gradient keys for each other
-        fused = [f for f in self.optimizers if f.fusing and f.learned and f.window == 1]
-        # (a CPU-updated bucket writes its gradients to their keys every step)
-        unused = [tp for tp in tps if tp.grad_created
-                  and any(tp in f.bucket_of and not f.bucket_of[tp].cpu for f in fused)]
-        if not unused:
-            return
-        # the last writes of those keys have landed (resident state stays off
-        # the store: [Note: resident state leaves the store] in tierd.optim.resident)
-        self.settle(write_resident=False)
-        self.client.delete([tp.grad_key for tp in unused])
-        for tp in unused:
-            tp.grad_created = False
+        unused = unused_grads(self, tps)
+        if unused:
+            # the last writes of those keys have landed (resident state stays off
+            # the store: [Note: resident state leaves the store] in tierd.optim.resident)
+            self.settle(write_resident=False)
+            free_grads(self, unused)
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """New CPU tensors with the stored bytes of this session's keys (not

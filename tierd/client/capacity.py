@@ -44,7 +44,10 @@ the GPU (within the disk): a plan that keeps less than assumed then spills
 instead of failing. The store then needs the model's state
 less that, but never less than what the first step needs before any plan
 exists: compute copies, masters and the gradients it sums
-(:attr:`StoreNeed.total`). If the plan keeps less than assumed, storing the
+(:attr:`StoreNeed.total`); gradients count only there, since from the
+first update on each is freed as soon as it is used ([Note: gradients freed
+as they are used] in ``tierd.optim.base``; a window of several backwards sums
+them in the store, and needs that much more). If the plan keeps less than assumed, storing the
 rest fails then with a CapacityError. Under torch.distributed nothing is
 counted: every rank reads the owners' keys, so they stay in the store.
 
@@ -173,11 +176,22 @@ class StoreNeed:
         return self.params + self.master + self.optimizer + self.gradients
 
     @property
+    def first_step(self) -> int:
+        """What the first step stores before any plan: compute copies, the
+        masters attach stores, and the gradients it sums."""
+        return self.params + self.master - self.master_later + self.gradients
+
+    @property
     def total(self) -> int:
-        """What the store must hold: the state less what the GPU may keep, at
-        least what the first step stores ([Note: the GPU counted])."""
-        first_step = self.params + self.master - self.master_later + self.gradients
-        return max(first_step, self.state - self.device)
+        """What the store must hold: the state but the gradients (freed as the
+        update uses them) less what the GPU may keep, at least what the first
+        step stores ([Note: the GPU counted])."""
+        return max(self.first_step, self.state - self.gradients - self.device)
+
+    @property
+    def without_gpu(self) -> int:
+        """:attr:`total` with nothing kept on the GPU."""
+        return max(self.first_step, self.state - self.gradients)
 
     def describe(self) -> str:
         parts = [f"parameters {size_text(self.params)}"]
@@ -189,10 +203,15 @@ class StoreNeed:
         if self.gradients:
             parts.append(f"fp32 gradients {size_text(self.gradients)}")
         text = " + ".join(parts)
-        if self.total < self.state:
-            text += (f" = {size_text(self.state)}, less {size_text(self.state - self.total)} "
-                     f"the GPU keeps (of {size_text(self.device)} it may)")
-        return text + f" = {size_text(self.total)}"
+        if self.total == self.state:
+            return text + f" = {size_text(self.total)}"
+        if self.total == self.first_step:
+            return (text + f" = {size_text(self.state)}, of which the store holds at most "
+                    f"the first step's parameters, masters and gradients, "
+                    f"{size_text(self.total)}")
+        return (text + f" = {size_text(self.state)}, less the gradients (freed as the update "
+                f"uses them) and {size_text(self.device)} the GPU may keep "
+                f"= {size_text(self.total)}")
 
 
 @dataclass(frozen=True)
@@ -307,10 +326,8 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
         floor = min(machine.ram // 2, OLD_POOL_CAP)
         pool = min(machine.pool_limit, max(floor, 2 * total + largest + slack(need)))
     if nvme_size is None:
-        # twice what spills: NVMe extents fragment (an 8B model's 39 GiB NVMe
-        # for 30 GB of spill had 6.8 GB free but no extent for a 2.1 GB
-        # record) and tensors read back keep their NVMe copy while it has room
-        spill = nvme_for(need.state + largest - pool, need)   # [Note: the GPU counted]
+        # as if nothing were on the GPU ([Note: the GPU counted])
+        spill = nvme_for(need.without_gpu + largest - pool, need)
         room = 2 * total + largest + slack(need) if commits else 0
         nvme_size = min(machine.nvme_limit, max(MIN_NVME, spill, room))
     return Sizes(max(pool, PAGE), max(nvme_size, PAGE))

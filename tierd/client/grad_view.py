@@ -54,8 +54,9 @@ from tierd.errors import StateError
 _aten = torch.ops.aten
 
 _FUSED_HINT = (
-    "the optimizer update of {name!r} already ran inside backward (tierd's fused "
-    "update), so its gradient can no longer be read or changed before step(). To clip, "
+    "the optimizer update of {name!r} already used its gradient (tierd's fused update, "
+    "inside backward, or the first step()), and tierd freed it, so it can no longer be "
+    "read or changed. To clip, "
     "pass tierd.optim.AdamW(..., max_grad_norm=...) (or SGD), or call clip_grad_norm_ "
     "from the first step on (tierd then keeps the update in step()), or pass fused=False")
 
@@ -234,6 +235,15 @@ class GradViews:
                 tp.grad_in_pool = False
                 tp.grad_norm = None
                 del self._shown[tp]
+
+    def consume(self, tps) -> None:
+        """The update used these gradients and they are gone: their views
+        raise from now on, naming why ([Note: gradients freed as they are used]
+        in ``tierd.optim.base``)."""
+        for tp in tps:
+            view = self._shown.get(tp)
+            if view is not None:
+                view.consumed = True
 
     def drop(self, tps) -> None:
         """``zero_grad``: no view, no gradient kept."""

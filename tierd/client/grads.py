@@ -97,3 +97,26 @@ class GradBucket:
         copy = self._stream.copy_out_many([(views[k], accumulated[k]) for k in keys],
                                           tuple(keys))
         self._releases.add(copy, written=True)
+
+
+def unused_grads(session, tps: list[TieredParam]) -> list[TieredParam]:
+    """Of ``tps``, those whose gradient key no later backward writes: a
+    fused optimizer consumes their gradients inside every backward (a
+    window of one; not a CPU-updated bucket, which writes its gradients to
+    their keys every step)."""
+    if session.share is not None:
+        return []   # the node's ranks write gradient keys for each other
+    fused = [f for f in session.optimizers
+             if f.fusing and f.learned and (f.window or f.backwards) == 1]
+    return [tp for tp in tps if tp.grad_created
+            and any(tp in f.bucket_of and not f.bucket_of[tp].cpu for f in fused)]
+
+
+def free_grads(session, tps: list[TieredParam]) -> None:
+    """Delete the gradient keys of ``tps`` (no lease on them, no write in
+    flight); their ``p.grad`` shows a consumed view until ``zero_grad``."""
+    session.client.delete([tp.grad_key for tp in tps])
+    for tp in tps:
+        tp.grad_created = False
+        tp.grad_in_pool = False
+    session.grad_views.consume(tps)

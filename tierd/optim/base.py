@@ -18,6 +18,22 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
   torch.distributed and with ``fused=False``. Fused with ``placement="cpu"``,
   the update runs on host threads in the pool, overlapped with backward
   ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
+
+[Note: gradients freed as they are used]
+The first window is updated in ``step()`` with every gradient summed in the
+store (fp32, 4 B/param), and its update makes the streamed units' masters and
+moments (12 B/param). Kept until ``zero_grad`` as torch keeps ``p.grad``,
+the gradients would sit in the store next to all that new state: at 15B
+parameters 60 GB more than any later step needs, which is what bounded the
+largest model. So where no later backward writes a gradient key (the fused
+path consumes gradients inside backward: a window of one, not CPU-updated,
+not under torch.distributed, no clipping through ``p.grad``), each block's
+gradients are deleted as soon as its update has used them, and the streamed
+blocks' state is made block by block just before its update. ``p.grad`` then
+shows a consumed view until ``zero_grad``, as after every later (fused)
+step. The price: a store too small for the state fails part-way through that
+first update rather than before it (placement refuses a plan the store cannot
+hold beforehand: [Note: placement within the store] in tierd.client.placement).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tierd.client.grads import free_grads, unused_grads
 from tierd.client.capacity import StoreNeed, device_room
 from tierd.client.embedded import room_problem
 from tierd.client.grad_view import replay
@@ -239,15 +256,20 @@ class StreamedOptimizer(torch.optim.Optimizer):
         work.sort(key=lambda w: w[0])
         # before any update: resident state onto the device (its store keys go),
         # then what the others lack is made, so a store too full for it fails
-        # with nothing updated
+        # with nothing updated; unless gradients go as they are used, which
+        # needs less room ([Note: gradients freed as they are used])
+        frees = {} if touched else {s: set(unused_grads(s, tps)) for s, tps in sessions.items()}
         for streamed, _, block in work:
-            if streamed:
+            if streamed and not any(frees.values()):
                 self.unmade.ensure_stored(block)
-            else:
+            elif not streamed:
                 for tp in block:
                     _resident_work(self._fused, tp)
         for _, group, block in work:
             self._step_block(group, block, coef)
+            used = [tp for tp in block if tp in frees.get(tp.session, ())]
+            if used:
+                free_grads(block[0].session, used)
         for f in self._fused:
             f.after_step()
         if touched:
