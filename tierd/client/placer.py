@@ -233,16 +233,19 @@ class Placer:
         self._signature = signature
         self._start_measuring()
 
-    def before_update(self) -> None:
+    def before_update(self, freed: list | tuple = ()) -> None:
         """``opt.step()`` is about to update in step() (deferred) at the end of
         the measured window: place now rather than at the next forward, so the
         first update already runs on the plan ([Note: placing before the first
-        update])."""
+        update]). ``freed``: the parameters whose stored gradients that update
+        deletes as it uses them, room for the state it makes ([Note: gradients
+        freed as they are used] in ``tierd.optim.base``)."""
         if self.state is not PlacerState.MEASURING or self._ranks is not None \
                 or not self._ready():
             return
         non_model = self._read_step()
-        self._place(non_model, max(0, self.cap - non_model - self._margin))
+        self._place(non_model, max(0, self.cap - non_model - self._margin),
+                    freed=4 * sum(tp.param.numel() for tp in freed))
 
     def _ready(self) -> bool:
         """A whole step was measured, and activation tiering has its final plan;
@@ -306,7 +309,7 @@ class Placer:
         return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i], u.grad_bytes)
                 for i, u in enumerate(units)]
 
-    def _place(self, non_model: int, budget: int) -> None:
+    def _place(self, non_model: int, budget: int, *, freed: int = 0) -> None:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
@@ -314,6 +317,10 @@ class Placer:
         cpu, costs = next((c for c in (f.host.choice() for f in self._session.optimizers)
                            if c[0] != "none"), ("none", None))
         room = self._store_room(units)
+        if room is not None and freed:
+            # the gradients go block by block: an eighth of them is kept back as
+            # the update's working room (its leases, the pool's swapping)
+            room += freed - freed // 8
         plan = plan_placement(units, budget, cpu=cpu, costs=costs, store_bytes=room)
         if room is not None and stored(units, plan.places) > room:
             self._refuse(units, plan, room)

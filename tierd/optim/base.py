@@ -239,8 +239,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # gradients changed through p.grad (clip_grad_norm_): the update must
         # stay in step() from now on ([Note: gradients users touch])
         touched = any(session.grad_views.any_ops() for session in sessions)
+        frees = {} if touched else {s: set(unused_grads(s, tps)) for s, tps in sessions.items()}
         for session in sessions:
-            session.placer.before_update()   # [Note: placing before the first update]
+            # [Note: placing before the first update]
+            session.placer.before_update(list(frees.get(session, ())))
             # the update reads resident state on the device, not in the pool
             session.settle(write_resident=False)
         coef = self._clip_coef()
@@ -258,7 +260,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # then what the others lack is made, so a store too full for it fails
         # with nothing updated; unless gradients go as they are used, which
         # needs less room ([Note: gradients freed as they are used])
-        frees = {} if touched else {s: set(unused_grads(s, tps)) for s, tps in sessions.items()}
         for streamed, _, block in work:
             if streamed and not any(frees.values()):
                 self.unmade.ensure_stored(block)
