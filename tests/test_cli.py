@@ -256,6 +256,8 @@ def test_status_lists_live_jobs_only(daemon):
     assert set(json.loads(every.stdout)["jobs"]) == {"alive", "ended"}
     assert re.search(r"^alive ", text.stdout, re.M) and "\nended " not in text.stdout
     assert "and 1 jobs with no client" in text.stdout
+    # the largest free NVMe extent says whether fragmentation makes records span extents
+    assert view["nvme_largest_free_bytes"] > 0 and "largest free extent" in text.stdout
 
 
 def test_a_socket_that_is_not_tierds_is_one_line_and_exit_2(tmp_path):

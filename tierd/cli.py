@@ -175,7 +175,8 @@ def print_status(view: dict) -> None:
     print(f"pool  {size(view['pool_used_bytes']):>10} used of "
           f"{size(view['pool_bytes'])} ({size(view['pool_mapped_bytes'])} mapped)")
     print(f"nvme  {size(view['nvme_used_bytes']):>10} used of "
-          f"{size(view['nvme_bytes'])} ({'O_DIRECT' if view['nvme_direct_io'] else 'buffered'})")
+          f"{size(view['nvme_bytes'])} ({'O_DIRECT' if view['nvme_direct_io'] else 'buffered'}; "
+          f"largest free extent {size(view.get('nvme_largest_free_bytes', 0))})")
     print(f"moved {size(view['bytes_to_nvme'])} to NVMe, "
           f"{size(view['bytes_to_pool'])} to pool, {view['evictions']} evictions, "
           f"{view['io_errors']} I/O errors")

@@ -31,7 +31,7 @@ import msgpack
 
 from tierd.errors import ProtocolError
 
-VERSION = 2   # 2: reserve's ``zero``
+VERSION = 3   # 2: reserve's ``zero``; 3: demote
 MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024
@@ -137,6 +137,16 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class Demote:
+    """These keys are used again only after the job's others: when the pool
+    needs room they leave first, the last demoted first ([Note: eviction by
+    next use] in tierd.server.eviction)."""
+
+    op: ClassVar[str] = "demote"
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Delete:
     op: ClassVar[str] = "delete"
     keys: tuple[str, ...]
@@ -186,10 +196,10 @@ class ReportDevice:
 
 
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
-                                    Evict, Delete, DropJob, Keys, Stats, Commit, Commits,
-                                    ReportDevice)}
-Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Delete | DropJob
-           | Keys | Stats | Commit | Commits | ReportDevice)
+                                    Evict, Demote, Delete, DropJob, Keys, Stats, Commit,
+                                    Commits, ReportDevice)}
+Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Demote | Delete
+           | DropJob | Keys | Stats | Commit | Commits | ReportDevice)
 
 
 # ----------------------------------------------------------------- replies

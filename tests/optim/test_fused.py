@@ -143,3 +143,19 @@ def test_the_first_step_keeps_gradients_a_later_window_sums(daemon):
         assert p.grad.norm() > 0   # still readable before zero_grad, as in torch
         assert {tp.grad_key for tp in session.params.values()} <= set(session.client.keys())
         opt.zero_grad()
+
+
+def test_each_update_demotes_the_state_it_streamed_and_not_what_stays_on_the_device():
+    # [Note: eviction by next use] in tierd.server.eviction: the master and
+    # moments just written back are next needed a whole step later
+    from tierd.client.store import LocalStore
+    for cap, streams in ((None, True), (1 << 30, False)):
+        store = LocalStore()
+        model = attach(gpt2(), client=store, device="cpu", gpu_memory_bytes=cap)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, opt, batches(3))
+        state = {k for p in model.parameters() for k in opt.state_keys(p.tiered)}
+        if streams:   # every step, each bucket's state once, in the update's order
+            assert set(store.demoted) == state and len(store.demoted) == 3 * len(state)
+        else:   # placed whole on the device before the first update: nothing streams
+            assert store.demoted == []

@@ -327,6 +327,11 @@ class Client(_StoreCalls):
     def lease_async(self, keys: Iterable[str], write: bool = False) -> Pending:
         return self._submit(P.Lease(_keys(keys), write), self._leased)
 
+    def demote_async(self, keys: Iterable[str]) -> Pending:
+        """These keys are used again only after this job's others: the pool
+        evicts them first ([Note: eviction by next use] in tierd.server.eviction)."""
+        return self._submit(P.Demote(_keys(keys)))
+
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
         """Release leases; with ``written`` the write-leased bytes become the new version."""
         return self._submit(P.Release(_keys(keys), written))

@@ -244,8 +244,7 @@ class Placer:
                 or not self._ready():
             return
         non_model = self._read_step()
-        self._place(non_model, max(0, self.cap - non_model - self._margin),
-                    freed=4 * sum(tp.param.numel() for tp in freed))
+        self._place(non_model, max(0, self.cap - non_model - self._margin), freed=freed)
 
     def _ready(self) -> bool:
         """A whole step was measured, and activation tiering has its final plan;
@@ -309,7 +308,7 @@ class Placer:
         return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i], u.grad_bytes)
                 for i, u in enumerate(units)]
 
-    def _place(self, non_model: int, budget: int, *, freed: int = 0) -> None:
+    def _place(self, non_model: int, budget: int, *, freed=()) -> None:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
@@ -317,13 +316,15 @@ class Placer:
         cpu, costs = next((c for c in (f.host.choice() for f in self._session.optimizers)
                            if c[0] != "none"), ("none", None))
         room = self._store_room(units)
-        if room is not None and freed:
-            # the gradients go block by block: an eighth of them is kept back as
-            # the update's working room (its leases, the pool's swapping)
-            room += freed - freed // 8
-        plan = plan_placement(units, budget, cpu=cpu, costs=costs, store_bytes=room)
-        if room is not None and stored(units, plan.places) > room:
-            self._refuse(units, plan, room)
+        plan = plan_placement(units, budget, cpu=cpu, costs=costs,
+                              store_bytes=None if room is None else room + _room(freed))
+        if room is not None:
+            # a CPU-updated unit's gradients stay: it writes them every step
+            on_cpu = {tp for i in plan.units_at(Place.CPU)
+                      for tp in self._session.units[i].params}
+            room += _room([tp for tp in freed if tp not in on_cpu])
+            if stored(units, plan.places) > room:
+                self._refuse(units, plan, room)
         self._apply(plan)
         self.plan, self._non_model = plan, non_model
         self.state = PlacerState.PLACED
@@ -434,6 +435,14 @@ class Placer:
         if self.state is PlacerState.PLACED:
             self._reset()
         self.state = PlacerState.OFF
+
+
+def _room(freed) -> int:
+    """Store room the first update's freed gradients make (parameters ``freed``):
+    they go block by block, so an eighth is kept back as the update's working
+    room (its leases, the pool's swapping)."""
+    nbytes = 4 * sum(tp.param.numel() for tp in freed)
+    return nbytes - nbytes // 8
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:

@@ -21,7 +21,7 @@ The rules both follow (the daemon's catalog is the reference):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tierd.client.keys import random_name
@@ -72,6 +72,7 @@ class Store(Protocol):
     def commit(self, tag: str) -> dict: ...
     def commits(self) -> list[str]: ...
     def report_device(self, resident_bytes: int) -> None: ...
+    def demote_async(self, keys: Iterable[str]) -> Pending: ...
     def check_alive(self) -> None: ...
     def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None],
                           unmapped: Callable[[int, torch.Tensor], None] | None = None) -> None: ...
@@ -220,6 +221,7 @@ class LocalStore:
     pool_bytes: int = 1 << 30
     requests: int = 0   # calls made, as the daemon would count requests
     gpu_resident_bytes: int = 0   # as reported (report_device)
+    demoted: list = field(default_factory=list)   # keys demoted, in order (demote_async)
 
     def __post_init__(self) -> None:
         self.ephemeral = self.job is None
@@ -303,25 +305,31 @@ class LocalStore:
                                 "gpu_resident_bytes": self.gpu_resident_bytes}}}).result()
 
     def commit(self, tag: str) -> dict:
-        return self._call(self._commit, tag).result()
-
-    def _commit(self, tag: str) -> dict:
-        if self.ephemeral:
-            raise StateError(f"job {self.job!r} is a default job, which is never committed")
-        entries = self._table.entries
-        leased = [k for k, e in entries.items() if e.writer]
-        if leased:
-            raise StateError(f"cannot commit while keys are write-leased: {leased[:5]}")
-        snapshot = {k: e.value.clone() for k, e in entries.items() if e.version}
-        self._commits.append((tag, snapshot))
-        return {"tag": tag, "seq": len(self._commits), "tensors": len(snapshot),
-                "bytes": sum(_nbytes(t) for t in snapshot.values())}
+        def take() -> dict:
+            if self.ephemeral:
+                raise StateError(f"job {self.job!r} is a default job, which is never committed")
+            entries = self._table.entries
+            leased = [k for k, e in entries.items() if e.writer]
+            if leased:
+                raise StateError(f"cannot commit while keys are write-leased: {leased[:5]}")
+            snapshot = {k: e.value.clone() for k, e in entries.items() if e.version}
+            self._commits.append((tag, snapshot))
+            return {"tag": tag, "seq": len(self._commits), "tensors": len(snapshot),
+                    "bytes": sum(_nbytes(t) for t in snapshot.values())}
+        return self._call(take).result()
 
     def commits(self) -> list[str]:
         return self._call(lambda: [tag for tag, _ in self._commits]).result()
 
     def report_device(self, resident_bytes: int) -> None:
         self._call(lambda: setattr(self, "gpu_resident_bytes", int(resident_bytes))).result()
+
+    def demote_async(self, keys: Iterable[str]) -> Done:
+        """Nothing is evicted here (no tiers): the keys are checked and kept,
+        in order, in ``demoted`` for tests of who demotes what."""
+        keys = tuple(keys)
+        return self._call(lambda: self.demoted.extend(e and k for k, e in
+                                                      [(k, self._table.entry(k)) for k in keys]))
 
     def restart(self) -> None:
         """What a daemon restart leaves: the last commit, no leases, no reservations."""

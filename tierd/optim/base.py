@@ -31,9 +31,12 @@ not under torch.distributed, no clipping through ``p.grad``), each block's
 gradients are deleted as soon as its update has used them, and the streamed
 blocks' state is made block by block just before its update. ``p.grad`` then
 shows a consumed view until ``zero_grad``, as after every later (fused)
-step. The price: a store too small for the state fails part-way through that
-first update rather than before it (placement refuses a plan the store cannot
-hold beforehand: [Note: placement within the store] in tierd.client.placement).
+step. The price: a store too small for the state may fail part-way through
+that first update rather than before it (placement refuses beforehand a plan
+the store cannot hold, counting the freed gradients less an eighth kept as
+working room: [Note: placement within the store] in tierd.client.placement);
+the same ``step()`` again, with room, updates only the parameters whose
+gradients are still there.
 """
 
 from __future__ import annotations
@@ -245,9 +248,12 @@ class StreamedOptimizer(torch.optim.Optimizer):
             session.placer.before_update(list(frees.get(session, ())))
             # the update reads resident state on the device, not in the pool
             session.settle(write_resident=False)
+        # (not the gradients of units placement just put on the CPU: written every step)
+        frees = {s: set(unused_grads(s, list(tps))) for s, tps in frees.items()}
         coef = self._clip_coef()
-        # resident blocks first: their values leave the store, which makes room
-        # for the state the streamed ones make ([Note: state made when first needed] in tierd.optim.state)
+        # resident blocks first: their values leave the store, which makes room for
+        # the state the streamed ones make ([Note: state made when first needed] in
+        # tierd.optim.state)
         work = []
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
@@ -404,6 +410,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
             # copies back into the pool must land before the leases go.
             torch.cuda.current_stream(session.device).synchronize()
         session.leases.release(keys, written=True)
+        stored = [k for tp in block if resident[tp] is None for k in self.state_keys(tp)]
+        if stored:   # next needed in the next step ([Note: eviction by next use])
+            session.client.demote_async(stored)
 
     def _block_keys(self, tp: TieredParam, resident: dict | None) -> list[str]:
         if resident is not None:   # only the gradient comes from the pool

@@ -53,13 +53,11 @@ the pool (``settle``: ``state_dict``, ``commit``, ``detach``, a deferred
 ``step()``), which writes it back first, so commits and reads see every
 value. Gradients that earlier backwards of a window summed in the pool are
 brought in for the update. An optimizer that updates in ``step()``
-(clipping: ``fusing`` off) keeps its buckets for this alone: ``step()``
-updates a pinned bucket's device state in place with the gradient from the
-pool (:meth:`FusedUpdates.resident_work`).
+(clipping: ``fusing`` off) keeps its buckets for this alone: ``step()`` updates
+a pinned bucket's device state in place (:meth:`FusedUpdates.resident_work`).
 
-The first backward only learns (delivery counts and order); its window is
-updated by ``step()`` (deferred path). On the CPU the same code runs on the
-pool views in place, with no copies.
+The first backward only learns (delivery counts and order); ``step()``
+updates its window. On the CPU the same code runs on the pool views in place.
 """
 
 from __future__ import annotations
@@ -481,8 +479,9 @@ class FusedUpdates:
                     views[k].copy_(t)
             session.leases.release(b.keys, written=True)
             self._fetched_bytes -= b.nbytes
-        # a parameter without its gradient yet may still get one: fetched again then
-        b.to_updated(all_params=all(tp in self._updated for tp in b.tps))
+        # the state is next needed here in the next step ([Note: eviction by next use])
+        session.client.demote_async([k for tp in b.tps for k in opt.state_keys(tp)])
+        b.to_updated(all_params=all(tp in self._updated for tp in b.tps))  # else fetched again
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 

@@ -196,12 +196,12 @@ class Catalog:
         for e in entries:
             match e.state:
                 case Residency.IN_POOL:
-                    self._check_lease_conflict(e, write)
+                    _check_lease_conflict(e, write)
                 case Residency.WRITING_BACK:
                     if write:
                         blocked.wait.append(e.transfer)
                     else:
-                        self._check_lease_conflict(e, write)
+                        _check_lease_conflict(e, write)
                 case Residency.READING_IN:
                     blocked.wait.append(e.transfer)
                 case Residency.ON_NVME:
@@ -265,6 +265,14 @@ class Catalog:
                 case Residency.WRITING_BACK | Residency.READING_IN:
                     blocked.wait.append(e.transfer)
         return blocked if blocked.wait else None
+
+    def demote(self, s: Session, keys: tuple[str, ...]) -> None:
+        """Evict these before the job's other tensors, the last demoted first
+        ([Note: eviction by next use] in tierd.server.eviction); the next
+        lease makes them ordinary again."""
+        tick = next(self.tiers.clock)
+        for e in [self._entry(s, k) for k in keys]:
+            e.last_use = -tick
 
     def delete(self, s: Session, keys: tuple[str, ...]) -> None:
         entries = [self._entry(s, k) for k in keys]
@@ -342,9 +350,9 @@ class Catalog:
             raise UnknownKey(f"no tensor under key {key!r} in job {s.job!r}")
         return e
 
-    @staticmethod
-    def _check_lease_conflict(e: Entry, write: bool) -> None:
-        if e.slot.state is SlotState.WRITE_LEASED or (write and e.slot.readers):
-            raise StateError(f"{e.key}: leased for "
-                             f"{'writing' if e.slot.state is SlotState.WRITE_LEASED else 'reading'}"
-                             f" by another holder; a write lease needs the tensor to itself")
+
+def _check_lease_conflict(e: Entry, write: bool) -> None:
+    if e.slot.state is SlotState.WRITE_LEASED or (write and e.slot.readers):
+        raise StateError(f"{e.key}: leased for "
+                         f"{'writing' if e.slot.state is SlotState.WRITE_LEASED else 'reading'}"
+                         f" by another holder; a write lease needs the tensor to itself")

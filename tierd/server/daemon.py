@@ -342,6 +342,8 @@ class Daemon:
                     r = c.prefetch(s, keys)
                 case P.Evict(keys):
                     r = c.evict(s, keys)
+                case P.Demote(keys):
+                    r = c.demote(s, keys)
                 case P.Delete(keys):
                     r = c.delete(s, keys)
                 case P.DropJob():

@@ -10,6 +10,23 @@ above its quota); when it is below its share it takes room from the job
 furthest above its share instead, a whole segment at a time, since pool
 memory moves between jobs only as whole segments (see hostpool's Note on
 segment lifetime). Leased tensors are never candidates.
+
+[Note: eviction by next use]
+Least recently used is the worst order for what training does once the pool
+is smaller than a job's working set: every step touches the same tensors in
+the same order, so the tensor used longest ago is the one needed soonest,
+and every access misses (a 15B model whose 137 GiB of streamed optimizer
+state cycled through a 105 GiB pool read and wrote all of it from NVMe each
+step). The client knows better: a streamed bucket's master and moments,
+just updated, are next needed at the same point of the next step, after
+everything else it uses before then. It *demotes* them (``Demote``): their
+``last_use`` becomes minus the current tick, so they go before any ordinary
+tensor, the most recently demoted first. That is Belady's choice for a
+cycle: the state updated first in this backward is needed first in the
+next one, so the pool keeps the state of the first buckets of the backward
+order, and only the rest cycles through NVMe: (working set - pool) each way
+per step instead of the whole working set. A lease makes a tensor ordinary
+again (``last_use`` is the lease's tick).
 """
 
 from __future__ import annotations

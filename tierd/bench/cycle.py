@@ -1,0 +1,109 @@
+"""A working set larger than the pool, touched in the same order every step.
+
+    python -m tierd.bench.cycle --dir /mnt/nvme/bench --out DIR --pool-mib 4096 --ratio 1.5
+    python -m tierd.bench.cycle --dir /tmp/x --out DIR --quick      # CPU smoke run
+
+This is what a training job's streamed optimizer state does once it exceeds
+the pool (a 15B-18B model on a 128 GiB machine): each step leases every key
+for writing, in the same order, changes it and releases it. Through a real
+``tierd serve`` on the file system of ``--dir``, the same steps run twice,
+each on a fresh daemon: with least-recently-used eviction alone, and with
+each key demoted after its release, as ``tierd.optim`` does ([Note: eviction
+by next use] in ``tierd.server.eviction``). Writes ``cycle.json``: per policy
+the bytes read from and written to NVMe per step and the seconds per step
+(medians after the first step, which fills the pool).
+
+[Note: what to expect from demoting]  (prediction written before measuring)
+With W bytes touched per step through a pool of P < W, least recently used
+evicts exactly the key needed next: every lease misses, W is read and W
+written per step. Demoting keeps the first keys of the order in the pool and
+cycles only the rest: about W - P each way (plus the room eviction keeps
+free), so at W = 1.5 P a third of the traffic, and a disk-bound step a third
+of the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import tierd
+from tierd.bench.run import git_commit
+
+MiB = 1 << 20
+
+
+def run_policy(directory: Path, *, pool: int, keys: int, key_bytes: int, steps: int,
+               demote: bool) -> dict:
+    """One fresh daemon, ``steps`` passes over ``keys`` keys; figures per step."""
+    from tierd.client.embedded import start_daemon
+    daemon = start_daemon(pool=pool, nvme_size=2 * keys * key_bytes + 256 * MiB,
+                          nvme_dir=directory)
+    names = [f"state/{i:05d}" for i in range(keys)]
+    rows = []
+    try:
+        with tierd.connect(daemon.socket) as c:
+            for k in names:
+                c.put(k, torch.zeros(key_bytes // 4))
+            for _ in range(steps):
+                before, t0 = c.stats(), time.perf_counter()
+                for k in names:
+                    (leased,) = c.lease([k], write=True)
+                    leased.tensor[:1024].add_(1)   # the update: new bytes, a dirty key
+                    c.release([k], written=True)
+                    if demote:
+                        c.demote_async([k])
+                c.stats()   # every request answered
+                after = c.stats()
+                rows.append({"seconds": time.perf_counter() - t0,
+                             "read_bytes": after["bytes_to_pool"] - before["bytes_to_pool"],
+                             "written_bytes": after["bytes_to_nvme"] - before["bytes_to_nvme"]})
+    finally:
+        daemon.stop()
+    steady = rows[1:] or rows
+    med = {f: statistics.median(r[f] for r in steady) for f in rows[0]}
+    return {"demote": demote, "steps": rows, **{f"median_{f}": v for f, v in med.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, required=True, help="where the daemons' NVMe files go")
+    ap.add_argument("--out", type=Path, required=True, help="where cycle.json goes")
+    ap.add_argument("--pool-mib", type=int, default=1024)
+    ap.add_argument("--ratio", type=float, default=1.5, help="working set / pool")
+    ap.add_argument("--key-mib", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="64 MiB pool, 1 MiB keys, 3 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pool_mib, args.key_mib, args.steps = 64, 1, 3
+    pool, key_bytes = args.pool_mib * MiB, args.key_mib * MiB
+    keys = int(args.ratio * pool) // key_bytes
+    args.dir.mkdir(parents=True, exist_ok=True)
+    policies = [run_policy(args.dir, pool=pool, keys=keys, key_bytes=key_bytes,
+                           steps=args.steps, demote=d) for d in (False, True)]
+    lru, demoted = policies
+    out = {"commit": git_commit(), "pool_bytes": pool, "working_set_bytes": keys * key_bytes,
+           "key_bytes": key_bytes, "cpus": os.cpu_count(), "policies": policies,
+           "read_ratio": demoted["median_read_bytes"] / max(1, lru["median_read_bytes"]),
+           "time_ratio": demoted["median_seconds"] / lru["median_seconds"]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cycle.json").write_text(json.dumps(out, indent=2))
+    for p in policies:
+        print(f"{'demoted' if p['demote'] else 'LRU':>8}: {p['median_seconds']:.3f} s/step, "
+              f"{p['median_read_bytes'] / MiB:.0f} MiB read, "
+              f"{p['median_written_bytes'] / MiB:.0f} MiB written per step "
+              f"(working set {keys * key_bytes / MiB:.0f} MiB, pool {args.pool_mib} MiB)")
+    print(f"demoted / LRU: {out['read_ratio']:.2f} of the bytes read, "
+          f"{out['time_ratio']:.2f} of the time")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
