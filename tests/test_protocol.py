@@ -9,7 +9,8 @@ REQUESTS = [
     P.Reserve((P.TensorSpec("a", "float32", (2, 3), 24), P.TensorSpec("b", "bool", (), 1))),
     P.Reserve((P.TensorSpec("z", "bfloat16", (4,), 8),), zero=True),
     P.Publish(("a", "b")), P.Abort(("a",)), P.Lease(("a",), write=True), P.Release(("a",), True),
-    P.Prefetch(("x", "y")), P.Evict(("a",)), P.Delete(("a",)), P.Keys("opt/"), P.Stats(),
+    P.Prefetch(("x", "y")), P.Evict(("a",)), P.Demote(("a", "b")), P.Delete(("a",)),
+    P.Keys("opt/"), P.Stats(),
 ]
 
 
