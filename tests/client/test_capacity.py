@@ -233,3 +233,13 @@ def test_attach_sizes_the_embedded_daemon_and_restarts_it_when_idle(own_embedded
     assert again is not first and first.process.poll() is not None   # idle: started again
     assert "the embedded daemon" in str(err.value) and "TIERD_NVME_SIZE" in str(err.value)
     assert _stats(again.socket)["tensors"] == 0 and list(big.parameters()) == params
+
+
+def test_gradients_count_after_the_first_step_only_where_they_stay():
+    fused = StoreNeed(params=16, master=32, optimizer=64, gradients=32, device=40)
+    kept = StoreNeed(params=16, master=32, optimizer=64, gradients=32, device=40,
+                     gradients_kept=True)
+    assert fused.first_step == kept.first_step == 80
+    assert fused.total == max(80, 112 - 40) == 80      # freed as the first update uses them
+    assert kept.total == 144 - 40                      # clipping, accumulation, CPU updates
+    assert "freed as the update uses them" not in kept.describe()

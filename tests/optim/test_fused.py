@@ -146,16 +146,40 @@ def test_the_first_step_keeps_gradients_a_later_window_sums(daemon):
 
 
 def test_each_update_demotes_the_state_it_streamed_and_not_what_stays_on_the_device():
-    # [Note: eviction by next use] in tierd.server.eviction: the master and
-    # moments just written back are next needed a whole step later
+    # [Note: eviction by next use] in tierd.server.eviction: the moments (and a
+    # master distinct from the weights) just written back are next needed a
+    # whole step later; the weights the next forward reads are not demoted,
+    # nor is anything held (never evicted) or kept on the device
     from tierd.client.store import LocalStore
-    for cap, streams in ((None, True), (1 << 30, False)):
+    for cap, hold, streams in ((None, 0.0, True), (None, 0.5, False), (1 << 30, 0.0, False)):
         store = LocalStore()
-        model = attach(gpt2(), client=store, device="cpu", gpu_memory_bytes=cap)
+        model = attach(gpt2(), client=store, device="cpu", gpu_memory_bytes=cap,
+                       hold_fraction=hold)
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
         train(model, opt, batches(3))
-        state = {k for p in model.parameters() for k in opt.state_keys(p.tiered)}
-        if streams:   # every step, each bucket's state once, in the update's order
-            assert set(store.demoted) == state and len(store.demoted) == 3 * len(state)
-        else:   # placed whole on the device before the first update: nothing streams
+        moments = {k for p in model.parameters() for k in opt.state_keys(p.tiered)[1:]}
+        if streams:   # every step, each bucket's moments once
+            assert set(store.demoted) == moments and len(store.demoted) == 3 * len(moments)
+        else:
             assert store.demoted == []
+
+
+def test_demoting_sends_requests_nobody_waits_for_without_filling_the_socket(daemon):
+    # held keys are not demoted, but a loop that demotes and sends nothing
+    # else must still get the next reply it waits for
+    with tierd.connect(daemon.socket) as c:
+        c.put("k", torch.zeros(4))
+        for _ in range(5000):
+            c.demote_async(["k"])
+        assert c.stats()["tensors"] >= 1
+
+
+def test_a_backward_after_the_first_step_without_zero_grad_raises(daemon):
+    # the first step() freed the gradients torch would still add to
+    model, _ = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with pytest.raises(StateError, match="without opt.zero_grad"):
+        model(input_ids=ids, labels=ids).loss.backward()

@@ -193,3 +193,20 @@ def test_a_commit_without_room_for_the_resident_values_fails_before_writing(daem
     assert train(model, opt, data[2:]) == train(ref, ref_opt, data[2:])   # goes on
     tierd.detach(model)
     assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("options", [dict(max_grad_norm=1.0), dict(accumulation_steps=2),
+                                     dict(fused=False)])
+def test_an_optimizer_that_keeps_gradients_every_step_counts_them(daemon_factory, options):
+    # 3.4M fp32 parameters: weights and moments (41 MB) fit in 46 MiB, and
+    # the fused path frees the first step's gradients as it goes; clipping, a
+    # longer window or fused=False keep 13.6 MB more in the store every step:
+    # refused when the optimizer is made, before anything is written
+    d = daemon_factory(pool="16MiB", nvme_size="30MiB", extra=("--segment-size", "4MiB"))
+    client = tierd.connect(d)
+    model = attach(_model(), client=client, device="cpu")
+    stored = client.stats()["stored_bytes"]
+    with pytest.raises(CapacityError, match="gradients"):
+        tierd.optim.AdamW(model.parameters(), lr=1e-3, **options)
+    assert client.stats()["stored_bytes"] == stored
+    tierd.optim.AdamW(model.parameters(), lr=1e-3)   # the fused default fits

@@ -46,8 +46,9 @@ less that, but never less than what the first step needs before any plan
 exists: compute copies, masters and the gradients it sums
 (:attr:`StoreNeed.total`); gradients count only there, since from the
 first update on each is freed as soon as it is used ([Note: gradients freed
-as they are used] in ``tierd.optim.base``; a window of several backwards sums
-them in the store, and needs that much more). If the plan keeps less than assumed, storing the
+as they are used] in ``tierd.optim.base``). An optimizer that keeps them in
+the store every step (clipping, a window of several backwards, CPU updates)
+counts them there too (``gradients_kept``). If the plan keeps less than assumed, storing the
 rest fails then with a CapacityError. Under torch.distributed nothing is
 counted: every rank reads the owners' keys, so they stay in the store.
 
@@ -140,6 +141,9 @@ class StoreNeed:
     #: of ``master``: masters the first update makes, not attach (tierd.client.registry,
     #: [Note: masters made when first needed])
     master_later: int = 0
+    #: gradients stay in the store every step (clipping, accumulation, CPU
+    #: updates), not only in the first ([Note: the GPU counted])
+    gradients_kept: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -151,7 +155,8 @@ class StoreNeed:
     def of(cls, items: Iterable[tuple[str, str, int]], *, job: str | None = None,
            existing: Iterable[str] = (), buffers: int = 0,
            assumed_optimizer: bool = False, released: int = 0,
-           device: int = 0, later: Iterable[str] = ()) -> "StoreNeed":
+           device: int = 0, later: Iterable[str] = (),
+           gradients_kept: bool = False) -> "StoreNeed":
         """Sum ``(kind, key, nbytes)`` items whose key is not in ``existing``;
         masters whose key is in ``later`` are made by the first update."""
         have, after = set(existing), set(later)
@@ -168,7 +173,7 @@ class StoreNeed:
             largest = max(largest, size)
         return cls(**sums, buffers=buffers, largest=largest,
                    assumed_optimizer=assumed_optimizer, released=released, device=device,
-                   master_later=master_later)
+                   master_later=master_later, gradients_kept=gradients_kept)
 
     @property
     def state(self) -> int:
@@ -186,12 +191,12 @@ class StoreNeed:
         """What the store must hold: the state but the gradients (freed as the
         update uses them) less what the GPU may keep, at least what the first
         step stores ([Note: the GPU counted])."""
-        return max(self.first_step, self.state - self.gradients - self.device)
+        return max(self.first_step, self.without_gpu - self.device)
 
     @property
     def without_gpu(self) -> int:
         """:attr:`total` with nothing kept on the GPU."""
-        return max(self.first_step, self.state - self.gradients)
+        return max(self.first_step, self.state - (0 if self.gradients_kept else self.gradients))
 
     def describe(self) -> str:
         parts = [f"parameters {size_text(self.params)}"]
@@ -209,9 +214,9 @@ class StoreNeed:
             return (text + f" = {size_text(self.state)}, of which the store holds at most "
                     f"the first step's parameters, masters and gradients, "
                     f"{size_text(self.total)}")
-        return (text + f" = {size_text(self.state)}, less the gradients (freed as the update "
-                f"uses them) and {size_text(self.device)} the GPU may keep "
-                f"= {size_text(self.total)}")
+        freed = "" if self.gradients_kept else "the gradients (freed as the update uses them) and "
+        return (text + f" = {size_text(self.state)}, less {freed}{size_text(self.device)} "
+                f"the GPU may keep = {size_text(self.total)}")
 
 
 @dataclass(frozen=True)

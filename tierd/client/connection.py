@@ -329,7 +329,11 @@ class Client(_StoreCalls):
 
     def demote_async(self, keys: Iterable[str]) -> Pending:
         """These keys are used again only after this job's others: the pool
-        evicts them first ([Note: eviction by next use] in tierd.server.eviction)."""
+        evicts them first ([Note: eviction by next use] in tierd.server.eviction).
+        Nobody waits for its reply: the replies already here are read now, so
+        a loop that sends nothing else cannot fill the socket's queue."""
+        with self._lock:
+            self._drain()
         return self._submit(P.Demote(_keys(keys)))
 
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:

@@ -126,6 +126,15 @@ class LeaseTable:
     def is_held(self, key: str) -> bool:
         return key in self._held
 
+    def demote(self, keys: Iterable[str]) -> None:
+        """Ask the daemon to evict these keys first ([Note: eviction by next use]
+        in tierd.server.eviction); held keys are never evicted, and a shared
+        key's next version is published later, as a new entry: not asked."""
+        keys = [k for k in keys if k not in self._held and k not in self.shared]
+        if keys:
+            self._client.demote_async(keys)
+            self._stats.requests += 1
+
     def release(self, keys: Iterable[str], *, written: bool = False) -> None:
         """Drop one reference per (deduplicated) key; the last one releases the
         daemon lease, in one request per ``written`` flag."""

@@ -439,10 +439,12 @@ class Placer:
 
 def _room(freed) -> int:
     """Store room the first update's freed gradients make (parameters ``freed``):
-    they go block by block, so an eighth is kept back as the update's working
-    room (its leases, the pool's swapping)."""
+    they go block by block after each block's state is made, so an eighth of
+    them, and at least twice the largest, is kept back as the update's
+    working room (its leases, the pool's swapping, the last block)."""
     nbytes = 4 * sum(tp.param.numel() for tp in freed)
-    return nbytes - nbytes // 8
+    keep = max(nbytes // 8, 8 * max((tp.param.numel() for tp in freed), default=0))
+    return max(0, nbytes - keep)
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:

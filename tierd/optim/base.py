@@ -95,10 +95,12 @@ def _check_capacity(opt: "StreamedOptimizer") -> None:
             unmade = [tp for tp in tps if not tp.master_made]   # made by the first update
             later = [tp.master_key for tp in unmade]
             items += [("master", tp.master_key, tp.param.numel() * 4) for tp in unmade]
+            kept = opt.keeps_gradients or (
+                opt.placement or session.config.optimizer_placement) == "cpu"
             need = StoreNeed.of(items, job=getattr(session.client, "job", None),
                                 existing=session.client.keys(session.keys.all), later=later,
                                 device=device_room(session.placer.cap if ranks is None
-                                                   else None))
+                                                   else None), gradients_kept=kept)
             text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
                                 f"gradients of {len(tps)} parameters", attaching=False)
         if ranks is not None:
@@ -178,8 +180,13 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.block_bytes = block_bytes
         self.placement = placement
         self.accumulation_steps = accumulation_steps
+        #: gradients stay in the store every step, not only in the first
+        #: ([Note: gradients freed as they are used])
+        self.keeps_gradients = (max_grad_norm is not None or fused is False
+                                or (accumulation_steps or 1) > 1)
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
+        self._stepped: set[TieredParam] = set()   # updated by a step() that then failed
         self._fused: list[FusedUpdates] = []
         #: its state not made yet ([Note: state made when first needed] in tierd.optim.state)
         self.unmade = UnmadeState(self)
@@ -221,6 +228,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         for session, tps in self._by_session(self._all()).items():
             session.zero_grad(tps)
         self.needs_zero_grad = False
+        self._stepped.clear()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -256,7 +264,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # tierd.optim.state)
         work = []
         for group in self.param_groups:
-            tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool]
+            tps = [p.tiered for p in group["params"]
+                   if p.tiered.grad_in_pool and p.tiered not in self._stepped]
             pinned = [tp for tp in tps if _pinned(self._fused, tp)]
             work += [(0, group, block) for block in self._blocks(pinned)]
             work += [(1, group, block) for block in self._blocks(
@@ -274,9 +283,12 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     _resident_work(self._fused, tp)
         for _, group, block in work:
             self._step_block(group, block, coef)
+            self._stepped.update(block)   # a retry after a failure skips them
             used = [tp for tp in block if tp in frees.get(tp.session, ())]
             if used:
                 free_grads(block[0].session, used)
+                self.needs_zero_grad = True   # a backward before zero_grad would miss them
+        self._stepped.clear()
         for f in self._fused:
             f.after_step()
         if touched:
@@ -410,9 +422,10 @@ class StreamedOptimizer(torch.optim.Optimizer):
             # copies back into the pool must land before the leases go.
             torch.cuda.current_stream(session.device).synchronize()
         session.leases.release(keys, written=True)
-        stored = [k for tp in block if resident[tp] is None for k in self.state_keys(tp)]
-        if stored:   # next needed in the next step ([Note: eviction by next use])
-            session.client.demote_async(stored)
+        # next needed in the next step ([Note: eviction by next use])
+        # (not an fp32 parameter's own key: the next forward reads it first)
+        session.leases.demote([k for tp in block if resident[tp] is None
+                               for k in self.state_keys(tp) if k != tp.key])
 
     def _block_keys(self, tp: TieredParam, resident: dict | None) -> list[str]:
         if resident is not None:   # only the gradient comes from the pool

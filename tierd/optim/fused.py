@@ -480,7 +480,7 @@ class FusedUpdates:
             session.leases.release(b.keys, written=True)
             self._fetched_bytes -= b.nbytes
         # the state is next needed here in the next step ([Note: eviction by next use])
-        session.client.demote_async([k for tp in b.tps for k in opt.state_keys(tp)])
+        session.leases.demote([k for tp in b.tps for k in opt.state_keys(tp) if k != tp.key])
         b.to_updated(all_params=all(tp in self._updated for tp in b.tps))  # else fetched again
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()

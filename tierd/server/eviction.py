@@ -26,7 +26,10 @@ cycle: the state updated first in this backward is needed first in the
 next one, so the pool keeps the state of the first buckets of the backward
 order, and only the rest cycles through NVMe: (working set - pool) each way
 per step instead of the whole working set. A lease makes a tensor ordinary
-again (``last_use`` is the lease's tick).
+again (``last_use`` is the lease's tick). Not demoted: an fp32 parameter's
+own key (its master is the weight the next forward reads first, in the
+order least recently used already gets right), held keys (never evicted)
+and keys shared by ranks (their next version is a new entry).
 """
 
 from __future__ import annotations
