@@ -183,3 +183,47 @@ def test_a_backward_after_the_first_step_without_zero_grad_raises(daemon):
     opt.step()
     with pytest.raises(StateError, match="without opt.zero_grad"):
         model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_a_step_that_failed_part_way_then_dropped_skips_nothing_later(daemon, monkeypatch):
+    # step() fails after its first block; the loop drops that batch
+    # (model.zero_grad()) and goes on: the next step updates every parameter
+    model, _ = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, fused=False, block_bytes=1 << 16)
+    real, calls = type(opt)._step_block, []
+
+    def failing(self, group, block, coef):
+        calls.append(block)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(self, group, block, coef)
+
+    monkeypatch.setattr(type(opt), "_step_block", failing)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    model.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    after = model.state_dict()
+    assert [k for k in before if torch.equal(before[k], after[k])] == []
+
+
+def test_a_first_step_that_failed_and_was_dropped_does_not_lengthen_the_window(
+        daemon, monkeypatch):
+    model, _ = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    real = type(opt)._step_block
+    monkeypatch.setattr(type(opt), "_step_block", lambda *a: (_ for _ in ()).throw(
+        RuntimeError("injected")))
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    opt.zero_grad()
+    monkeypatch.setattr(type(opt), "_step_block", real)
+    train(model, opt, batches(3))
+    assert [(f.window, f.fused_backwards > 0) for f in opt._fused] == [(1, True)]

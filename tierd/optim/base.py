@@ -186,7 +186,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
                                 or (accumulation_steps or 1) > 1)
         self.last_grad_norm: torch.Tensor | None = None
         self.needs_zero_grad = False
-        self._stepped: set[TieredParam] = set()   # updated by a step() that then failed
+        # updated by a step() that then failed: the backward count they were
+        # updated after (a retry before the next backward skips them)
+        self._stepped: dict[TieredParam, int] = {}
         self._fused: list[FusedUpdates] = []
         #: its state not made yet ([Note: state made when first needed] in tierd.optim.state)
         self.unmade = UnmadeState(self)
@@ -229,6 +231,9 @@ class StreamedOptimizer(torch.optim.Optimizer):
             session.zero_grad(tps)
         self.needs_zero_grad = False
         self._stepped.clear()
+        for f in self._fused:   # the window starts again (after a step() that failed, say)
+            if not f.active:
+                f.backwards = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -264,8 +269,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # tierd.optim.state)
         work = []
         for group in self.param_groups:
-            tps = [p.tiered for p in group["params"]
-                   if p.tiered.grad_in_pool and p.tiered not in self._stepped]
+            tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool
+                   and self._stepped.get(p.tiered) != p.tiered.session.counters.backwards]
             pinned = [tp for tp in tps if _pinned(self._fused, tp)]
             work += [(0, group, block) for block in self._blocks(pinned)]
             work += [(1, group, block) for block in self._blocks(
@@ -283,7 +288,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                     _resident_work(self._fused, tp)
         for _, group, block in work:
             self._step_block(group, block, coef)
-            self._stepped.update(block)   # a retry after a failure skips them
+            self._stepped.update((tp, tp.session.counters.backwards) for tp in block)
             used = [tp for tp in block if tp in frees.get(tp.session, ())]
             if used:
                 free_grads(block[0].session, used)
