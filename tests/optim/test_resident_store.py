@@ -210,3 +210,19 @@ def test_an_optimizer_that_keeps_gradients_every_step_counts_them(daemon_factory
         tierd.optim.AdamW(model.parameters(), lr=1e-3, **options)
     assert client.stats()["stored_bytes"] == stored
     tierd.optim.AdamW(model.parameters(), lr=1e-3)   # the fused default fits
+
+
+def test_a_learned_window_that_keeps_gradients_fails_its_first_update_saying_why(
+        daemon_factory):
+    # two backwards per step, not declared: the constructor counts the fused
+    # default; the first update then needs the state next to every gradient
+    d = daemon_factory(pool="16MiB", nvme_size="30MiB", extra=("--segment-size", "4MiB"))
+    model = attach(_model(), client=tierd.connect(d), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for ids in batches(2, vocab=1000):
+        model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(CapacityError) as err:
+        opt.step()
+    assert "accumulation_steps=N" in "".join(getattr(err.value, "__notes__", []))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

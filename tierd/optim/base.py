@@ -280,12 +280,21 @@ class StreamedOptimizer(torch.optim.Optimizer):
         # then what the others lack is made, so a store too full for it fails
         # with nothing updated; unless gradients go as they are used, which
         # needs less room ([Note: gradients freed as they are used])
-        for streamed, _, block in work:
-            if streamed and not any(frees.values()):
-                self.unmade.ensure_stored(block)
-            elif not streamed:
-                for tp in block:
-                    _resident_work(self._fused, tp)
+        try:
+            for streamed, _, block in work:
+                if streamed and not any(frees.values()):
+                    self.unmade.ensure_stored(block)
+                elif not streamed:
+                    for tp in block:
+                        _resident_work(self._fused, tp)
+        except CapacityError as exc:   # nothing updated
+            if not self.keeps_gradients:
+                exc.add_note(
+                    "tierd: this first update makes the optimizer state while every gradient "
+                    "stays in the store (a window of several backwards, clip_grad_norm_ or CPU "
+                    "updates keep them); pass accumulation_steps=N (or max_grad_norm) to the "
+                    "optimizer so that its construction checks the room, or give the daemon more")
+            raise
         for _, group, block in work:
             self._step_block(group, block, coef)
             self._stepped.update((tp, tp.session.counters.backwards) for tp in block)
