@@ -227,3 +227,18 @@ def test_a_first_step_that_failed_and_was_dropped_does_not_lengthen_the_window(
     monkeypatch.setattr(type(opt), "_step_block", real)
     train(model, opt, batches(3))
     assert [(f.window, f.fused_backwards > 0) for f in opt._fused] == [(1, True)]
+
+
+@pytest.mark.parametrize("zero", ["model", "opt"])
+def test_zero_grad_without_set_to_none_trains_like_torch(daemon, zero):
+    # zero_grad(set_to_none=False) zeroes p.grad in place; after a fused
+    # update there is nothing left to zero, and training goes on as torch's
+    model, ref = _pair(gpt2, daemon)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for ids in batches(4):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            (m if zero == "model" else o).zero_grad(set_to_none=False)
+    assert_same_weights(model, ref)

@@ -32,8 +32,10 @@ backward they are shown again. Ops recorded and not yet replayed when a
 forward begins are applied to the pool then. A parameter whose update already ran
 inside backward (the fused path) shows a *consumed* view: torch would have a
 gradient there, but clipping it now cannot change the update, so every op on
-it raises, naming ``max_grad_norm``. The fused update cannot wait for a
-clip it does not know of, so the first window is always updated in
+it raises, naming ``max_grad_norm``; except zeroing it in place
+(``zero_grad(set_to_none=False)``), which drops it as ``p.grad = None``
+does. The fused update cannot wait for a clip it does not know of, so the
+first window is always updated in
 ``step()``: an optimizer that finds ops recorded there updates in ``step()``
 from then on (``StreamedOptimizer._stop_fusing``). Under torch.distributed a
 rank's pool holds its share's gradients only, so a norm read here raises,
@@ -82,6 +84,7 @@ class PoolGrad(torch.Tensor):
         view.tp = tp
         view.ops = []        # (op, other args, kwargs) to replay at step()
         view.consumed = consumed
+        view.zeroed = False  # consumed, then zeroed in place: dropped at the next sync
         return view
 
     def __repr__(self) -> str:
@@ -94,6 +97,9 @@ class PoolGrad(torch.Tensor):
         views = [a for a in args if isinstance(a, PoolGrad)]
         views += [t for a in args if isinstance(a, (list, tuple))
                   for t in a if isinstance(t, PoolGrad)]
+        if func in (_aten.zero_.default, _aten._foreach_zero_.default) \
+                and any(v.consumed for v in views):
+            return _zero_consumed(func, args)
         for view in views:
             if view.consumed:
                 raise StateError(_FUSED_HINT.format(name=view.tp.name))
@@ -140,6 +146,23 @@ def _real(arg):
     if isinstance(arg, (list, tuple)):
         return type(arg)(_real(a) for a in arg)
     return arg
+
+
+def _zero_consumed(func, args):
+    """``zero_grad(set_to_none=False)`` zeroes ``p.grad`` in place: a view
+    whose gradient the update used has nothing left to zero, so it is only
+    marked and then dropped at the next sync, as ``p.grad = None`` is (torch
+    would show zeros; the next backward adds to nothing either way). Other
+    tensors of a ``_foreach_zero_`` are zeroed (views: recorded) as before."""
+    targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    for t in targets:
+        if isinstance(t, PoolGrad) and t.consumed:
+            t.zeroed = True
+        elif isinstance(t, PoolGrad):
+            _record(_aten.zero_.default, (t,), {})
+        else:
+            t.zero_()
+    return args[0] if func is _aten.zero_.default else None
 
 
 def _record(func, args, kwargs):
@@ -231,6 +254,8 @@ class GradViews:
     def sync(self) -> None:
         """Forget the gradients whose view the user removed (``p.grad = None``)."""
         for tp, view in list(self._shown.items()):
+            if view.zeroed and tp.param.grad is view:
+                tp.param.grad = None   # [Note: gradients users touch]: consumed, zeroed
             if tp.param.grad is not view:
                 tp.grad_in_pool = False
                 tp.grad_norm = None
