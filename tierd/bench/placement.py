@@ -8,7 +8,11 @@ bf16 autocast) and tierd (``attach(model, compute_dtype="bf16")`` with
 ``tierd.optim.AdamW``; the first steps measure and place) in one process,
 and writes ``placement.json``: ``{"commit", "device", "rows": [{"case",
 "allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
-"pcie_in_gb", "pcie_out_gb", "error"}]}``. A capped case's ``floor_s`` is the
+"pcie_in_gb", "pcie_out_gb", "error", "tierd_diag", "allgpu_diag"}]}``. Each
+``*_diag`` (CUDA only) splits one more step into forward, backward and
+``step()`` seconds, and one profiled step into compute-stream busy time and
+the idle time beside copies or beside nothing (``attach_step.profile``);
+tierd's also has its hooks' host seconds per step. A capped case's ``floor_s`` is the
 larger of the all-GPU step (its compute) and the PCIe time of the bytes the
 plan streams, at the both-ways bandwidth measured in the same run.
 
@@ -144,6 +148,16 @@ def both_ways_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return best
 
 
+def diagnose(fn, model, opt, ids, train: bool) -> dict | None:
+    """Where one step's time goes (CUDA only): phases, then the streams of a profiled step."""
+    if ids.device.type != "cuda":
+        return None
+    from tierd.bench.attach_step import phases, profile
+    out = phases(model, opt, ids) if train else {}
+    out.update(profile(fn))
+    return out
+
+
 def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
     out = {}
     try:
@@ -152,12 +166,13 @@ def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
         for name, _, batch, train, _cap in cases:
             ids = torch.randint(0, model.config.vocab_size, (batch, args.seq), device=device)
             clock.reset_peak()
-            secs = clock.median(step_fn(model, opt, ids, train, device), args.steps, args.warmup)
-            out[name] = (secs, clock.peak_gb(), None)
+            fn = step_fn(model, opt, ids, train, device)
+            secs = clock.median(fn, args.steps, args.warmup)
+            out[name] = (secs, clock.peak_gb(), None, diagnose(fn, model, opt, ids, train))
         del model, opt
     except torch.OutOfMemoryError as exc:
         for name, *_ in cases:
-            out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300]))
+            out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300], None))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -181,7 +196,11 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     clock.reset_peak()
     secs = clock.median(fn, args.steps, 0)
     after = session.stats()
-    row = {"tierd_s": secs, "tierd_peak_gb": clock.peak_gb(),
+    diag = diagnose(fn, model, opt, ids, train)
+    if diag is not None:
+        diag.update({k: (after[k] - before[k]) / args.steps
+                     for k in ("hook_seconds", "optimizer_seconds", "wait_seconds")})
+    row = {"tierd_diag": diag, "tierd_s": secs, "tierd_peak_gb": clock.peak_gb(),
            "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / GB,
            "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / args.steps / GB,
            "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
@@ -203,9 +222,9 @@ def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]
             cpu_model = build(shape, args.seq, str(device)).to("cpu") if not args.tiny \
                 else build(shape, args.seq, "cpu")
             for name, _, batch, train, cap in mine:
-                allgpu_s, allgpu_peak, error = ref[name]
+                allgpu_s, allgpu_peak, error, allgpu_diag = ref[name]
                 row = {"case": name, "allgpu_s": allgpu_s, "allgpu_peak_gb": allgpu_peak,
-                       "floor_s": None, "error": error}
+                       "floor_s": None, "error": error, "allgpu_diag": allgpu_diag}
                 row.update(run_tierd(cpu_model, name, batch, train, cap, args, clock,
                                      device, daemon))
                 if cap is not None and allgpu_s is not None:
