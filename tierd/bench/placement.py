@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -278,6 +279,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
+    logging.basicConfig(format="[%(name)s] %(message)s")
+    logging.getLogger("tierd.placement").setLevel(logging.INFO)   # each plan, to stderr
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
