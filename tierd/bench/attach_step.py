@@ -36,10 +36,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import gzip
 import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -155,16 +157,22 @@ def stream_summary(trace: dict) -> dict:
             "d2h_busy_s": sum(b - a for a, b in d2h)}
 
 
-def profile(fn) -> dict:
-    """Run ``fn`` once under the CUDA profiler; :func:`stream_summary` of it."""
+def profile(fn, keep: Path | None = None) -> dict:
+    """Run ``fn`` once under the CUDA profiler; :func:`stream_summary` of it.
+    ``keep``: also profile the host's ops and write the trace there, gzipped."""
     from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if keep else [])
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        return stream_summary(json.load(open(f.name)))
+        trace = json.load(open(f.name))
+    if keep is not None:
+        with gzip.open(keep, "wt") as out:
+            json.dump(trace, out)
+    return stream_summary(trace)
 
 
 def phases(model, opt, ids) -> dict:

@@ -149,13 +149,14 @@ def both_ways_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return best
 
 
-def diagnose(fn, model, opt, ids, train: bool) -> dict | None:
-    """Where one step's time goes (CUDA only): phases, then the streams of a profiled step."""
+def diagnose(fn, model, opt, ids, train: bool, trace: Path | None = None) -> dict | None:
+    """Where one step's time goes (CUDA only): phases, then the streams of a
+    profiled step (its trace written to ``trace``, if given)."""
     if ids.device.type != "cuda":
         return None
     from tierd.bench.attach_step import phases, profile
     out = phases(model, opt, ids) if train else {}
-    out.update(profile(fn))
+    out.update(profile(fn, trace))
     return out
 
 
@@ -197,7 +198,9 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     clock.reset_peak()
     secs = clock.median(fn, args.steps, 0)
     after = session.stats()
-    diag = diagnose(fn, model, opt, ids, train)
+    trace = args.out / f"{name.replace(' ', '_').replace(',', '')}.trace.json.gz" \
+        if args.trace else None
+    diag = diagnose(fn, model, opt, ids, train, trace)
     if diag is not None:
         diag.update({k: (after[k] - before[k]) / args.steps
                      for k in ("hook_seconds", "optimizer_seconds", "wait_seconds")})
@@ -248,7 +251,8 @@ def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
         out = args.out / shape
         cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", shape,
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib)]
+               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib)] \
+            + ["--trace"] * args.trace
         if subprocess.run(cmd).returncode != 0:
             rows.append({"case": f"{shape} (every case)", "error": "its process failed; see "
                          "its output above", **{k: None for k in ROW_FIELDS}})
@@ -276,6 +280,8 @@ def main(argv=None) -> None:
     ap.add_argument("--nvme-gib", type=int, default=48)
     ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B), "
                     "run in this process")
+    ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
+                    "step (host and device) as CASE.trace.json.gz")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
