@@ -34,6 +34,7 @@ import gc
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -198,7 +199,7 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     clock.reset_peak()
     secs = clock.median(fn, args.steps, 0)
     after = session.stats()
-    trace = args.out / f"{name.replace(' ', '_').replace(',', '')}.trace.json.gz" \
+    trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", name) + ".trace.json.gz") \
         if args.trace else None
     diag = diagnose(fn, model, opt, ids, train, trace)
     if diag is not None:
