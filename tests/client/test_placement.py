@@ -12,9 +12,9 @@ import torch
 import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
-from tierd.client.placement import (Costs, Place, Placement, UnitBytes, plan_placement,
-                                    smallest_budget, stored)
-from tierd.client.placer import PlacerState
+from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
+                                    plan_placement, smallest_budget, stored)
+from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
@@ -82,6 +82,30 @@ def test_a_tight_store_trades_kept_weights_for_whole_units():
                                     - 2 * UNITS[3].state_bytes)
     hopeless = plan_placement(UNITS, budget, store_bytes=0)   # returned; the placer refuses
     assert stored(UNITS, hopeless.places) > 0 and hopeless.device_bytes <= budget
+
+
+@pytest.mark.parametrize("small,large", [(0, TOTAL), (300, 2500), (700, 5000), (1000, 1000)])
+def test_a_grown_plan_only_moves_units_up_and_stays_within_its_budget(small, large):
+    rank = {Place.STREAM: 0, Place.WEIGHTS: 1, Place.RESIDENT: 2}
+    plan = plan_placement(UNITS, small)
+    grown = grow_placement(UNITS, plan, large)
+    assert grown.device_bytes <= max(large, plan.device_bytes)
+    assert all(rank[grown.places[i]] >= rank[p] for i, p in plan.places.items())
+    if large >= TOTAL:
+        assert set(grown.places.values()) == {Place.RESIDENT}
+    # where nothing was kept yet, growing is planning afresh
+    assert grow_placement(UNITS, plan_placement(UNITS, 0), large).places \
+        == plan_placement(UNITS, large).places
+
+
+def test_growing_keeps_cpu_updated_units_on_the_cpu():
+    costs = Costs(copy_bytes_per_s=1.0, host_bytes_per_s=1e9)
+    plan = plan_placement(HOST_UNITS, 600, cpu="auto", costs=costs)
+    on_cpu = plan.units_at(Place.CPU)
+    assert on_cpu and plan.units_at(Place.WEIGHTS)
+    grown = grow_placement(HOST_UNITS, plan, 10 ** 9)
+    assert grown.units_at(Place.CPU) == on_cpu
+    assert set(grown.places.values()) == {Place.CPU, Place.RESIDENT}
 
 
 def test_units_without_state_only_keep_weights_and_bad_budgets_fail():
@@ -202,6 +226,32 @@ def test_a_small_cap_keeps_some_units_and_streams_the_rest():
     streamed = set(plan.units_at(Place.STREAM))
     assert streamed and set(session.mover.planner.trace) == streamed   # followed, not re-learned
     assert session.mover.planner.steps_followed >= 1
+    assert_same_weights(model, ref)
+
+
+def test_a_plan_made_with_an_assumed_update_window_grows_into_the_measured_room(monkeypatch):
+    # made-up measured peaks (the CPU measures none): the step's own memory,
+    # ``extra``, besides what the plan holds; the measuring step has no fused
+    # update, so the placer adds its assumed window (GiBs here: nothing fits)
+    extra = {"bytes": 1 << 20}
+    monkeypatch.setattr(Placer, "_peak", lambda self: self.resident_bytes() + extra["bytes"])
+    probe = attach(llama(), client=LocalStore(), device="cpu")
+    everything = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
+    detach(probe)
+    model, ref, opt, ref_opt = _train_placed(llama, cap=everything + (2 << 20), data=None)
+    placer = session_of(model).placer
+    data = batches(6)
+    losses = train(model, opt, data[:2])
+    assert placer.plan.device_bytes == 0 and placer._window > 0   # step 1: window assumed
+    losses += train(model, opt, data[2:3])   # its peak is read at the next forward: grows
+    losses += train(model, opt, data[3:4])
+    assert placer.state is PlacerState.PLACED and placer.replans == 0
+    assert set(placer.plan.places.values()) == {Place.RESIDENT}
+    assert placer.resident_bytes() > 0
+    extra["bytes"] = 8 << 20   # a later step outgrows it: placed again, not grown again
+    losses += train(model, opt, data[4:])
+    assert placer.replans == 1 and placer.plan.device_bytes < everything
+    assert losses == train(ref, ref_opt, data)   # bitwise, across every change of plan
     assert_same_weights(model, ref)
 
 

@@ -212,11 +212,31 @@ def _placement(units: list[UnitBytes], places: dict[int, Place]) -> Placement:
                      sum(u.host_bytes(places[u.index]) for u in units))
 
 
-def _place_on_device(units: list[UnitBytes], budget_bytes: int, *,
-                     whole: bool) -> dict[int, Place]:
+def grow_placement(units: list[UnitBytes], plan: Placement, budget_bytes: int, *,
+                   whole: bool = False) -> Placement:
+    """``plan`` with the device bytes ``budget_bytes`` has beyond it spent by
+    the same greedy: no unit moves down, and units updated on the CPU stay
+    there (``whole``: the plan was made with ``cpu="all"``).
+
+    Example:
+        >>> units = [UnitBytes(0, 2, 12), UnitBytes(1, 2, 12)]
+        >>> small = plan_placement(units, 4)            # both units' weights
+        >>> sorted(p.name for p in grow_placement(units, small, 18).places.values())
+        ['RESIDENT', 'WEIGHTS']
+    """
+    places = _place_on_device(units, budget_bytes, whole=whole, start=plan.places)
+    return _placement(units, places)
+
+
+_RANK = {Place.STREAM: 0, Place.WEIGHTS: 1, Place.RESIDENT: 2}
+
+
+def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
+                     start: dict[int, Place] | None = None) -> dict[int, Place]:
     """The greedy of [Note: the GPU is the first tier]; ``whole``: a unit goes
-    to ``RESIDENT`` in one move or stays streamed (no ``WEIGHTS``)."""
-    places = {u.index: Place.STREAM for u in units}
+    to ``RESIDENT`` in one move or stays streamed (no ``WEIGHTS``); ``start``:
+    the places to grow from (only moves up, ``CPU`` units kept)."""
+    places = dict(start) if start else {u.index: Place.STREAM for u in units}
     # (saved bytes per device byte, order, unit, the move)
     moves = []
     for order, u in enumerate(units):
@@ -229,9 +249,11 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *,
         if u.state_bytes:
             moves.append((2.0, order, u, Place.RESIDENT))
     moves.sort(key=lambda m: (-m[0], m[1]))
-    left = budget_bytes
+    left = budget_bytes - sum(u.device_bytes(places[u.index]) for u in units)
     for _, _, u, place in moves:
         current = places[u.index]
+        if current is Place.CPU or _RANK[place] <= _RANK[current]:
+            continue
         if not whole and place is Place.RESIDENT and current is not Place.WEIGHTS \
                 and u.param_bytes:
             continue   # its weights did not fit: its state will not either

@@ -73,6 +73,17 @@ measured without it would under-count the next step's peak by that much (at
 gradients, besides 4 GiB of window), which the margin does not cover: the
 second step ran out of memory. So a measured step that ran no fused update
 adds the optimizers' window (``tierd.optim.buckets.update_window``) to its peak.
+
+[Note: growing the plan]
+That window is an upper bound: backward frees activations while the state
+fetched ahead fills, so a fused step's peak rarely holds all of it (GPT-2
+1.3B, B=8, cap 48 GB, H200: 6.6 GB assumed, under 1 GB seen; nothing was
+kept on the GPU while 7 GB of the cap stayed unused). So the first placed
+step that runs the fused update is measured too; where the plan assumed a
+window and that step left more room than the margin, the plan grows into it
+(``grow_placement``: units only move up, none off the CPU; no state written
+back). Once per input shape: a grown plan that a later step outgrows is made
+again from that step, as any plan, and does not grow again.
 """
 
 from __future__ import annotations
@@ -84,7 +95,8 @@ import warnings
 import torch
 
 from tierd.client.capacity import DaemonRoom, size_text
-from tierd.client.placement import Place, Placement, UnitBytes, plan_placement, stored
+from tierd.client.placement import (Place, Placement, UnitBytes, grow_placement,
+                                    plan_placement, stored)
 from tierd.client.torch_internals import tree_flatten
 from tierd.errors import CapacityError
 from tierd.optim.buckets import update_window
@@ -158,6 +170,10 @@ class Placer:
         self._non_model = 0              # measured non-model peak the plan assumed
         self._measured_steps = 0
         self._fused_before = 0           # fused-update backwards when measuring began
+        self._window = 0                 # update window assumed by the last step read
+        self._plan_window = 0            # ... by the step the plan was made from
+        self._cpu_mode = "none"          # the plan's CPU updates ("all": whole units only)
+        self._grown = False              # the plan grew since the inputs changed
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         self.state = PlacerState.OFF     # under ranks until :meth:`join_ranks`
@@ -220,6 +236,7 @@ class Placer:
             log.info("tierd placement: the inputs changed (%s -> %s); streaming everything "
                      "and measuring this step", self._signature, signature)
             self._reset()
+            self._grown = False
         elif self.state is PlacerState.MEASURING:
             if ready:
                 self._place(non_model, budget)
@@ -230,6 +247,8 @@ class Placer:
             self._reset()
             if ready:
                 self._place(non_model, budget)
+        else:
+            self._grow(non_model, budget)
         self._signature = signature
         self._start_measuring()
 
@@ -268,17 +287,22 @@ class Placer:
     def _fused_backwards(self) -> int:
         return sum(f.fused_backwards for f in self._session.optimizers)
 
+    def _peak(self) -> int | None:
+        """The allocator's peak since the step began (None on the CPU: not measured)."""
+        return torch.cuda.max_memory_allocated(self._session.device) if self._cuda else None
+
     def _read_step(self) -> int:
         """Non-model bytes of the step that just ended (0 on the CPU), with
         the fused update's window if that step did not run it ([Note: the
-        update window])."""
-        if not self._cuda or self._measured_steps == 0:
+        update window]); the window assumed is kept in ``_window``."""
+        peak = self._peak()
+        self._window = 0
+        if peak is None or self._measured_steps == 0:
             return 0
-        peak = torch.cuda.max_memory_allocated(self._session.device)
-        window = 0 if self._fused_backwards() > self._fused_before else sum(
-            update_window(f.buckets, f.prefetch_bytes) for f in self._session.optimizers
-            if f.fusing)
-        return max(0, peak - self._base - self.resident_bytes()) + window
+        if self._fused_backwards() == self._fused_before:
+            self._window = sum(update_window(f.buckets, f.prefetch_bytes)
+                               for f in self._session.optimizers if f.fusing)
+        return max(0, peak - self._base - self.resident_bytes()) + self._window
 
     # ------------------------------------------------------------- plan
     def unit_bytes(self) -> list[UnitBytes]:
@@ -326,16 +350,34 @@ class Placer:
             if stored(units, plan.places) > room:
                 self._refuse(units, plan, room)
         self._apply(plan)
-        self.plan, self._non_model = plan, non_model
+        self._plan_window, self._cpu_mode = self._window, cpu
         self.state = PlacerState.PLACED
+        self._adopt(plan, non_model, budget, "placement")
+
+    def _adopt(self, plan: Placement, non_model: int, budget: int, what: str) -> None:
+        self.plan, self._non_model = plan, non_model
         self._session.client.report_device(plan.device_bytes)
-        log.info("tierd placement: %d units resident, %d weights only, %d streamed, %d updated "
+        log.info("tierd %s: %d units resident, %d weights only, %d streamed, %d updated "
                  "on the CPU; %d device bytes held, %d PCIe bytes a step (budget %d = cap %d "
                  "- step %d - margin %d)",
-                 len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
+                 what, len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
                  len(plan.units_at(Place.STREAM)), len(plan.units_at(Place.CPU)),
                  plan.device_bytes, plan.streamed_bytes,
                  budget, self.cap, non_model, self._margin)
+
+    def _grow(self, non_model: int, budget: int) -> None:
+        """Keep more on the device, from the plan's places up, where the plan
+        assumed an update window, the step just read ran the fused update and
+        left more room than the margin ([Note: growing the plan])."""
+        if self._ranks is not None or self._grown or not self._plan_window \
+                or self._window or budget - self.plan.device_bytes <= self._margin:
+            return
+        plan = grow_placement(self.unit_bytes(), self.plan, budget,
+                              whole=self._cpu_mode == "all")
+        self._grown = True
+        if plan.device_bytes > self.plan.device_bytes:
+            self._apply(plan, grow=True)
+            self._adopt(plan, non_model, budget, "placement grew")
 
     def _store_room(self, units: list[UnitBytes]) -> int | None:
         """Store bytes the units' values may take: what is free plus what they
@@ -369,10 +411,13 @@ class Placer:
             "the GPU more room (a larger gpu_memory_bytes, a smaller batch, activation "
             "checkpointing)")
 
-    def _apply(self, plan: Placement) -> None:
+    def _apply(self, plan: Placement, *, grow: bool = False) -> None:
+        """Make ``plan`` so: from everything streamed, or (``grow``) from the
+        current plan, whose units only move up ([Note: growing the plan])."""
         session = self._session
-        session.settle()   # no copy in flight, no value kept: every parameter HOST
-        units = session.units
+        # no copy in flight, no value kept: every streamed parameter HOST
+        session.settle(write_resident=not grow)
+        units = session.units   # a unit's params are its streamed ones
         weights = list(dict.fromkeys(tp for i, p in plan.places.items()
                                      if p in (Place.WEIGHTS, Place.RESIDENT)
                                      for tp in units[i].params))
@@ -383,7 +428,7 @@ class Placer:
                 session.registry.set_resident(weights, True, session.leases.views(keys))
             finally:
                 session.leases.release(keys)
-        self._placed = weights
+        self._placed += weights
         resident = [tp for i in plan.units_at(Place.RESIDENT)
                     for tp in session.registry.members(units[i])]
         if self._ranks is not None:   # [Note: resident units are replicas]
@@ -393,8 +438,9 @@ class Placer:
         on_host = [tp for i in plan.units_at(Place.CPU)
                    for tp in session.registry.members(units[i])]
         for opt in session.optimizers:
-            opt.pin(resident)
-            opt.host.place(on_host)
+            opt.pin(resident)   # a bucket pinned already stays as it is
+            if not grow:        # growing keeps CPU-updated units where they are
+                opt.host.place(on_host)
         session.mover.replan(keep_trace=True)
 
     def _reset(self) -> None:
