@@ -8,7 +8,11 @@ bf16 autocast) and tierd (``attach(model, compute_dtype="bf16")`` with
 ``tierd.optim.AdamW``; the first steps measure and place) in one process,
 and writes ``placement.json``: ``{"commit", "device", "rows": [{"case",
 "allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
-"pcie_in_gb", "pcie_out_gb", "error", "tierd_diag", "allgpu_diag"}]}``. Each
+"pcie_in_gb", "pcie_out_gb", "error", "tierd_run_s", "allgpu_run_s",
+"tierd_diag", "allgpu_diag"}]}``. ``*_s`` is the median of synchronized
+steps; ``*_run_s`` the mean of as many steps back to back, synchronized
+only at the end, as a training loop runs them (a capped case's copies out
+may then overlap the next step's forward). Each
 ``*_diag`` (CUDA only) splits one more step into forward, backward and
 ``step()`` seconds, and one profiled step into compute-stream busy time and
 the idle time beside copies or beside nothing (``attach_step.profile``);
@@ -104,6 +108,16 @@ class Clock:
                 out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
+    def back_to_back(self, fn, steps: int) -> float:
+        """Mean seconds of ``steps`` calls with no synchronization between
+        them (as a training loop runs: one step's copies may overlap the next)."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) / steps
+
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -171,11 +185,14 @@ def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
             clock.reset_peak()
             fn = step_fn(model, opt, ids, train, device)
             secs = clock.median(fn, args.steps, args.warmup)
-            out[name] = (secs, clock.peak_gb(), None, diagnose(fn, model, opt, ids, train))
+            peak = clock.peak_gb()
+            run = clock.back_to_back(fn, args.steps)
+            out[name] = (secs, peak, None, diagnose(fn, model, opt, ids, train), run)
         del model, opt
     except torch.OutOfMemoryError as exc:
         for name, *_ in cases:
-            out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300], None))
+            out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300], None,
+                                  None))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,14 +215,15 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     before = session.stats()
     clock.reset_peak()
     secs = clock.median(fn, args.steps, 0)
-    after = session.stats()
+    peak, after = clock.peak_gb(), session.stats()
+    run = clock.back_to_back(fn, args.steps)
     trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", name) + ".trace.json.gz") \
         if args.trace else None
     diag = diagnose(fn, model, opt, ids, train, trace)
     if diag is not None:
         diag.update({k: (after[k] - before[k]) / args.steps
                      for k in ("hook_seconds", "optimizer_seconds", "wait_seconds")})
-    row = {"tierd_diag": diag, "tierd_s": secs, "tierd_peak_gb": clock.peak_gb(),
+    row = {"tierd_diag": diag, "tierd_s": secs, "tierd_run_s": run, "tierd_peak_gb": peak,
            "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / GB,
            "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / args.steps / GB,
            "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
@@ -227,8 +245,9 @@ def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]
             cpu_model = build(shape, args.seq, str(device)).to("cpu") if not args.tiny \
                 else build(shape, args.seq, "cpu")
             for name, _, batch, train, cap in mine:
-                allgpu_s, allgpu_peak, error, allgpu_diag = ref[name]
-                row = {"case": name, "allgpu_s": allgpu_s, "allgpu_peak_gb": allgpu_peak,
+                allgpu_s, allgpu_peak, error, allgpu_diag, allgpu_run = ref[name]
+                row = {"case": name, "allgpu_s": allgpu_s, "allgpu_run_s": allgpu_run,
+                       "allgpu_peak_gb": allgpu_peak,
                        "floor_s": None, "error": error, "allgpu_diag": allgpu_diag}
                 row.update(run_tierd(cpu_model, name, batch, train, cap, args, clock,
                                      device, daemon))
@@ -307,14 +326,16 @@ def main(argv=None) -> None:
               "rows": rows}
     (args.out / "placement.json").write_text(json.dumps(result, indent=1))
     print(f"\n{'case':40} {'all-GPU s':>9} {'tierd s':>8} {'ratio':>6} {'floor s':>8} "
-          f"{'peak GB':>8} {'in GB':>6} {'out GB':>6}")
+          f"{'run ratio':>9} {'peak GB':>8} {'in GB':>6} {'out GB':>6}")
     for r in rows:
-        ratio = (r["tierd_s"] / r["allgpu_s"]) if r["tierd_s"] and r["allgpu_s"] else None
+        def ratio(a, b):
+            return r.get(a) / r.get(b) if r.get(a) and r.get(b) else None
         fmt = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
         print(f"{r['case']:40} {fmt(r['allgpu_s'], '9.4f')} {fmt(r['tierd_s'], '8.4f')} "
-              f"{fmt(ratio, '6.2f')} {fmt(r['floor_s'], '8.4f')} {fmt(r['tierd_peak_gb'], '8.1f')} "
+              f"{fmt(ratio('tierd_s', 'allgpu_s'), '6.2f')} {fmt(r['floor_s'], '8.4f')} "
+              f"{fmt(ratio('tierd_run_s', 'allgpu_run_s'), '9.2f')} "
+              f"{fmt(r['tierd_peak_gb'], '8.1f')} "
               f"{fmt(r['pcie_in_gb'], '6.2f')} {fmt(r['pcie_out_gb'], '6.2f')}")
-
 
 if __name__ == "__main__":
     main()

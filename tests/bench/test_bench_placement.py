@@ -1,0 +1,27 @@
+"""``python -m tierd.bench.placement --tiny`` end to end on the CPU: every
+case gets a row with the issue's fields, measured both ways (synchronized
+steps and back to back), and the capped case a floor. Checks the shape of
+the output, never a timing."""
+
+from __future__ import annotations
+
+import json
+
+from tierd.bench import placement
+
+
+def test_placement_writes_a_row_per_case_with_both_timings(tmp_path):
+    out = tmp_path / "out"
+    placement.main(["--out", str(out), "--tiny", "--commit", "0" * 40])
+    result = json.loads((out / "placement.json").read_text())
+    assert result["commit"] == "0" * 40 and result["device"] == "cpu"
+    rows = {r["case"]: r for r in result["rows"]}
+    assert set(rows) == {case for case, *_ in placement.TINY}
+    for r in rows.values():
+        assert r["error"] is None
+        for k in ("allgpu_s", "tierd_s", "allgpu_run_s", "tierd_run_s"):
+            assert r[k] > 0, k
+    capped = rows["tiny B=2 train, cap 2 MB"]
+    assert capped["placement"] == "placed"   # on the CPU only an explicit cap places
+    assert capped["floor_s"] >= capped["allgpu_s"]
+    assert rows["tiny B=2 train"]["floor_s"] is None   # uncapped: no floor
