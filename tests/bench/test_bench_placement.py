@@ -25,3 +25,12 @@ def test_placement_writes_a_row_per_case_with_both_timings(tmp_path):
     assert capped["placement"] == "placed"   # on the CPU only an explicit cap places
     assert capped["floor_s"] >= capped["allgpu_s"]
     assert rows["tiny B=2 train"]["floor_s"] is None   # uncapped: no floor
+
+
+def test_a_floor_without_the_all_gpu_step_uses_tierds_own_compute():
+    # the 8B reference runs out of GPU memory: tierd's compute-stream busy time stands in
+    row = {"allgpu_s": None, "tierd_diag": {"compute_busy_s": 0.7}, "planned_pcie_gb": 50.0}
+    assert placement.floor(row, 100e9) == 0.7
+    assert placement.floor({**row, "planned_pcie_gb": 100.0}, 100e9) == 1.0   # PCIe-bound
+    assert placement.floor({**row, "allgpu_s": 0.9}, 100e9) == 0.9
+    assert placement.floor({**row, "tierd_diag": None}, 100e9) is None   # CPU: no profile

@@ -29,6 +29,13 @@ AdamW, ~10 ms). 5B (24 x 4096) holds 70 GB, the step ~15 GB: all resident,
 <= 1.10x. Capped at 40 GB, 5B keeps ~25 GB (all weights, 10 GB, first, then
 state for ~15 GB of units) and streams the state of the rest, ~45 GB each
 way: ~0.5 s at 95 GB/s vs a 0.23 s compute: PCIe-bound, floor ~0.5 s.
+8B (40 x 4096, T=1024, B=4, checkpointing) all on the GPU needs 16 B/param,
+130 GB, before activations: out of memory, so its floor's compute is tierd's
+own compute-stream busy time. Capped at 100 GB with ~10 GB of activations,
+tierd keeps all 16 GB of bf16 weights and the state of ~5.7B parameters and
+streams the state of the other ~2.4B, ~29 GB each way: ~0.6 s of PCIe
+against ~0.75 s of compute (2.7e14 FLOPs with the recompute at ~350
+TFLOPS): compute-bound, within ~1.1x of its floor if the copies hide.
 """
 
 from __future__ import annotations
@@ -49,41 +56,44 @@ import torch
 
 import tierd
 import tierd.optim
+from tierd.bench.bigmodel_models import checkpointed
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
 
 GB = 1e9
-#: case name -> (model shape, batch, train?, cap in bytes or None, checkpointing)
+#: model shape -> GPT-2 layers, width (and activation checkpointing, vocabulary)
 SHAPES = {"1.3B": dict(layers=24, d=2048), "5B": dict(layers=24, d=4096),
-          "8B": dict(layers=40, d=4096), "tiny": dict(layers=2, d=128)}
+          "8B": dict(layers=40, d=4096, checkpointing=True),
+          "tiny": dict(layers=2, d=128, vocab=1000),
+          "tiny-ckpt": dict(layers=2, d=128, vocab=1000, checkpointing=True)}
+#: (case name, model shape, batch, train?, cap in bytes or None)
 CASES = [("1.3B B=8 train", "1.3B", 8, True, None),
          ("1.3B B=16 train", "1.3B", 16, True, None),
          ("1.3B B=8 forward", "1.3B", 8, False, None),
          ("1.3B B=8 train, cap 48 GB", "1.3B", 8, True, 48 * GB),
-         ("5B B=2 train", "5B", 2, True, None)]
+         ("5B B=2 train", "5B", 2, True, None),
+         ("8B B=4 train, checkpointing, cap 100 GB", "8B", 4, True, 100 * GB)]
 TINY = [("tiny B=2 train", "tiny", 2, True, None), ("tiny B=2 forward", "tiny", 2, False, None),
-        ("tiny B=2 train, cap 2 MB", "tiny", 2, True, 2e6)]
+        ("tiny B=2 train, cap 2 MB", "tiny", 2, True, 2e6),
+        ("tiny B=2 train, checkpointing, cap 2 MB", "tiny-ckpt", 2, True, 2e6)]
 UNRUN = {"5B B=2 train, cap 40 GB":
          "not run: streaming 5B needs its 65 GiB of weights and state in the pinned pool, "
          "and this host page-locks at most ~70 GiB (cudaHostRegister fails past 279 "
          "segments of 256 MiB); with a 60 GiB pool the streamed state swaps through NVMe "
-         "every step. The capped case was run on 1.3B instead",
-         "8B B=4 train, checkpointing, cap 100 GB":
-         "not run: the 8B model's training state (130 GB: bf16 weights, fp32 master and "
-         "AdamW moments) and its CPU copy exceed this machine's 128 GiB of host memory; "
-         "it needs loading without a CPU copy and NVMe-backed state (the next issue)"}
+         "every step. The capped case was run on 1.3B instead"}
 
 
 def build(shape: str, seq: int, device: str):
     from transformers import GPT2Config, GPT2LMHeadModel
     s = SHAPES[shape]
     cfg = GPT2Config(n_layer=s["layers"], n_embd=s["d"], n_head=max(1, s["d"] // 128),
-                     n_positions=seq, vocab_size=50257 if shape != "tiny" else 1000,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     n_positions=seq, vocab_size=s.get("vocab", 50257),
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        return GPT2LMHeadModel(cfg).train()
+        model = GPT2LMHeadModel(cfg).train()
+    return checkpointed(model) if s.get("checkpointing") else model
 
 
 class Clock:
@@ -176,10 +186,12 @@ def diagnose(fn, model, opt, ids, train: bool, trace: Path | None = None) -> dic
 
 
 def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
-    out = {}
+    out, held = {}, []
     try:
-        model = build(shape, args.seq, str(device))
+        held.append(build(shape, args.seq, str(device)))
+        model = held[0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        held.append(opt)
         for name, _, batch, train, _cap in cases:
             ids = torch.randint(0, model.config.vocab_size, (batch, args.seq), device=device)
             clock.reset_peak()
@@ -188,11 +200,12 @@ def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
             peak = clock.peak_gb()
             run = clock.back_to_back(fn, args.steps)
             out[name] = (secs, peak, None, diagnose(fn, model, opt, ids, train), run)
-        del model, opt
     except torch.OutOfMemoryError as exc:
         for name, *_ in cases:
             out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300], None,
                                   None))
+    held.clear()   # the model and its state leave the GPU before tierd's run measures it
+    model = opt = fn = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -232,6 +245,18 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, d
     return row
 
 
+def floor(row: dict, bandwidth: float) -> float | None:
+    """A capped case's floor: the larger of its compute (the all-GPU step;
+    where that ran out of memory, tierd's compute-stream busy time) and the
+    planned PCIe bytes at ``bandwidth``."""
+    compute = row["allgpu_s"]
+    if compute is None:
+        compute = (row.get("tierd_diag") or {}).get("compute_busy_s")
+    if compute is None:
+        return None
+    return max(compute, (row["planned_pcie_gb"] or 0) * GB / bandwidth)
+
+
 def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]:
     """Every case of ``cases`` in this process (one model shape at a time)."""
     clock = Clock(device)
@@ -251,8 +276,8 @@ def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]
                        "floor_s": None, "error": error, "allgpu_diag": allgpu_diag}
                 row.update(run_tierd(cpu_model, name, batch, train, cap, args, clock,
                                      device, daemon))
-                if cap is not None and allgpu_s is not None:
-                    row["floor_s"] = max(allgpu_s, row["planned_pcie_gb"] * GB / bandwidth)
+                if cap is not None:
+                    row["floor_s"] = floor(row, bandwidth)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del cpu_model
