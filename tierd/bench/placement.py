@@ -1,6 +1,6 @@
 """Placement on the GPU: tierd with default arguments vs the same model all on the GPU.
 
-    python -m tierd.bench.placement --out DIR        # the cases below (H200: ~6 min)
+    python -m tierd.bench.placement --out DIR        # the cases below (H200: ~6 min, 8B not yet timed)
     python -m tierd.bench.placement --out DIR --tiny # CPU smoke run of the same code
 
 Each case runs the all-on-GPU reference (fp32 weights, fused torch AdamW,
