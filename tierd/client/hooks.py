@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from tierd.client.placer import input_signature
+
 from tierd.client.registry import Unit
 from tierd.client.tiered_param import ParamState, TieredParam
 from tierd.client.torch_internals import (DispatchMode, is_compiled_module, storage_id,
@@ -426,3 +426,9 @@ class ModuleHooks:
                  local_metadata: dict) -> None:
             self._session.fill_state_dict(module, state_dict, prefix)
         return hook
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor arguments: a change means a new batch or length."""
+    return tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor))

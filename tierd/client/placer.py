@@ -76,14 +76,15 @@ adds the optimizers' window (``tierd.optim.buckets.update_window``) to its peak.
 
 [Note: growing the plan]
 That window is an upper bound: backward frees activations while the state
-fetched ahead fills, so a fused step's peak rarely holds all of it (GPT-2
-1.3B, B=8, cap 48 GB, H200: 6.6 GB assumed, under 1 GB seen; nothing was
-kept on the GPU while 7 GB of the cap stayed unused). So the first placed
-step that runs the fused update is measured too; where the plan assumed a
-window and that step left more room than the margin, the plan grows into it
-(``grow_placement``: units only move up, none off the CPU; no state written
-back). Once per input shape: a grown plan that a later step outgrows is made
-again from that step, as any plan, and does not grow again.
+fetched ahead fills (GPT-2 1.3B, B=8, cap 48 GB, H200: 6.6 GB assumed,
+under 1 GB seen; nothing kept on the GPU, 7 GB of the cap unused). So the
+first placed step that runs the fused update is measured too; where the
+plan assumed a window and that step left more room than the margin, the
+plan grows into it (``grow_placement``: units only move up, none off the
+CPU; no state written back), within what the device has free outside the
+allocator's cache (cached blocks may be too fragmented for the new tensors:
+at 18.5B a step reserved 12 GB more than it allocated). Once per input
+shape: a grown plan a later step outgrows is made again, and not grown.
 """
 
 from __future__ import annotations
@@ -97,7 +98,6 @@ import torch
 from tierd.client.capacity import DaemonRoom, size_text
 from tierd.client.placement import (Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, stored)
-from tierd.client.torch_internals import tree_flatten
 from tierd.errors import CapacityError
 from tierd.optim.buckets import update_window
 from tierd.optim.replica import can_replicate, drop_replicas, replicate
@@ -369,10 +369,14 @@ class Placer:
         """Keep more on the device, from the plan's places up, where the plan
         assumed an update window, the step just read ran the fused update and
         left more room than the margin ([Note: growing the plan])."""
-        if self._ranks is not None or self._grown or not self._plan_window \
-                or self._window or budget - self.plan.device_bytes <= self._margin:
+        if self._ranks is not None or self._grown or not self._plan_window or self._window:
             return
-        plan = grow_placement(self.unit_bytes(), self.plan, budget,
+        room = budget - self.plan.device_bytes
+        if self._cuda:   # the allocator's cache may not take it: what the device has free
+            room = min(room, torch.cuda.mem_get_info(self._session.device)[0] - self._margin)
+        if room <= self._margin:
+            return
+        plan = grow_placement(self.unit_bytes(), self.plan, self.plan.device_bytes + room,
                               whole=self._cpu_mode == "all")
         self._grown = True
         if plan.device_bytes > self.plan.device_bytes:
@@ -491,10 +495,3 @@ def _room(freed) -> int:
     nbytes = 4 * sum(tp.param.numel() for tp in freed)
     keep = max(nbytes // 8, 8 * max((tp.param.numel() for tp in freed), default=0))
     return max(0, nbytes - keep)
-
-
-def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """The shapes of a call's tensor arguments: a change means a new batch or length."""
-    return tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
-                 if isinstance(t, torch.Tensor))
-
