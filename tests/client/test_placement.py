@@ -290,6 +290,62 @@ def test_commit_and_resume_with_resident_units():
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+def _kept_weights(session) -> list:
+    """Parameters placed ``WEIGHTS`` (compute copy on the device, state streamed)."""
+    plan = session.placer.plan
+    return [tp for i in plan.units_at(Place.WEIGHTS)
+            for tp in session.registry.members(session.units[i]) if tp.has_master]
+
+
+def test_kept_bf16_weights_reach_the_store_at_commit_and_resume_trains_on():
+    data, cap = batches(6), _cap_for_half(llama)
+
+    def run(store):
+        model = attach(llama(), client=store, job="run1", device="cpu", compute_dtype="bf16",
+                       gpu_memory_bytes=cap)
+        return model, tierd.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = run(LocalStore(job="run1"))
+    want = train(model, opt, data)
+    store = LocalStore(job="run1")
+    model, opt = run(store)
+    got = train(model, opt, data[:3])
+    session = session_of(model)
+    kept = _kept_weights(session)
+    assert kept
+
+    def stored():
+        return session.read([tp.key for tp in kept])
+
+    # a step writes no kept compute copy into the store: the device has the newest
+    assert not any(torch.equal(stored()[tp.key], tp.param.data) for tp in kept)
+    tierd.commit(model, opt, 3)
+    assert all(torch.equal(stored()[tp.key], tp.param.data) for tp in kept)
+    store.restart()   # the job holds its commit; the resumed model streams from it first
+    object.__delattr__(model, "_tierd_session")
+    again = attach(llama(seed=5), client=store, job="run1", resume=True, device="cpu",
+                   compute_dtype="bf16", gpu_memory_bytes=cap)
+    opt = tierd.optim.AdamW(again.parameters(), lr=1e-3)
+    assert got + train(again, opt, data[3:]) == want
+
+
+def test_kept_bf16_weights_stream_again_with_their_newest_values():
+    short, long = batches(3, seq=8), batches(3, seq=16, seed=4)
+    runs = []
+    for cap in (None, _cap_for_half(llama)):   # streamed throughout / placed
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                       gpu_memory_bytes=cap)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = train(model, opt, short)
+        if cap:
+            assert _kept_weights(session_of(model))
+        # a new length streams every unit again, from the store
+        runs.append((losses + train(model, opt, long), model.state_dict()))
+    (streamed, sd0), (placed, sd1) = runs
+    assert placed == streamed
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+
+
 def test_bf16_resident_matches_bf16_streamed_bitwise():
     data = batches(4)
     outs = []

@@ -58,7 +58,7 @@ from tierd.client.store import Store
 from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
-from tierd.optim.resident import check_room_to_write_back, device_values
+from tierd.optim.resident import check_room_to_write_back, device_values, write_kept_weights
 
 _SESSION_ATTR = "_tierd_session"
 
@@ -277,6 +277,8 @@ class AttachSession:
             t0 = time.perf_counter()
             for opt in self.optimizers:
                 opt.settle(write_resident=write_resident)
+            if write_resident:
+                write_kept_weights(self)
             self.copy.synchronize()
             self.releases.drain(block=True)
             self.counters.wait_seconds += time.perf_counter() - t0

@@ -101,6 +101,10 @@ class TieredParam:
         self.grad_in_pool = False
         # The grad key exists in the daemon (made on first use, see grads.py).
         self.grad_created = False
+        # Resident: the store's compute copy is older than the device's until
+        # written back ([Note: kept weights are written when the store is read]
+        # in tierd.optim.resident).
+        self.stale_in_store = False
         # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
         self.grad_norm: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Mover.free_task).
@@ -177,8 +181,9 @@ class TieredParam:
     def make_streamed(self) -> None:
         """DEVICE (resident) -> HOST: the pool holds the current bytes again."""
         self._expect(ParamState.DEVICE, action="stream")
-        if not self.resident:
-            raise StateError(f"parameter {self.name!r} is not resident; nothing to stream")
+        if not self.resident or self.stale_in_store:
+            raise StateError(f"parameter {self.name!r} is not resident, or the store has an "
+                             "older value; nothing to stream")
         self.resident = False
         self.free()
 

@@ -70,7 +70,7 @@ from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
 from tierd.optim.buckets import Bucket, BucketState
 from tierd.optim.cpu_update import HostUpdates
-from tierd.optim.resident import fetch_pooled_grads, leave_store, write_back
+from tierd.optim.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import StateError
 
 
@@ -84,8 +84,7 @@ class FusedUpdates:
 
     def __init__(self, opt, session, groups: list[tuple[dict, list[TieredParam]]],
                  prefetch_bytes: int, *, fusing: bool = True) -> None:
-        self.opt = opt
-        self.session = session
+        self.opt, self.session = opt, session
         # False: updates run in step() (clipping); the buckets still hold the
         # state placement keeps on the device ([Note: resident optimizer state])
         self.fusing = fusing
@@ -191,9 +190,8 @@ class FusedUpdates:
                        for tp in b.tps):
                     self._update(b)
             self._release_fetched()   # copies out go on landing into the next step
-            self.updated = True
+            self.updated, self.active = True, False
             self.fused_backwards += 1
-            self.active = False
         for tp, n in self._got.items():
             self.expected[tp] = max(self.expected.get(tp, 0), n)
         if self._seen:
@@ -210,8 +208,7 @@ class FusedUpdates:
         for b in self.buckets:
             if b.state not in (BucketState.RESIDENT, BucketState.UPDATING):
                 b.to_host()
-        self.updated = False
-        self.backwards = 0
+        self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
 
     def settle(self, *, write_resident: bool = True) -> None:
@@ -383,7 +380,7 @@ class FusedUpdates:
             opt.unmade.ensure_stored(b.tps)
         read = [k for tp in b.tps for k in opt.state_keys(tp) if k not in fresh]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
-        b.keys = read + [tp.key for tp in b.tps if tp.has_master]
+        b.keys = read + [tp.key for tp in b.tps if writes_compute_copy(session, tp)]
         session.leases.acquire(b.keys)
         views = session.leases.views(b.keys)
         copy = session.copy
@@ -445,6 +442,10 @@ class FusedUpdates:
                 if b.pinned:
                     continue   # [Note: resident optimizer state]
                 written += [(key, b.work[key]) for key in k]
+                if tp.has_master and not writes_compute_copy(session, tp):
+                    # [Note: kept weights are written when the store is read]
+                    tp.stale_in_store = True   # in tierd.optim.resident
+                    continue
                 new = param.to(tp.param.dtype) if tp.has_master else param
                 if tp.has_master:
                     written.append((tp.key, new))

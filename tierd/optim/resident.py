@@ -12,6 +12,20 @@ is about to read the store (``state_dict``, ``commit``, ``detach``, streaming
 the bucket again) :func:`write_back` puts them back as new keys, which needs
 the room they took before; the first update after that deletes them again.
 Under torch.distributed every rank reads the owners' keys, so they stay.
+
+[Note: kept weights are written when the store is read]
+A unit placed ``WEIGHTS`` keeps its compute copy on the device while its
+master and moments stream. Its update refreshes the device copy; writing the
+new compute copy to the store too, every step, kept those keys the most
+recently used in the pool, where they held room the streamed state needed
+(at 18.5B, 22 GB of bf16 copies the GPU already had, while state went
+through NVMe), besides 2 B/param over PCIe. So the store's copy is left
+older (``TieredParam.stale_in_store``) and written when the host is about to
+read the store (``settle``: ``commit``, ``detach``, streaming the unit again),
+as resident state is; untouched meanwhile, it leaves the pool first. The
+master, which ``state_dict`` reads, streams as before. Under
+torch.distributed the other ranks read the owner's new compute copy from the
+store, so it is written every step there.
 """
 
 from __future__ import annotations
@@ -96,6 +110,32 @@ def write_back(session, opt, b) -> None:
         session.share.publish(published)
         session.releases.drain(block=True)   # the copies landed, the publish is sent
     b.written_back()
+
+
+def writes_compute_copy(session, tp) -> bool:
+    """Whether an update writes ``tp``'s new compute copy to the store
+    ([Note: kept weights are written when the store is read])."""
+    return tp.has_master and (not tp.resident or session.share is not None)
+
+
+def write_kept_weights(session) -> None:
+    """Copy the compute copies only the device has the newest of into the
+    store (blocking: the host is about to read the store)."""
+    stale = [tp for tp in session.params.values() if tp.stale_in_store]
+    if not stale:
+        return
+    keys = [tp.key for tp in stale]
+    session.leases.acquire(keys)
+    views = session.leases.views(keys)
+    if session.copy.on_device:
+        session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in stale],
+                                   tuple(keys)).synchronize()
+    else:
+        for tp in stale:
+            views[tp.key].copy_(tp.param.data)
+    session.leases.release(keys, written=True)
+    for tp in stale:
+        tp.stale_in_store = False
 
 
 def device_values(session, tps) -> dict:
