@@ -177,6 +177,16 @@ class CopyStream:
             self._written[key] = event
         return InflightCopy(dsts, srcs, keys, event)
 
+    def pending_writes(self, keys) -> tuple:
+        """The events of copies out into ``keys`` that have not landed yet:
+        the host waits on them before it reads those pool views (or copies
+        from them: a pageable view is read by the host at once, whatever the
+        stream waits for)."""
+        if self._out is None:
+            return ()
+        return tuple(dict.fromkeys(e for e in (self._written.get(k) for k in keys)
+                                   if e is not None and not e.query()))
+
     def wait(self, copy: InflightCopy) -> None:
         """Make the compute stream wait for ``copy`` (no host blocking)."""
         if copy.event is not None:

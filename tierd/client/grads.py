@@ -59,6 +59,11 @@ class GradBucket:
         self._leases.acquire(keys)
         views = self._leases.views(keys)
         on_device = self._stream.on_device
+        # an earlier backward's copy out into a key added to here has landed
+        # before the pool is read (CUDA; at once in practice: a forward ran since)
+        for event in self._stream.pending_writes([tp.grad_key for tp, _ in entries
+                                                  if tp.grad_in_pool]):
+            event.synchronize()
         accumulated: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for tp, grad in entries:

@@ -73,10 +73,14 @@ class HostJob:
     casts: tuple[tuple[torch.Tensor, torch.Tensor], ...]            # (compute view, master)
     copy: InflightCopy | None                      # the gradients' copy out (CUDA)
     nbytes: int                                    # state bytes updated
+    # earlier copies out into the pooled gradients read here (CUDA events)
+    after: tuple = ()
 
 
 def run_job(opt, job: HostJob) -> float:
     """The thread's work (see the Note); returns the seconds it computed."""
+    for event in job.after:      # gradients summed in the pool by earlier backwards
+        event.synchronize()
     if job.copy is not None:
         job.copy.synchronize()   # releases the GIL while the copy lands
     t0 = time.perf_counter()
@@ -246,6 +250,9 @@ class HostUpdates:
         except Exception:
             session.leases.release(keys)
             raise
+        # the pooled gradients' last copies out (an earlier backward's) land
+        # before the thread reads them, also where no copy is queued now
+        after = session.copy.pending_writes([tp.grad_key for tp, _ in items if tp.grad_in_pool])
         grads_in, copy = self._grads_out(items, views)
         by_step: dict[float, list[TieredParam]] = {}
         for tp, _ in items:
@@ -261,7 +268,8 @@ class HostUpdates:
             updated.add(tp)
         job = HostJob(b.index, b.tps[0].name, {k: v for k, v in b.group.items() if k != "params"},
                       batches, grads_in, casts, copy,
-                      sum(tp.param.numel() * 4 * (1 + len(opt.state_names)) for tp, _ in items))
+                      sum(tp.param.numel() * 4 * (1 + len(opt.state_names)) for tp, _ in items),
+                      after)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(_THREADS, thread_name_prefix="tierd-cpu-update")
         if not self._hooks:   # the step counts are bumped by the threads
