@@ -55,7 +55,7 @@ def test_fp32_cpu_updates_overlapped_equal_the_update_in_step_bitwise(daemon, ca
     # updating in step()) adds the update window to it ([Note: the update
     # window] in tierd.client.placer): the plans differed. Place from the cap
     # alone, as on the CPU.
-    monkeypatch.setattr(Placer, "_peak", lambda self: None)
+    monkeypatch.setattr(Placer, "_memory", lambda self: None)
     data = batches(8, batch=2, seq=16)
     runs = []
     for fused in (None, False):

@@ -287,22 +287,25 @@ class Placer:
     def _fused_backwards(self) -> int:
         return sum(f.fused_backwards for f in self._session.optimizers)
 
-    def _peak(self) -> int | None:
-        """The allocator's peak since the step began (None on the CPU: not measured)."""
-        return torch.cuda.max_memory_allocated(self._session.device) if self._cuda else None
+    def _memory(self) -> tuple[int, int] | None:
+        """The allocator's peak since the step began, and the bytes the device
+        has free outside the allocator's cache (None on the CPU: not measured)."""
+        device = self._session.device
+        return (torch.cuda.max_memory_allocated(device), torch.cuda.mem_get_info(device)[0]) \
+            if self._cuda else None
 
     def _read_step(self) -> int:
         """Non-model bytes of the step that just ended (0 on the CPU), with
         the fused update's window if that step did not run it ([Note: the
         update window]); the window assumed is kept in ``_window``."""
-        peak = self._peak()
+        memory = self._memory()
         self._window = 0
-        if peak is None or self._measured_steps == 0:
+        if memory is None or self._measured_steps == 0:
             return 0
         if self._fused_backwards() == self._fused_before:
             self._window = sum(update_window(f.buckets, f.prefetch_bytes)
                                for f in self._session.optimizers if f.fusing)
-        return max(0, peak - self._base - self.resident_bytes()) + self._window
+        return max(0, memory[0] - self._base - self.resident_bytes()) + self._window
 
     # ------------------------------------------------------------- plan
     def unit_bytes(self) -> list[UnitBytes]:
@@ -371,9 +374,9 @@ class Placer:
         left more room than the margin ([Note: growing the plan])."""
         if self._ranks is not None or self._grown or not self._plan_window or self._window:
             return
-        room = budget - self.plan.device_bytes
-        if self._cuda:   # the allocator's cache may not take it: what the device has free
-            room = min(room, torch.cuda.mem_get_info(self._session.device)[0] - self._margin)
+        room, memory = budget - self.plan.device_bytes, self._memory()
+        if memory is not None:   # the allocator's cache may not take it: the device's free
+            room = min(room, memory[1] - self._margin)
         if room <= self._margin:
             return
         plan = grow_placement(self.unit_bytes(), self.plan, self.plan.device_bytes + room,
