@@ -309,7 +309,8 @@ def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
 
 
 ROW_FIELDS = ("allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
-              "pcie_in_gb", "pcie_out_gb")
+              "pcie_in_gb", "pcie_out_gb", "planned_pcie_gb", "tierd_run_s", "allgpu_run_s",
+              "tierd_diag", "allgpu_diag")
 
 
 def main(argv=None) -> None:

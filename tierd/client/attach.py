@@ -19,7 +19,7 @@ from dataclasses import fields, replace
 from torch import nn
 
 from tierd.client import distributed
-from tierd.client.attach_config import AttachConfig
+from tierd.client.attach_config import AttachConfig, resolve_cap
 from tierd.client.attached import AttachSession, Resumed, is_attached, session_of
 from tierd.client.capacity import StoreNeed, device_room, model_need
 from tierd.client.checkpoint import resumable_keys
@@ -27,7 +27,6 @@ from tierd.client.connection import connect
 from tierd.client.embedded import answers, ensure_daemon, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
-from tierd.client.placer import resolve_cap
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.config import default_socket_path

@@ -7,6 +7,7 @@ the budgets here once the pool size is known.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +120,29 @@ class AttachConfig:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def resolve_cap(device: torch.device, requested: int | float | None, *,
+                warn: bool = True, leaving: int = 0) -> int | None:
+    """Device bytes the attached model may use in all (None: no placement).
+
+    ``requested``: bytes, a fraction of the device's memory, or None (on
+    CUDA: the memory free at attach, counting as free the ``leaving`` bytes
+    of the model's parameters on the device, which attach moves to the
+    store). Above what is free: a warning (unless not ``warn``), and what is
+    free is used."""
+    if requested == 0:
+        return None   # stream everything
+    if device.type != "cuda":
+        return None if requested is None else int(requested)
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + leaving
+    if requested is None:
+        return free
+    cap = int(requested * total) if isinstance(requested, float) else int(requested)
+    if cap > free:
+        if warn:
+            warnings.warn(f"gpu_memory_bytes={requested} asks for {cap} bytes but {free} are free "
+                          f"on {device}; using {free}", stacklevel=4)
+        return free
+    return cap

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from tierd.client.activations import ActivationTiering
-from tierd.client.attach_config import AttachConfig
+from tierd.client.attach_config import AttachConfig, resolve_cap
 from tierd.client.backward import BackwardTracker
 from tierd.client.copy_stream import CopyStream, register_pool
 from tierd.client.distributed import Ranks
@@ -50,7 +50,7 @@ from tierd.client.hooks import ModuleHooks
 from tierd.client.keys import ModelKeys
 from tierd.client.leases import LeaseTable
 from tierd.client.mover import Mover
-from tierd.client.placer import Placer, resolve_cap
+from tierd.client.placer import Placer
 from tierd.client.rank_share import RankShare
 from tierd.client.registry import ParamRegistry, Unit, ValueSource
 from tierd.client.releases import PendingReleases

@@ -21,7 +21,10 @@ and reads the step counts back. Resuming needs a named job with a commit and
 a stable ``name``; anything else raises, because silently starting fresh
 would train a different run under the old one's name. On a daemon that did
 not restart, the job's keys are its *latest* values, which may be newer than
-the last commit (nothing rolls them back).
+the last commit (nothing rolls them back), and are not all of one step: the
+GPU's values reach the store only at a commit ([Note: resident state leaves
+the store], [Note: kept weights are written when the store is read] in
+``tierd.optim.resident``).
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def resumable_keys(client, prefix: str, expected: list[str]) -> frozenset[str]:
         hint = ("" if len(missing) == len(expected) else
                 "; if a training process of this job ended since its last commit, the units "
                 "it kept on the GPU took their newest values with it (they are not in the "
-                "store between commits): restart the daemon, which brings the job back to "
-                "its last commit, and resume from there")
+                "store between commits, and the weights it kept there are older): restart "
+                "the daemon, which brings the job back to its last commit, and resume "
+                "from there")
         raise StateError(
             f"job {client.job!r} (last commit {tags[-1]!r}) has no parameter keys for "
             f"this model under {prefix + '/'!r} ({found}, e.g. {missing[0]!r}); pass the "

@@ -120,7 +120,8 @@ def unused_grads(session, tps: list[TieredParam]) -> list[TieredParam]:
 def free_grads(session, tps: list[TieredParam]) -> None:
     """Delete the gradient keys of ``tps`` (no lease on them, no write in
     flight); their ``p.grad`` shows a consumed view until ``zero_grad``."""
-    session.client.delete([tp.grad_key for tp in tps])
+    session.drop_keys([tp.grad_key for tp in tps],
+                      {tp.grad_key: tp.param.numel() * 4 for tp in tps})
     for tp in tps:
         tp.grad_created = False
         tp.grad_in_pool = False

@@ -83,15 +83,14 @@ plan assumed a window and that step left more room than the margin, the
 plan grows into it (``grow_placement``: units only move up, none off the
 CPU; no state written back), within what the device has free outside the
 allocator's cache (cached blocks may be too fragmented for the new tensors:
-at 18.5B a step reserved 12 GB more than it allocated). Once per input
-shape: a grown plan a later step outgrows is made again, and not grown.
+at 18.5B a step reserved 12 GB more than it allocated). At most once per
+input shape: a plan made again (a step outgrew it) does not grow.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import warnings
 
 import torch
 
@@ -122,32 +121,6 @@ class PlacerState(enum.Enum):
     PLACED = "placed"
 
 
-def resolve_cap(device: torch.device, requested: int | float | None, *,
-                warn: bool = True, leaving: int = 0) -> int | None:
-    """Device bytes the attached model may use in all (None: no placement).
-
-    ``requested``: bytes, a fraction of the device's memory, or None (on
-    CUDA: the memory free at attach, counting as free the ``leaving`` bytes
-    of the model's parameters on the device, which attach moves to the
-    store). Above what is free: a warning (unless not ``warn``), and what is
-    free is used."""
-    if requested == 0:
-        return None   # stream everything
-    if device.type != "cuda":
-        return None if requested is None else int(requested)
-    free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + leaving
-    if requested is None:
-        return free
-    cap = int(requested * total) if isinstance(requested, float) else int(requested)
-    if cap > free:
-        if warn:
-            warnings.warn(f"gpu_memory_bytes={requested} asks for {cap} bytes but {free} are free "
-                          f"on {device}; using {free}", stacklevel=4)
-        return free
-    return cap
-
-
 class Placer:
     """Placement of one attached model's units (see the Notes above); under
     torch.distributed every rank holds the same plan ([Note: one plan for
@@ -168,6 +141,7 @@ class Placer:
         self._replicas: list = []        # under ranks: ReplicaUpdates of others' units
         self._signature = None           # root inputs' shapes of the measured step
         self._non_model = 0              # measured non-model peak the plan assumed
+        self._non_model_fused = None     # ... a grown plan's, of a step with the fused update
         self._measured_steps = 0
         self._fused_before = 0           # fused-update backwards when measuring began
         self._window = 0                 # update window assumed by the last step read
@@ -225,8 +199,10 @@ class Placer:
             return
         changed = self._signature is not None and signature != self._signature
         non_model = self._read_step()
-        grew = (self.state is PlacerState.PLACED
-                and non_model > self._non_model + self._margin // 2)
+        # like with like: a step with the update window assumed, or the fused step measured
+        baseline = self._non_model if self._window or self._non_model_fused is None \
+            else self._non_model_fused
+        grew = self.state is PlacerState.PLACED and non_model > baseline + self._margin // 2
         ready, budget = self._ready(), max(0, self.cap - non_model - self._margin)
         if self._ranks is not None:
             got = self._ranks.agree_max([int(changed), int(grew), int(not ready), -budget],
@@ -355,14 +331,15 @@ class Placer:
         self._apply(plan)
         self._plan_window, self._cpu_mode = self._window, cpu
         self.state = PlacerState.PLACED
+        self._non_model, self._non_model_fused = non_model, None
         self._adopt(plan, non_model, budget, "placement")
 
     def _adopt(self, plan: Placement, non_model: int, budget: int, what: str) -> None:
-        self.plan, self._non_model = plan, non_model
+        self.plan = plan
         self._session.client.report_device(plan.device_bytes)
         log.info("tierd %s: %d units resident, %d weights only, %d streamed, %d updated "
-                 "on the CPU; %d device bytes held, %d PCIe bytes a step (budget %d = cap %d "
-                 "- step %d - margin %d)",
+                 "on the CPU; %d device bytes held, %d PCIe bytes a step (budget %d; cap %d, "
+                 "step %d, margin %d)",
                  what, len(plan.units_at(Place.RESIDENT)), len(plan.units_at(Place.WEIGHTS)),
                  len(plan.units_at(Place.STREAM)), len(plan.units_at(Place.CPU)),
                  plan.device_bytes, plan.streamed_bytes,
@@ -379,11 +356,12 @@ class Placer:
             room = min(room, memory[1] - self._margin)
         if room <= self._margin:
             return
-        plan = grow_placement(self.unit_bytes(), self.plan, self.plan.device_bytes + room,
-                              whole=self._cpu_mode == "all")
+        budget = self.plan.device_bytes + room
+        plan = grow_placement(self.unit_bytes(), self.plan, budget, whole=self._cpu_mode == "all")
         self._grown = True
         if plan.device_bytes > self.plan.device_bytes:
             self._apply(plan, grow=True)
+            self._non_model_fused = non_model
             self._adopt(plan, non_model, budget, "placement grew")
 
     def _store_room(self, units: list[UnitBytes]) -> int | None:

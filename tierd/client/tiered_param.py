@@ -181,9 +181,11 @@ class TieredParam:
     def make_streamed(self) -> None:
         """DEVICE (resident) -> HOST: the pool holds the current bytes again."""
         self._expect(ParamState.DEVICE, action="stream")
-        if not self.resident or self.stale_in_store:
-            raise StateError(f"parameter {self.name!r} is not resident, or the store has an "
-                             "older value; nothing to stream")
+        if not self.resident:
+            raise StateError(f"parameter {self.name!r} is not resident; nothing to stream")
+        if self.stale_in_store:
+            raise StateError(f"parameter {self.name!r}: the store has an older value; "
+                             "settle the session (write it back) before streaming it")
         self.resident = False
         self.free()
 

@@ -102,6 +102,8 @@ class Bucket:
         self._expect(BucketState.FETCHED, BucketState.RESIDENT, action="stay resident")
         self.copy, self.readers = None, []
         self.state, self.dirty = BucketState.RESIDENT, True
+        for tp in self.tps:   # its write-back writes their compute copies from now on
+            tp.stale_in_store = False
 
     def left_store(self) -> None:
         """RESIDENT: the store's older copies of its values were deleted

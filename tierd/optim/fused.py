@@ -16,9 +16,9 @@ never crosses PCIe. Parameters are grouped in *buckets*, one per unit
    of a bucket's gradients are, the compute stream waits for the bucket's
    copy and runs the optimizer's own per-parameter math (bitwise the deferred
    path's), then casts the new compute-dtype value.
-3. Master, moments and the new value go back to the pool on the copy-out
-   stream; the leases are released after that copy's event ([Note: release
-   after the event] in tierd.client.releases).
+3. Master, moments and the new value (not a device-kept one's: [Note: kept
+   weights are written when the store is read]) go back to the pool on the
+   copy-out stream; leases go after that copy's event (tierd.client.releases).
 
 [Note: compute copy from the fetched master]
 A parameter's backward needs its compute-dtype value, and its bucket's

@@ -126,14 +126,16 @@ def write_kept_weights(session) -> None:
         return
     keys = [tp.key for tp in stale]
     session.leases.acquire(keys)
-    views = session.leases.views(keys)
-    if session.copy.on_device:
-        session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in stale],
-                                   tuple(keys)).synchronize()
-    else:
-        for tp in stale:
-            views[tp.key].copy_(tp.param.data)
-    session.leases.release(keys, written=True)
+    try:
+        views = session.leases.views(keys)
+        if session.copy.on_device:
+            session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in stale],
+                                       tuple(keys)).synchronize()
+        else:
+            for tp in stale:
+                views[tp.key].copy_(tp.param.data)
+    finally:
+        session.leases.release(keys, written=True)
     for tp in stale:
         tp.stale_in_store = False
 
