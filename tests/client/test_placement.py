@@ -382,14 +382,18 @@ def _cap_for_half(make):
     return cap
 
 
-def test_cpu_placement_with_a_cap_keeps_whole_units_and_updates_the_rest_on_the_cpu():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_cpu_placement_with_a_cap_keeps_whole_units_and_updates_the_rest_on_the_cpu(accumulate):
+    # accumulate=1: the first update frees the resident units' gradient keys,
+    # which the CPU placement had made and held
     ref = llama()
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
                    gpu_memory_bytes=4 * _cap_for_half(llama), optimizer_placement="cpu")
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     data = batches(6)
-    assert train(model, opt, data, accumulate=2) == train(ref, ref_opt, data, accumulate=2)
+    assert train(model, opt, data, accumulate=accumulate) \
+        == train(ref, ref_opt, data, accumulate=accumulate)
     session = session_of(model)
     plan = session.placer.plan
     assert set(plan.places.values()) == {Place.RESIDENT, Place.CPU}

@@ -23,7 +23,7 @@ from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.activations.config import ActivationConfig
 from tierd.errors import CapacityError
-from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+from tests.client.models import batches, gpt2, llama, train
 
 
 def _unit_bytes(dtype):
@@ -230,17 +230,3 @@ def test_growth_with_activation_tiering(monkeypatch, activations, dtype):
     want = detach(ref).state_dict()
     sd = detach(model).state_dict()
     assert all(torch.equal(sd[k], v) for k, v in want.items())
-
-
-def test_cpu_placement_with_a_cap_and_no_accumulation():
-    """optimizer_placement="cpu" makes and holds every gradient key; the plan
-    then keeps units RESIDENT, whose gradient keys the first update frees
-    (window of one): their holds end first (they were deleted while held)."""
-    ref = llama()
-    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
-                   gpu_memory_bytes=4 * _cap_for_half(llama), optimizer_placement="cpu")
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    data = batches(4)
-    assert train(model, opt, data) == train(ref, ref_opt, data)
-    assert_same_weights(model, ref)
