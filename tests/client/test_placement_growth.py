@@ -230,3 +230,27 @@ def test_growth_with_activation_tiering(monkeypatch, activations, dtype):
     want = detach(ref).state_dict()
     sd = detach(model).state_dict()
     assert all(torch.equal(sd[k], v) for k, v in want.items())
+
+
+def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
+    import tierd.optim.resident as resident
+    model = attach(llama(), client=LocalStore(job="run1"), job="run1", device="cpu",
+                   compute_dtype="bf16", gpu_memory_bytes=_cap_for_half(llama))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    session = session_of(model)
+    kept = {tp.key: tp for tp in session.params.values() if tp.stale_in_store}
+    assert len(kept) > 1
+    session.lease_cap = max(tp.nbytes for tp in kept.values())   # a full pool: small leases
+    written, write = [], resident._write_kept
+
+    def recorded(session, tps):
+        written.append([tp.key for tp in tps])
+        return write(session, tps)
+
+    monkeypatch.setattr(resident, "_write_kept", recorded)
+    tierd.commit(model, opt, 3)
+    assert len(written) > 1 and sorted(k for batch in written for k in batch) == sorted(kept)
+    assert all(sum(kept[k].nbytes for k in batch) <= session.lease_cap for batch in written)
+    got = session.read(list(kept))
+    assert all(torch.equal(got[k], tp.param.data) for k, tp in kept.items())

@@ -120,23 +120,31 @@ def writes_compute_copy(session, tp) -> bool:
 
 def write_kept_weights(session) -> None:
     """Copy the compute copies only the device has the newest of into the
-    store (blocking: the host is about to read the store)."""
+    store (blocking: the host is about to read the store), a lease's worth
+    (``session.lease_cap``) at a time: the pool is full of state then."""
     stale = [tp for tp in session.params.values() if tp.stale_in_store]
-    if not stale:
-        return
-    keys = [tp.key for tp in stale]
+    while stale:
+        chunk, nbytes = [], 0
+        while stale and (not chunk or nbytes + stale[0].nbytes <= session.lease_cap):
+            nbytes += stale[0].nbytes
+            chunk.append(stale.pop(0))
+        _write_kept(session, chunk)
+
+
+def _write_kept(session, tps) -> None:
+    keys = [tp.key for tp in tps]
     session.leases.acquire(keys)
     try:
         views = session.leases.views(keys)
         if session.copy.on_device:
-            session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in stale],
+            session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in tps],
                                        tuple(keys)).synchronize()
         else:
-            for tp in stale:
+            for tp in tps:
                 views[tp.key].copy_(tp.param.data)
     finally:
         session.leases.release(keys, written=True)
-    for tp in stale:
+    for tp in tps:
         tp.stale_in_store = False
 
 
