@@ -322,6 +322,26 @@ def test_attach_with_the_default_min_bytes_offloads_and_matches_torch(client, op
     assert handle._closed
 
 
+def test_auto_with_nothing_to_offload_ends_its_profile_and_placement_goes_on():
+    """Every activation under ``min_bytes``: the profiling step offloads none,
+    yet its backward still ends the profile (all blocks kept), so placement,
+    which waits for the final activation plan, places the model."""
+    from tierd.client.placer import PlacerState
+    from tierd.client.store import LocalStore
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=1 << 30, activations=ActivationConfig(policy="auto"))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(4)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    session = session_of(model)
+    assert session.activations.auto.stage is AutoStage.DONE
+    assert set(session.activations.modes) == {BlockMode.KEEP}
+    assert session.placer.state is PlacerState.PLACED
+    assert_same_weights(model, ref)
+
+
 def test_inference_saves_nothing(client):
     model = _gpt2()
     handle = tier_activations(model, client, policy="offload", **SMALL)

@@ -217,12 +217,15 @@ class ActivationTiering:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if self.auto.meter is not None:
             self.auto.meter.sample()
+        offloaded = isinstance(packed, SavedActivation)
+        if offloaded or self.auto.stage is not AutoStage.DONE:
             with self._lock:
-                self._watch_backward()   # its end ends the check, offloaded or not
-        if not isinstance(packed, SavedActivation):
+                # its end ends the profile or the check, offloaded or not (a
+                # model whose every activation is under min_bytes offloads none)
+                self._watch_backward()
+        if not offloaded:
             return packed
         with self._lock:
-            self._watch_backward()
             return self.store.load(packed)
 
     def _watch_backward(self) -> None:
