@@ -19,7 +19,7 @@ import tierd.client.placer as placer_mod
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place
-from tierd.client.placer import Placer, PlacerState
+from tierd.client.placer import Placer
 from tierd.client.store import LocalStore
 from tierd.client.activations.config import ActivationConfig
 from tierd.errors import CapacityError
