@@ -163,16 +163,11 @@ def test_an_optimizer_over_cpu_placement_without_zero_grad_is_told_the_fix():
             opt.step()
 
 
-def test_overlapped_cpu_updates_are_off_on_cuda_unless_switched_on(monkeypatch):
-    """On CUDA "cpu" keeps updating in step() until the GPU tests pass
-    (tierd.optim.cpu_update.overlapped)."""
+def test_cpu_updates_overlap_backward_except_under_ranks():
+    """CUDA too (the GPU tests in test_cpu_update_gpu.py); not under ranks."""
     from types import SimpleNamespace
 
-    from tierd.optim.cpu_update import EXPERIMENTAL_CUDA, overlapped
-    monkeypatch.delenv(EXPERIMENTAL_CUDA, raising=False)
-    cuda = SimpleNamespace(share=None, device=torch.device("cuda", 0))
+    from tierd.optim.cpu_update import overlapped
     assert overlapped(SimpleNamespace(share=None, device=torch.device("cpu")))
-    assert not overlapped(cuda)
-    assert not overlapped(SimpleNamespace(share=object(), device=torch.device("cpu")))
-    monkeypatch.setenv(EXPERIMENTAL_CUDA, "1")
-    assert overlapped(cuda)
+    assert overlapped(SimpleNamespace(share=None, device=torch.device("cuda", 0)))
+    assert not overlapped(SimpleNamespace(share=object(), device=torch.device("cuda", 0)))

@@ -14,22 +14,10 @@ import tierd.optim
 from tierd.client.attach import attach, session_of
 from tierd.client.placement import Place
 from tierd.client.placer import Placer
-from tierd.optim.cpu_update import EXPERIMENTAL_CUDA
 from tests.client.models import batches, gpt2
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-#: Failed on the H200 (the reason the overlapped path is off on CUDA unless
-#: switched on, see tierd.optim.cpu_update.overlapped); strict: a pass means
-#: the fix landed, and the mark and the switch go.
-KNOWN_FAILURE = pytest.mark.xfail(strict=True, reason="overlapped CPU updates on CUDA: values "
-                                  "differ from the reference (see cpu_update.overlapped)")
-
-
-@pytest.fixture(autouse=True)
-def _overlapped_on_cuda(monkeypatch):
-    monkeypatch.setenv(EXPERIMENTAL_CUDA, "1")
 
 
 def _train(model, opt, data, *, accumulate: int = 1, autocast: bool = False) -> list[float]:
@@ -46,8 +34,7 @@ def _train(model, opt, data, *, accumulate: int = 1, autocast: bool = False) -> 
 
 
 @pytest.mark.parametrize("cap", [pytest.param(0, id="all-streamed"),
-                                 pytest.param(10 << 20, id="some-resident",
-                                              marks=KNOWN_FAILURE)])
+                                 pytest.param(10 << 20, id="some-resident")])
 def test_fp32_cpu_updates_overlapped_equal_the_update_in_step_bitwise(daemon, cap, monkeypatch):
     # Bitwise only if both runs place alike: a RESIDENT unit updates with torch's
     # fused CUDA AdamW, a CPU one with the CPU kernels, not bitwise the same. On
@@ -75,7 +62,6 @@ def test_fp32_cpu_updates_overlapped_equal_the_update_in_step_bitwise(daemon, ca
         assert {Place.RESIDENT, Place.CPU} <= set(plan.places.values())
 
 
-@KNOWN_FAILURE
 def test_bf16_cpu_updates_match_gpu_streamed_updates_within_bf16_noise(daemon):
     data = batches(6, batch=2, seq=16)
     runs = []

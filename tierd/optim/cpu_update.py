@@ -42,7 +42,6 @@ after the previous one. ``_THREADS`` is the knob to measure on a large host.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -128,24 +127,10 @@ def probe_copy_rate(device: torch.device) -> float | None:
     return 2 * n / max(seconds, 1e-9)
 
 
-#: Set to "1" to run the overlapped CPU update with a CUDA compute device
-#: (experimental: see :func:`overlapped`).
-EXPERIMENTAL_CUDA = "TIERD_EXPERIMENTAL_CUDA_CPU_UPDATE"
-
-
 def overlapped(session) -> bool:
-    """Whether CPU updates overlap backward for ``session``'s optimizers.
-
-    Not under torch.distributed (shared keys change by publishing). Not with
-    a CUDA device either, unless ``TIERD_EXPERIMENTAL_CUDA_CPU_UPDATE=1``:
-    on the H200 two of its three GPU tests failed (with resident units the
-    values left the update in ``step()``'s; with bf16 compute the tied
-    embedding left GPU-streamed updates' beyond bf16 noise), so there
-    ``optimizer_placement="cpu"`` keeps updating in ``step()``, in place in
-    the pool, and "auto" never chooses the CPU, until those pass."""
-    if session.share is not None:
-        return False
-    return session.device.type != "cuda" or os.environ.get(EXPERIMENTAL_CUDA) == "1"
+    """Whether CPU updates overlap backward for ``session``'s optimizers: not
+    under torch.distributed (shared keys change by publishing)."""
+    return session.share is None
 
 
 class HostUpdates:
