@@ -132,3 +132,23 @@ def test_copy_in_converts_bitwise_from_either_device_in_pieces(device, monkeypat
     dst = torch.empty(7, 1000)
     connection.copy_in(dst, half)
     assert torch.equal(dst, half.cpu().float())
+
+
+def test_a_mapped_pool_segment_takes_writes_without_a_fault_per_page(daemon_factory):
+    """[Note: mapping a segment with its page tables]: the client maps a
+    segment with its page tables filled, so writing all of it does not fault
+    once per page (a plain mapping faults on each of its 4 KiB pages)."""
+    import resource
+
+    client = daemon_factory(pool="256MiB").connect()
+    try:
+        client.put("w", torch.ones(16))   # maps the segment it lands in
+        (view,) = client.control.views.values()
+        pages = view.numel() // 4096
+        assert pages >= 1024
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        view.fill_(7)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < pages // 8, (faults, pages)
+    finally:
+        client.close()
