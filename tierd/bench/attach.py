@@ -257,6 +257,8 @@ def run(args) -> list[dict]:
     bf16, fp32 = torch.bfloat16, torch.float32
     rows = [attach_case(args, "cpu fp32 model, compute bf16", bf16),
             attach_case(args, "cpu fp32 model, compute fp32", fp32)]
+    if args.tmp:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         path = Path(tmp) / "model.safetensors"
         _save_bf16(args, path)

@@ -66,16 +66,21 @@ SHAPES = {"1.3B": dict(layers=24, d=2048), "5B": dict(layers=24, d=4096),
           "8B": dict(layers=40, d=4096, checkpointing=True),
           "tiny": dict(layers=2, d=128, vocab=1000),
           "tiny-ckpt": dict(layers=2, d=128, vocab=1000, checkpointing=True)}
-#: (case name, model shape, batch, train?, cap in bytes or None)
-CASES = [("1.3B B=8 train", "1.3B", 8, True, None),
-         ("1.3B B=16 train", "1.3B", 16, True, None),
-         ("1.3B B=8 forward", "1.3B", 8, False, None),
-         ("1.3B B=8 train, cap 48 GB", "1.3B", 8, True, 48 * GB),
-         ("5B B=2 train", "5B", 2, True, None),
-         ("8B B=4 train, checkpointing, cap 100 GB", "8B", 4, True, 100 * GB)]
-TINY = [("tiny B=2 train", "tiny", 2, True, None), ("tiny B=2 forward", "tiny", 2, False, None),
-        ("tiny B=2 train, cap 2 MB", "tiny", 2, True, 2e6),
-        ("tiny B=2 train, checkpointing, cap 2 MB", "tiny-ckpt", 2, True, 2e6)]
+#: (case name, model shape, batch, train?, attach arguments besides the
+#: defaults: a cap, and where the planner may also choose CPU updates)
+CASES = [("1.3B B=8 train", "1.3B", 8, True, {}),
+         ("1.3B B=16 train", "1.3B", 16, True, {}),
+         ("1.3B B=8 forward", "1.3B", 8, False, {}),
+         ("1.3B B=8 train, cap 48 GB", "1.3B", 8, True, {"gpu_memory_bytes": int(48 * GB)}),
+         ("1.3B B=8 train, cap 48 GB, optimizer_placement=auto", "1.3B", 8, True,
+          {"gpu_memory_bytes": int(48 * GB), "optimizer_placement": "auto"}),
+         ("5B B=2 train", "5B", 2, True, {}),
+         ("8B B=4 train, checkpointing, cap 100 GB", "8B", 4, True,
+          {"gpu_memory_bytes": int(100 * GB)})]
+TINY = [("tiny B=2 train", "tiny", 2, True, {}), ("tiny B=2 forward", "tiny", 2, False, {}),
+        ("tiny B=2 train, cap 2 MB", "tiny", 2, True, {"gpu_memory_bytes": int(2e6)}),
+        ("tiny B=2 train, checkpointing, cap 2 MB", "tiny-ckpt", 2, True,
+         {"gpu_memory_bytes": int(2e6)})]
 UNRUN = {"5B B=2 train, cap 40 GB":
          "not run: streaming 5B needs its 65 GiB of weights and state in the pinned pool, "
          "and this host page-locks at most ~70 GiB (cudaHostRegister fails past 279 "
@@ -192,7 +197,7 @@ def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
         model = held[0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         held.append(opt)
-        for name, _, batch, train, _cap in cases:
+        for name, _, batch, train, _options in cases:
             ids = torch.randint(0, model.config.vocab_size, (batch, args.seq), device=device)
             clock.reset_peak()
             fn = step_fn(model, opt, ids, train, device)
@@ -212,12 +217,10 @@ def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
     return out
 
 
-def run_tierd(cpu_model, name: str, batch: int, train: bool, cap, args, clock, device,
-              daemon) -> dict:
-    options = dict(compute_dtype="bf16", device=device)
-    if cap is not None:
-        options["gpu_memory_bytes"] = int(cap)
-    model = attach(cpu_model, client=tierd.connect(daemon.socket), **options)
+def run_tierd(cpu_model, name: str, batch: int, train: bool, options: dict, args, clock,
+              device, daemon) -> dict:
+    model = attach(cpu_model, client=tierd.connect(daemon.socket), compute_dtype="bf16",
+                   device=device, **options)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-4) if train else None
     ids = torch.randint(0, cpu_model.config.vocab_size, (batch, args.seq), device=device)
     fn = step_fn(model, opt, ids, train, device)
@@ -269,14 +272,14 @@ def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]
             ref = run_reference(shape, mine, args, clock, device)
             cpu_model = build(shape, args.seq, str(device)).to("cpu") if not args.tiny \
                 else build(shape, args.seq, "cpu")
-            for name, _, batch, train, cap in mine:
+            for name, _, batch, train, options in mine:
                 allgpu_s, allgpu_peak, error, allgpu_diag, allgpu_run = ref[name]
                 row = {"case": name, "allgpu_s": allgpu_s, "allgpu_run_s": allgpu_run,
                        "allgpu_peak_gb": allgpu_peak,
                        "floor_s": None, "error": error, "allgpu_diag": allgpu_diag}
-                row.update(run_tierd(cpu_model, name, batch, train, cap, args, clock,
+                row.update(run_tierd(cpu_model, name, batch, train, options, args, clock,
                                      device, daemon))
-                if cap is not None:
+                if "gpu_memory_bytes" in options:
                     row["floor_s"] = floor(row, bandwidth)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
