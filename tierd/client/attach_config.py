@@ -57,7 +57,6 @@ class AttachConfig:
     #: not resident on the device: in place in the pool, on host threads,
     #: overlapped with backward) or "auto" (placement chooses per unit by
     #: measured cost; [Note: choosing CPU updates] in tierd.client.placement).
-    #: With CUDA the overlap is off for now: see ``tierd.optim.cpu_update.overlapped``.
     optimizer_placement: str = "gpu-stream"
     #: Keep lasting pool leases on the model's keys (compute-dtype params,
     #: then optimizer states) while they take at most this fraction of the
