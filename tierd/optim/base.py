@@ -58,7 +58,7 @@ from tierd.optim.state import UnmadeState
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
     """The device tensors of ``tp``'s state when placement keeps it on the
-    GPU ([Note: resident optimizer state] in tierd.optim.fused); None when it streams."""
+    GPU ([Note: resident optimizer state] in tierd.optim.resident); None when it streams."""
     for f in fused:
         work = f.resident_work(tp)
         if work is not None:

@@ -43,19 +43,6 @@ before them. On CUDA the session keeps those in its first prefetch window
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
-[Note: resident optimizer state]
-A bucket the placement made resident ([Note: the GPU is the first tier] in
-``tierd.client.placement``) is *pinned*: it is fetched once as any other,
-and after its update its master and moments stay on the device (RESIDENT),
-its compute copy is refreshed in place, and nothing goes back over PCIe.
-The pool's copy is then older (``dirty``) until the host is about to read
-the pool (``settle``: ``state_dict``, ``commit``, ``detach``, a deferred
-``step()``), which writes it back first, so commits and reads see every
-value. Gradients that earlier backwards of a window summed in the pool are
-brought in for the update. An optimizer that updates in ``step()``
-(clipping: ``fusing`` off) keeps its buckets for this alone: ``step()`` updates
-a pinned bucket's device state in place (:meth:`FusedUpdates.resident_work`).
-
 The first backward only learns (delivery counts and order); ``step()``
 updates its window. On the CPU the same code runs on the pool views in place.
 """
@@ -68,7 +55,7 @@ import torch
 
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
-from tierd.optim.buckets import Bucket, BucketState
+from tierd.optim.buckets import Bucket, BucketState, fetches_in_forward
 from tierd.optim.cpu_update import HostUpdates
 from tierd.optim.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import StateError
@@ -353,17 +340,26 @@ class FusedUpdates:
             self._outstanding.pop(0)
             self._fetched_bytes -= nbytes
 
-    def prefetch(self) -> None:
-        """Fetch upcoming buckets (learned order) while ``prefetch_bytes`` allow."""
-        if not self.active:
+    def prefetch(self, *, forward: bool = False) -> None:
+        """Fetch upcoming buckets (learned order) while at most ``prefetch_bytes``
+        of fetched state wait for their update and twice that is held with the
+        copies out still landing: never blocking. ``forward``: the step's root
+        forward begins ([Note: state fetched during the forward] in buckets)."""
+        if forward and fetches_in_forward(self):
+            self._cursor = 0
+        elif not self.active:
             return
         self._reclaim()
+        ahead = self._fetched_bytes - sum(n for _, n in self._outstanding)
         while self._cursor < len(self.order):
             b = self.buckets[self.order[self._cursor]]
             if b.state is BucketState.HOST and not b.cpu:
-                if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
+                held = self._fetched_bytes
+                if ahead and ahead + b.nbytes > self.prefetch_bytes \
+                        or held and held + b.nbytes > 2 * self.prefetch_bytes:
                     return
                 self._fetch(b)
+                ahead += b.nbytes
             self._cursor += 1
 
     def _fetch(self, b: Bucket) -> None:
@@ -440,7 +436,7 @@ class FusedUpdates:
                 if tp.resident:
                     session.refresh_resident(tp, param)
                 if b.pinned:
-                    continue   # [Note: resident optimizer state]
+                    continue   # [Note: resident optimizer state] in tierd.optim.resident
                 written += [(key, b.work[key]) for key in k]
                 if tp.has_master and not writes_compute_copy(session, tp):
                     # [Note: kept weights are written when the store is read]

@@ -1,5 +1,18 @@
-"""Moving a resident bucket's tensors between the device and the store
-([Note: resident optimizer state] in ``tierd.optim.fused``).
+"""Moving a resident bucket's tensors between the device and the store.
+
+[Note: resident optimizer state]
+A bucket the placement made resident ([Note: the GPU is the first tier] in
+``tierd.client.placement``) is *pinned*: it is fetched once as any other,
+and after its update its master and moments stay on the device (RESIDENT),
+its compute copy is refreshed in place, and nothing goes back over PCIe.
+The pool's copy is then older (``dirty``) until the host is about to read
+the pool (``settle``: ``state_dict``, ``commit``, ``detach``, a deferred
+``step()``), which writes it back first, so commits and reads see every
+value. Gradients that earlier backwards of a window summed in the pool are
+brought in for the update. An optimizer that updates in ``step()``
+(clipping: ``fusing`` off) keeps its buckets for this alone: ``step()`` updates
+a pinned bucket's device state in place
+(:meth:`tierd.optim.fused.FusedUpdates.resident_work`).
 
 [Note: resident state leaves the store]
 Once a pinned bucket is RESIDENT, the device holds the newest master,
