@@ -17,7 +17,6 @@ from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_pla
 from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
-from tierd.optim.buckets import BucketState
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 
 # bf16 compute, AdamW: 2 B/param of weights, 12 B/param of fp32 state
@@ -460,6 +459,7 @@ def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
 
 @pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
 def test_clipping_loops_keep_resident_state_on_the_device(how):
+    from tierd.optim.buckets import BucketState
     ref = llama()
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
                    gpu_memory_bytes=1 << 30)
@@ -483,35 +483,3 @@ def test_clipping_loops_keep_resident_state_on_the_device(how):
     buckets = [b for f in opt._fused for b in f.buckets]
     assert buckets and all(b.state is BucketState.RESIDENT for b in buckets)   # kept, not dropped
     assert_same_weights(model, ref)   # the reads write resident state back first
-
-
-def test_streamed_state_is_fetched_as_the_forward_begins_when_every_weight_is_kept():
-    """[Note: state fetched during the forward]: with every unit's weights on
-    the device and state streamed, an updating step's forward starts the
-    state's fetch; a forward without autograd does not; training stays
-    bitwise torch's."""
-    probe = attach(llama(), client=LocalStore(), device="cpu")
-    weights = sum(u.nbytes for u in session_of(probe).units)
-    detach(probe)
-    model, ref, opt, ref_opt = _train_placed(llama, cap=weights + (64 << 10), data=None)
-    session = session_of(model)
-
-    def fetched() -> int:
-        return sum(b.state is BucketState.FETCHED for f in session.optimizers for b in f.buckets)
-
-    got, want = [], train(ref, ref_opt, batches(5))
-    for i, ids in enumerate(batches(5)):
-        if i >= 2:   # placed in the first step, settled in by the second
-            assert set(session.placer.plan.places.values()) <= {Place.RESIDENT, Place.WEIGHTS}
-            assert Place.WEIGHTS in session.placer.plan.places.values()
-            with torch.no_grad():
-                model(input_ids=ids)
-            assert fetched() == 0
-        loss = model(input_ids=ids, labels=ids).loss
-        assert fetched() > 0 if i >= 2 else True
-        loss.backward()
-        got.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    assert got == want
-    assert_same_weights(model, ref)

@@ -207,8 +207,6 @@ class AttachSession:
         self.settle(synchronize=False)
         self.placer.begin_step(signature)
         self.mover.begin_step()
-        for opt in self.optimizers:
-            opt.prefetch(forward=True)
 
     def pre_forward(self, unit: Unit) -> None:
         self.mover.observe(unit)

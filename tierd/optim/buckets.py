@@ -148,25 +148,3 @@ def update_window(buckets: list[Bucket], prefetch_bytes: int) -> int:
     streamed = [b.nbytes for b in buckets if not b.pinned and not b.cpu]
     return grads + (2 * prefetch_bytes + max(streamed) if streamed else 0)
 
-
-def fetches_in_forward(fused) -> bool:
-    """Whether ``fused`` (a :class:`~tierd.optim.fused.FusedUpdates`) fetches
-    its first buckets' state as the step's root forward begins.
-
-    [Note: state fetched during the forward]
-    A fused update fetches a streamed bucket's master and moments in backward,
-    ahead of its gradients ([Note: fused update]). Where placement keeps every
-    parameter's weights on the device (units RESIDENT or WEIGHTS), the forward
-    moves nothing over PCIe, and backward moves all the state both ways: at
-    1.3B B=8 capped at 48 GB (H200) both directions were busy 0.22 s of a
-    0.26 s backward while the 0.09 s forward left the link idle. So when the
-    coming backward ends the window (it will update) and autograd records the
-    forward, the fetch of the first buckets in the learned order starts as
-    the forward begins. It holds no more than in backward (``prefetch_bytes``
-    ahead) and over the forward, whose activations peak where backward
-    begins, the peak the placer measured with the window already fetched.
-    Where weights stream, the forward's own copies in come first, so nothing
-    is fetched early. On the CPU the fetch is the same leases, in place."""
-    return (fused.fusing and fused.learned and not fused.active
-            and fused.backwards + 1 == fused.window and torch.is_grad_enabled()
-            and all(tp.resident for tp in fused.session.params.values()))
