@@ -140,6 +140,17 @@ class Clock:
     def peak_gb(self) -> float:
         return torch.cuda.max_memory_allocated(self.device) / GB if self.cuda else 0.0
 
+    def allocator(self) -> dict:
+        """The caching allocator since :meth:`reset_peak`: its reserved peak,
+        and the times it ran out of cached blocks and freed them all (each a
+        device-wide synchronization) or called cudaMalloc / cudaFree."""
+        if not self.cuda:
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {"reserved_peak_gb": torch.cuda.max_memory_reserved(self.device) / GB,
+                **{k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
+                                                "num_device_alloc", "num_device_free")}}
+
 
 def step_fn(model, opt, ids, train: bool, device: torch.device):
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -230,15 +241,20 @@ def run_tierd(cpu_model, name: str, batch: int, train: bool, options: dict, args
     clock.sync()
     before = session.stats()
     clock.reset_peak()
+    allocator = clock.allocator()
     secs = clock.median(fn, args.steps, 0)
     peak, after = clock.peak_gb(), session.stats()
+    allocator = {k: v if k == "reserved_peak_gb" else v - allocator[k]
+                 for k, v in clock.allocator().items()}
     run = clock.back_to_back(fn, args.steps)
     trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", name) + ".trace.json.gz") \
         if args.trace else None
     diag = diagnose(fn, model, opt, ids, train, trace)
     if diag is not None:
         diag.update({k: (after[k] - before[k]) / args.steps
-                     for k in ("hook_seconds", "optimizer_seconds", "wait_seconds")})
+                     for k in ("hook_seconds", "optimizer_seconds", "wait_seconds",
+                               "lease_wait_seconds")})
+        diag["allocator"] = allocator   # over the timed steps
     row = {"tierd_diag": diag, "tierd_s": secs, "tierd_run_s": run, "tierd_peak_gb": peak,
            "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / GB,
            "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / args.steps / GB,

@@ -72,6 +72,7 @@ class SessionStats:
     hook_seconds: float = 0.0      # host time inside tierd's hooks (optimizer included)
     optimizer_seconds: float = 0.0  # of which: launching fused optimizer updates
     wait_seconds: float = 0.0      # host time blocked on replies, copies, collectives (hooks and step())
+    lease_wait_seconds: float = 0.0  # of which: on the daemon's lease replies
     requests: int = 0              # requests sent to the daemon
     master_copy_bytes: int = 0     # compute copies cast from fetched fp32 masters, not copied in
     steps: int = 0                 # root forwards that began a step

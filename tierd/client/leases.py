@@ -108,7 +108,9 @@ class LeaseTable:
         """The pool view of an acquired key, or None if the daemon had no room."""
         t0 = time.perf_counter()
         views = self._batch[key].views()   # waits for the reply the first time
-        self._stats.wait_seconds += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self._stats.wait_seconds += waited
+        self._stats.lease_wait_seconds += waited
         return None if views is None else views[key]
 
     def views(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
