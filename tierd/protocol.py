@@ -31,7 +31,7 @@ import msgpack
 
 from tierd.errors import ProtocolError
 
-VERSION = 3   # 2: reserve's ``zero``; 3: demote
+VERSION = 4   # 2: reserve's ``zero``; 3: demote; 4: a segment's ``populated``
 MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024

@@ -101,6 +101,10 @@ class Segment:
     size: int
     fd: int
     mm: mmap.mmap
+    #: its pages were zeroed and mapped by the daemon, so a client maps its
+    #: page tables too ([Note: mapping a segment with its page tables] in
+    #: tierd.client.control); else the first touch zeroes each page
+    populated: bool = False
     extents: ExtentAllocator = field(init=False)
     touched: int = field(init=False, default=0)   # end of the highest extent handed out
     _fresh: set[int] = field(init=False, default_factory=set)   # live extents past it when made
@@ -180,11 +184,12 @@ def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor | None) -> N
 
 
 def _make_memfd(label: str, size: int, populate: bool = False,
-                threads: ThreadPoolExecutor | None = None) -> tuple[int, mmap.mmap]:
-    """A memfd of ``size`` bytes with every page allocated, and its mapping.
-    With ``populate`` the pages are also zeroed now (:func:`_populate`, on
-    ``threads`` or this one), else allocated by one ``posix_fallocate``,
-    which leaves the zeroing to the first touch, in a client.
+                threads: ThreadPoolExecutor | None = None) -> tuple[int, mmap.mmap, bool]:
+    """A memfd of ``size`` bytes with every page allocated, its mapping, and
+    whether its pages were zeroed: with ``populate`` they are, now
+    (:func:`_populate`, on ``threads`` or this one), else they are allocated
+    by one ``posix_fallocate``, which leaves the zeroing to the first touch,
+    in a client.
 
     Allocating now (prefaulting) makes a full machine fail here with a clear
     error instead of SIGBUS at a first touch later. Runs on the preparing
@@ -208,13 +213,14 @@ def _make_memfd(label: str, size: int, populate: bool = False,
                 if exc.errno != errno.EINVAL:
                     raise
                 os.posix_fallocate(fd, 0, size)   # a kernel without MADV_POPULATE_WRITE
+                populate = False
     except OSError as exc:
         if mm is not None:
             mm.close()
         os.close(fd)
         raise CapacityError(f"cannot allocate a {size} B pool segment: {exc.strerror}; "
                             f"lower --pool or free memory") from None
-    return fd, mm
+    return fd, mm, populate
 
 
 def _close_memfd(made: Future) -> None:
@@ -222,7 +228,7 @@ def _close_memfd(made: Future) -> None:
     if made.cancel():
         return
     try:
-        fd, mm = made.result()
+        fd, mm, _ = made.result()
     except CapacityError:
         return
     mm.close()
@@ -359,7 +365,7 @@ class HostPool:
             self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
                                                       self.segment_size, self._populate))
 
-    def _take_spare(self) -> tuple[int, mmap.mmap] | None:
+    def _take_spare(self) -> tuple[int, mmap.mmap, bool] | None:
         """The oldest spare (waiting for it to be made), or None: none, or
         making it failed (the caller makes one itself and reports why)."""
         if not self._spares:
@@ -379,8 +385,8 @@ class HostPool:
             big = self._populate and size > self.segment_size
             made = _make_memfd(f"tierd-{_UNSAFE.sub('_', job)[:64]}", size, big,
                                self._populaters if big else None)
-        fd, mm = made
-        seg = Segment(self._next_id, job, size, fd, mm)
+        fd, mm, populated = made
+        seg = Segment(self._next_id, job, size, fd, mm, populated)
         self._next_id += 1
         self.segments[seg.id] = seg
         return seg

@@ -25,17 +25,21 @@ from tierd.errors import DaemonUnavailable, ProtocolError, TierdError, from_wire
 CONNECT_TIMEOUT = 2.0
 
 #: [Note: mapping a segment with its page tables]
-#: A segment's pages exist before a client maps it (the daemon allocated and,
-#: with cores to spare, zeroed them: [Note: segments made ahead] in
-#: ``tierd.backends.hostpool``), but a plain mapping has no page table
-#: entries, so the client's first write to each 4 KiB page faults. On the H200
-#: host an attach of 16.8 GB took 4.2 M such faults, 27 s of client CPU on its
-#: copy threads, and ran at 2.8 GB/s; into pages already mapped the same
-#: copies ran 19 GB/s. ``MAP_POPULATE`` fills the page tables in the mmap
-#: call, in one pass in the kernel: on the 2-core development VM 1 GiB mapped
-#: so in 0.08 s and its copy then took 0.03 s, against 0.17 s of copy into a
-#: plain mapping.
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: A segment's pages exist before a client maps it, but a plain mapping has no
+#: page table entries, so the client's first write to each 4 KiB page faults.
+#: On the H200 host an attach of 16.8 GB took 4.2 M such faults, 27 s of
+#: client CPU on its copy threads, and ran at 2.8 GB/s (into pages already
+#: mapped the same copies ran 19 GB/s). Where the daemon also zeroed the
+#: pages (``Segment.populated``: [Note: segments made ahead] in
+#: ``tierd.backends.hostpool``), ``MAP_POPULATE`` fills the page tables in the
+#: mmap call (read faults of a shared mapping, each mapping the 16 pages
+#: around it that are ready): on the H200 an attach then faulted once per 16
+#: pages and spent 23 % less client CPU per GB. Where it did not (fewer than
+#: ``POPULATE_THREADS`` cores to spare), populating would zero every page in
+#: that one call, on the thread that maps, instead of in the copy threads'
+#: faults: on the 2-core development VM a 1.9 GB attach took 3.5-5.0 s so,
+#: against 2.5-2.7 s faulting; those segments are mapped plainly.
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 if TYPE_CHECKING:
     import torch
@@ -202,8 +206,9 @@ class ControlChannel:
         try:
             if not reply.get("ok", True):
                 raise from_wire(*reply.get("error", ["tierd", "segments refused"]))
-            for (sid, size), fd in zip(reply.get("segments", []), fds):
-                mm = mmap.mmap(fd, size, MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+            for (sid, size, populated), fd in zip(reply.get("segments", []), fds):
+                flags = mmap.MAP_SHARED | (MAP_POPULATE if populated else 0)
+                mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.mmaps[sid] = mm
                 # [Note: mapping lifetime] The tensor holds a memoryview of the
                 # mapping, an export that keeps ``mm.close()`` from unmapping it:

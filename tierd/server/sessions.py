@@ -133,7 +133,8 @@ class ControlSessions:
                 handed.difference_update(gone)
                 handed.update(s.id for s in segs)
                 await sockets.send_ctl(conn, {"ok": True, "gone": gone,
-                                              "segments": [[s.id, s.size] for s in segs]},
+                                              "segments": [[s.id, s.size, s.populated]
+                                                           for s in segs]},
                                        fds=[s.fd for s in segs])
         except (ConnectionError, asyncio.IncompleteReadError, EOFError, asyncio.TimeoutError):
             pass
