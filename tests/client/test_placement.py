@@ -483,3 +483,40 @@ def test_clipping_loops_keep_resident_state_on_the_device(how):
     buckets = [b for f in opt._fused for b in f.buckets]
     assert buckets and all(b.state is BucketState.RESIDENT for b in buckets)   # kept, not dropped
     assert_same_weights(model, ref)   # the reads write resident state back first
+
+
+def test_cpu_updates_go_to_the_last_units_in_forward_order_first():
+    """Identical units save alike: the host takes the ones updated first in
+    backward (last in forward), whose new weights the next forward needs last."""
+    units = [UnitBytes(i, 2 * 100, 12 * 100, 4 * 100) for i in range(6)]
+    costs = Costs(copy_bytes_per_s=1000.0, host_bytes_per_s=1000.0)
+    plan = plan_placement(units, 0, cpu="auto", costs=costs)
+    on_host = plan.units_at(Place.CPU)
+    assert 0 < len(on_host) < len(units)
+    assert on_host == list(range(len(units) - len(on_host), len(units)))
+
+
+def test_cpu_updates_are_chosen_again_at_the_rate_the_host_reached(monkeypatch):
+    """The plan follows the probe (a fast host: every streamed unit updated
+    on the CPU); the first step that updates there measures the host far
+    slower (made up), so the units stream again; fp32 stays torch's bitwise."""
+    import tierd.optim.cpu_update as cpu_update
+    monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)   # made up
+    monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)         # made up: fast
+    monkeypatch.setattr(cpu_update.HostUpdates, "host_rate",
+                        lambda self: 1.0 if self.seconds else 1e12)          # measured: slow
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=_cap_for_half(llama), optimizer_placement="auto")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    placer, host = session_of(model).placer, opt._fused[0].host
+    data = batches(6)
+    got, want = train(model, opt, data[:2]), train(ref, ref_opt, data[:2])
+    assert Place.CPU in placer.plan.places.values() and host.nbytes > 0   # updated there
+    got += train(model, opt, data[2:])
+    want += train(ref, ref_opt, data[2:])
+    assert got == want
+    places = set(placer.plan.places.values())
+    assert Place.CPU not in places and Place.STREAM in places and Place.WEIGHTS in places
+    assert_same_weights(model, ref)

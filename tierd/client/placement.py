@@ -43,9 +43,18 @@ host time (12 B/param of state read and written by the update thread). With the
 step's compute, the copies and the host updates running at once, the step
 takes the longest of the three (:meth:`Placement.seconds`). ``cpu="auto"``
 moves streamed units to ``CPU``, the most PCIe bytes saved per byte of host
-work first, while each move shortens that predicted time: with a slow host
+work first (among equals the larger first, then the last in forward
+order: updated first in backward, needed last by the next forward, so their
+host updates have the most time to finish; ties broke in forward order
+before, identical blocks save alike, so the first blocks went to the host,
+and 1.3B capped at 48 GB on the H200 waited 0.4-0.66 s a step at the next
+forward for their updates), while each move shortens that predicted time: with a slow host
 nothing moves; with slow PCIe units move until the host's time reaches the
-copies'. Units holding device bytes stay where they are. The placer does not
+copies'. Units holding device bytes stay where they are. The host's rate is
+probed before any update ran (past the cache, but not on pool memory with
+backward running beside it): after the first step that updates on the
+host, the placer chooses again at the rate those updates reached
+(:func:`rebalance_host`, once per input shape). The placer does not
 measure the step's compute yet (``compute_s=0``), so it balances host and
 PCIe time even where both would hide under compute: the host then does
 work that did not shorten the step, on cores that were idle. ``cpu="all"``
@@ -228,6 +237,22 @@ def grow_placement(units: list[UnitBytes], plan: Placement, budget_bytes: int, *
     return _placement(units, places)
 
 
+def rebalance_host(units: list[UnitBytes], plan: Placement, costs: Costs) -> Placement:
+    """``plan`` with the units it streams or updates on the CPU chosen again
+    at ``costs`` (the host's measured rate, [Note: choosing CPU updates]);
+    device places stay.
+
+    Example:
+        >>> units = [UnitBytes(0, 2, 12, 4), UnitBytes(1, 2, 12, 4)]
+        >>> fast = plan_placement(units, 0, cpu="auto", costs=Costs(1.0, 1e9))
+        >>> [p.name for p in rebalance_host(units, fast, Costs(1.0, 1e-9)).places.values()]
+        ['STREAM', 'STREAM']
+    """
+    places = {i: Place.STREAM if p is Place.CPU else p for i, p in plan.places.items()}
+    _move_to_host(units, places, costs)
+    return _placement(units, places)
+
+
 _RANK = {Place.STREAM: 0, Place.WEIGHTS: 1, Place.RESIDENT: 2}
 
 
@@ -299,8 +324,11 @@ def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs
                                                  costs.host_bytes_per_s)
 
     candidates = [u for u in units if places[u.index] is Place.STREAM and u.state_bytes]
-    candidates.sort(key=lambda u: -(u.streamed(Place.STREAM) - u.streamed(Place.CPU))
-                    / u.host_bytes(Place.CPU))
+    # among equal savings the larger units first (fewer, coarser moves), then
+    # the last in forward order: updated first in backward, needed last
+    candidates.sort(key=lambda u: (-(u.streamed(Place.STREAM) - u.streamed(Place.CPU))
+                                   / u.host_bytes(Place.CPU), -u.host_bytes(Place.CPU),
+                                   -u.index))
     now = seconds()
     for u in candidates:
         places[u.index] = Place.CPU

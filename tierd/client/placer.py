@@ -95,8 +95,8 @@ import logging
 import torch
 
 from tierd.client.capacity import DaemonRoom, size_text
-from tierd.client.placement import (Place, Placement, UnitBytes, grow_placement,
-                                    plan_placement, stored)
+from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
+                                    plan_placement, rebalance_host, stored)
 from tierd.errors import CapacityError
 from tierd.optim.buckets import update_window
 from tierd.optim.replica import can_replicate, drop_replicas, replicate
@@ -147,7 +147,8 @@ class Placer:
         self._window = 0                 # update window assumed by the last step read
         self._plan_window = 0            # ... by the step the plan was made from
         self._cpu_mode = "none"          # the plan's CPU updates ("all": whole units only)
-        self._grown = False              # the plan grew since the inputs changed
+        self._grown = False              # grown (or looked at) since the inputs changed
+        self._ran_fused = False          # the last step read ran the fused update
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         self.state = PlacerState.OFF     # under ranks until :meth:`join_ranks`
@@ -276,9 +277,10 @@ class Placer:
         update window]); the window assumed is kept in ``_window``."""
         memory = self._memory()
         self._window = 0
+        self._ran_fused = self._measured_steps > 0 and self._fused_backwards() != self._fused_before
         if memory is None or self._measured_steps == 0:
             return 0
-        if self._fused_backwards() == self._fused_before:
+        if not self._ran_fused:
             self._window = sum(update_window(f.buckets, f.prefetch_bytes)
                                for f in self._session.optimizers if f.fusing)
         return max(0, memory[0] - self._base - self.resident_bytes()) + self._window
@@ -315,9 +317,7 @@ class Placer:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
-        # CPU updates: what the optimizers' placement allows, at measured costs
-        cpu, costs = next((c for c in (f.host.choice() for f in self._session.optimizers)
-                           if c[0] != "none"), ("none", None))
+        cpu, costs = self._host_choice()
         room = self._store_room(units)
         plan = plan_placement(units, budget, cpu=cpu, costs=costs,
                               store_bytes=None if room is None else room + _room(freed))
@@ -334,6 +334,11 @@ class Placer:
         self._non_model, self._non_model_fused = non_model, None
         self._adopt(plan, non_model, budget, "placement")
 
+    def _host_choice(self) -> tuple[str, Costs | None]:
+        """CPU updates: what the optimizers' placement allows, at measured costs."""
+        return next((c for c in (f.host.choice() for f in self._session.optimizers)
+                     if c[0] != "none"), ("none", None))
+
     def _adopt(self, plan: Placement, non_model: int, budget: int, what: str) -> None:
         self.plan = plan
         self._session.client.report_device(plan.device_bytes)
@@ -346,23 +351,31 @@ class Placer:
                  budget, self.cap, non_model, self._margin)
 
     def _grow(self, non_model: int, budget: int) -> None:
-        """Keep more on the device, from the plan's places up, where the plan
-        assumed an update window, the step just read ran the fused update and
-        left more room than the margin ([Note: growing the plan])."""
-        if self._ranks is not None or self._grown or not self._plan_window or self._window:
+        """After the first step on the plan that ran the fused update: keep
+        more on the device, from the plan's places up, where the plan assumed
+        an update window and the step left more room than the margin
+        ([Note: growing the plan]); and choose the CPU-updated units again at
+        the rate their updates reached ([Note: choosing CPU updates])."""
+        if self._ranks is not None or self._grown or not self._ran_fused:
             return
-        room, memory = budget - self.plan.device_bytes, self._memory()
+        self._grown = True
+        units, plan, what = self.unit_bytes(), self.plan, []
+        room, memory = budget - plan.device_bytes, self._memory()
         if memory is not None:   # the allocator's cache may not take it: the device's free
             room = min(room, memory[1] - self._margin)
-        if room <= self._margin:
-            return
-        budget = self.plan.device_bytes + room
-        plan = grow_placement(self.unit_bytes(), self.plan, budget, whole=self._cpu_mode == "all")
-        self._grown = True
-        if plan.device_bytes > self.plan.device_bytes:
+        if self._plan_window and room > self._margin:
+            budget = plan.device_bytes + room
+            plan = grow_placement(units, plan, budget, whole=self._cpu_mode == "all")
+            what += ["grew"] * (plan.device_bytes > self.plan.device_bytes)
+        cpu, costs = self._host_choice()
+        if cpu == "auto" and self.plan.units_at(Place.CPU):
+            again = rebalance_host(units, plan, costs)
+            what += ["chose CPU updates again"] * (again.places != plan.places)
+            plan = again
+        if what:
             self._apply(plan, grow=True)
             self._non_model_fused = non_model
-            self._adopt(plan, non_model, budget, "placement grew")
+            self._adopt(plan, non_model, budget, "placement " + " and ".join(what))
 
     def _store_room(self, units: list[UnitBytes]) -> int | None:
         """Store bytes the units' values may take: what is free plus what they
@@ -424,8 +437,7 @@ class Placer:
                    for tp in session.registry.members(units[i])]
         for opt in session.optimizers:
             opt.pin(resident)   # a bucket pinned already stays as it is
-            if not grow:        # growing keeps CPU-updated units where they are
-                opt.host.place(on_host)
+            opt.host.place(on_host)
         session.mover.replan(keep_trace=True)
 
     def _reset(self) -> None:
