@@ -27,6 +27,13 @@ def test_placement_writes_a_row_per_case_with_both_timings(tmp_path):
     assert rows["tiny B=2 train"]["floor_s"] is None   # uncapped: no floor
 
 
+def test_case_runs_only_the_cases_it_names(tmp_path):
+    placement.main(["--out", str(tmp_path), "--tiny", "--case", "cap 2 MB"])
+    rows = json.loads((tmp_path / "placement.json").read_text())["rows"]
+    assert sorted(r["case"] for r in rows) == ["tiny B=2 train, cap 2 MB",
+                                               "tiny B=2 train, checkpointing, cap 2 MB"]
+
+
 def test_a_floor_without_the_all_gpu_step_uses_tierds_own_compute():
     # the 8B reference runs out of GPU memory: tierd's compute-stream busy time stands in
     row = {"allgpu_s": None, "tierd_diag": {"compute_busy_s": 0.7}, "planned_pcie_gb": 50.0}

@@ -315,8 +315,8 @@ def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
         out = args.out / shape
         cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", shape,
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib)] \
-            + ["--trace"] * args.trace
+               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib),
+               "--case", args.case] + ["--trace"] * args.trace
         if subprocess.run(cmd).returncode != 0:
             rows.append({"case": f"{shape} (every case)", "error": "its process failed; see "
                          "its output above", **{k: None for k in ROW_FIELDS}})
@@ -343,6 +343,8 @@ def main(argv=None) -> None:
                          "20 GB of fp32 gradients; what does not fit spills to NVMe; the "
                          "H200 host page-locks at most ~70 GiB)")
     ap.add_argument("--nvme-gib", type=int, default=48)
+    ap.add_argument("--case", default="", help="only the cases whose name contains this "
+                    "(e.g. 'cap 48 GB': a quick re-run of one case, not the README table)")
     ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B), "
                     "run in this process")
     ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
@@ -356,12 +358,13 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         args.seq, args.steps, args.warmup, args.pool_gib, args.nvme_gib = 16, 2, 3, 1, 1
-        rows, bandwidth = measure(args, TINY, device)
+        rows, bandwidth = measure(args, [c for c in TINY if args.case in c[0]], device)
     elif args.only:
-        rows, bandwidth = measure(args, [c for c in CASES if c[1] in args.only.split(",")],
-                                  device)
+        rows, bandwidth = measure(args, [c for c in CASES if c[1] in args.only.split(",")
+                                         and args.case in c[0]], device)
     else:
-        rows, bandwidth = measure_apart(args, list(dict.fromkeys(c[1] for c in CASES)))
+        rows, bandwidth = measure_apart(args, list(dict.fromkeys(
+            c[1] for c in CASES if args.case in c[0])))
         rows += [{"case": c, "error": why, **{k: None for k in ROW_FIELDS}}
                  for c, why in UNRUN.items()]
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
