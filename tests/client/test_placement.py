@@ -54,9 +54,28 @@ def test_largest_saving_per_byte_first_weights_then_state():
 
 
 def test_state_only_after_the_units_weights():
-    plan = plan_placement(UNITS, sum(u.param_bytes for u in UNITS) + UNITS[0].state_bytes)
-    assert plan.places[0] is Place.RESIDENT
-    assert all(plan.places[i] is Place.WEIGHTS for i in (1, 2, 3))
+    extra = UNITS[0].state_bytes
+    plan = plan_placement(UNITS, sum(u.param_bytes for u in UNITS) + extra)
+    assert Place.STREAM not in plan.places.values()   # every unit's weights first
+    whole = plan.units_at(Place.RESIDENT)
+    assert whole and sum(UNITS[i].state_bytes for i in whole) <= extra
+
+
+@pytest.mark.parametrize("n", [16, 40, 7])
+def test_units_kept_whole_and_units_streaming_alternate_through_the_model(n):
+    """[Note: spread]: of identical blocks, those whose state streams are
+    spread between those kept whole, not bunched at the end of the model."""
+    units = [UnitBytes(i, 2, 12) for i in range(n)]
+    for whole in range(1, n):
+        plan = plan_placement(units, 2 * n + 12 * whole)
+        kept = plan.units_at(Place.RESIDENT)
+        assert len(kept) == whole and len(plan.units_at(Place.WEIGHTS)) == n - whole
+        # the longest run of streaming units is no longer than an even share
+        runs, run = [], 0
+        for i in range(n):
+            run = 0 if plan.places[i] is Place.RESIDENT else run + 1
+            runs.append(run)
+        assert max(runs) <= -(-(n - whole) // (whole + 1)) * 2, (whole, plan.places)
 
 
 def test_a_larger_measured_step_places_less():
@@ -71,15 +90,15 @@ def test_a_larger_measured_step_places_less():
 def test_a_tight_store_trades_kept_weights_for_whole_units():
     budget = sum(u.param_bytes for u in UNITS) + UNITS[0].state_bytes + 400
     roomy = plan_placement(UNITS, budget)
-    assert roomy.units_at(Place.RESIDENT) == [0] and len(roomy.units_at(Place.WEIGHTS)) == 3
-    # unit 3 fits whole once unit 2's kept weights go back; units 1 and 2 never fit
-    room = stored(UNITS, roomy.places) - UNITS[3].store_bytes
+    assert roomy.units_at(Place.RESIDENT) == [3] and len(roomy.units_at(Place.WEIGHTS)) == 3
+    # unit 0 fits whole once unit 2's kept weights go back; units 1 and 2 never fit
+    room = stored(UNITS, roomy.places) - UNITS[0].store_bytes
     tight = plan_placement(UNITS, budget, store_bytes=room)
     assert tight.places == {0: Place.RESIDENT, 1: Place.WEIGHTS, 2: Place.STREAM,
                             3: Place.RESIDENT}
     assert stored(UNITS, tight.places) <= room and tight.device_bytes <= budget
     assert tight.streamed_bytes == (roomy.streamed_bytes + 3 * UNITS[2].param_bytes
-                                    - 2 * UNITS[3].state_bytes)
+                                    - 2 * UNITS[0].state_bytes)
     hopeless = plan_placement(UNITS, budget, store_bytes=0)   # returned; the placer refuses
     assert stored(UNITS, hopeless.places) > 0 and hopeless.device_bytes <= budget
 

@@ -34,6 +34,20 @@ With bf16 compute (2 B/param) and AdamW (12 B/param of fp32 state) that
 keeps as many units' weights as fit first, then their state. Where the whole
 model fits, everything is ``RESIDENT`` and a step moves nothing.
 
+[Note: spread]
+Moves that save alike (a model's blocks) were taken in forward order, so the
+units left streaming were the last blocks: at 8B capped at 100 GB (H200) the
+48 units whose state streamed were the first 48 updated in backward. Their
+28 GB each way then ran in one stretch at the start of backward, with the
+host blocked on copies out (a fused update keeps at most twice
+``prefetch_bytes`` of state on the device) and so queueing none of the
+resident units' kernels, and the resident units' compute ran after it:
+backward 0.92 s against 0.48 s all on the GPU, the copy engines busy 0.56 s
+of a 1.07 s step. Among equals moves are now taken from the middle of the model outwards,
+halving the gaps (:func:`_spread`), so the units kept and the units left streaming alternate
+through the model and each stretch of copies has compute queued beside it.
+Predicted (not yet measured): 8B capped backward ~0.65 s, step ~0.85 s.
+
 [Note: choosing CPU updates]
 Device bytes are spent first, as above: they save PCIe bytes at no other
 cost. Of the units left streaming, a CPU update trades PCIe bytes (with
@@ -84,6 +98,7 @@ refreshed from the host's result over PCIe anyway.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -262,9 +277,9 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
     to ``RESIDENT`` in one move or stays streamed (no ``WEIGHTS``); ``start``:
     the places to grow from (only moves up, ``CPU`` units kept)."""
     places = dict(start) if start else {u.index: Place.STREAM for u in units}
-    # (saved bytes per device byte, order, unit, the move)
+    # (saved bytes per device byte, order among equals: [Note: spread], unit, the move)
     moves = []
-    for order, u in enumerate(units):
+    for order, u in zip(_spread(len(units)), units):
         if whole:
             saved = u.streamed(Place.CPU) / max(1, u.device_bytes(Place.RESIDENT))
             moves.append((saved, order, u, Place.RESIDENT))
@@ -287,6 +302,20 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
             places[u.index] = place
             left -= cost
     return places
+
+
+def _spread(n: int) -> list[int]:
+    """Each of ``n`` positions' rank in an order that halves the gaps: the
+    middle, then the middles of both halves, and so on, so every prefix, and
+    what is left after it, lies evenly over the positions ([Note: spread])."""
+    rank, gaps, k = [0] * n, deque([(0, n)]), 0
+    while gaps:
+        lo, hi = gaps.popleft()
+        if lo < hi:
+            mid = (lo + hi) // 2
+            rank[mid], k = k, k + 1
+            gaps += [(lo, mid), (mid + 1, hi)]
+    return rank
 
 
 def stored(units: list[UnitBytes], places: dict[int, Place]) -> int:
