@@ -254,3 +254,33 @@ def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
     assert all(sum(kept[k].nbytes for k in batch) <= session.lease_cap for batch in written)
     got = session.read(list(kept))
     assert all(torch.equal(got[k], tp.param.data) for k, tp in kept.items())
+
+
+def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatch):
+    """Made-up peaks: a fused step peaks at its real update window. The host
+    measures slow, so its units stream again; the plan grows only after a
+    step that held their state, and no step goes over the cap or replans."""
+    import tierd.optim.cpu_update as cpu_update
+    from tierd.optim.buckets import update_window
+    monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)
+    monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 4e8)
+    monkeypatch.setattr(cpu_update.HostUpdates, "host_rate",
+                        lambda self: 1.0 if self.seconds else 4e8)   # measured: slow
+    extra, cap, peaks = 1 << 16, 240_000, []
+
+    def memory(self):
+        ran = self._fused_backwards() != self._fused_before
+        window = sum(update_window(f.buckets, f.prefetch_bytes)
+                     for f in self._session.optimizers if f.fusing) if ran else 0
+        peaks.append(self.resident_bytes() + extra + window)
+        return peaks[-1], 1 << 40
+
+    monkeypatch.setattr(Placer, "_memory", memory)
+    model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                   gpu_memory_bytes=cap, optimizer_placement="auto")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, prefetch_bytes=4096)
+    train(model, opt, batches(6))
+    placer = session_of(model).placer
+    assert max(peaks) <= cap, peaks
+    assert placer.replans == 0
+    assert Place.CPU not in placer.plan.places.values()

@@ -67,8 +67,9 @@ nothing moves; with slow PCIe units move until the host's time reaches the
 copies'. Units holding device bytes stay where they are. The host's rate is
 probed before any update ran (past the cache, but not on pool memory with
 backward running beside it): after the first step that updates on the
-host, the placer chooses again at the rate those updates reached
-(:func:`rebalance_host`, once per input shape). The placer does not
+host, the placer keeps on the CPU only the units the rate those updates
+reached still pays for, the others stream (:func:`rebalance_host`, once
+per input shape). The placer does not
 measure the step's compute yet (``compute_s=0``), so it balances host and
 PCIe time even where both would hide under compute: the host then does
 work that did not shorten the step, on cores that were idle. ``cpu="all"``
@@ -253,8 +254,10 @@ def grow_placement(units: list[UnitBytes], plan: Placement, budget_bytes: int, *
 
 
 def rebalance_host(units: list[UnitBytes], plan: Placement, costs: Costs) -> Placement:
-    """``plan`` with the units it streams or updates on the CPU chosen again
-    at ``costs`` (the host's measured rate, [Note: choosing CPU updates]);
+    """``plan`` with the units it updates on the CPU chosen again at ``costs``
+    (the host's measured rate, [Note: choosing CPU updates]): those the host
+    no longer pays for stream instead. No unit joins them (a CPU unit's
+    gradient keys would need store room the plan was not checked for), and
     device places stay.
 
     Example:
@@ -264,7 +267,7 @@ def rebalance_host(units: list[UnitBytes], plan: Placement, costs: Costs) -> Pla
         ['STREAM', 'STREAM']
     """
     places = {i: Place.STREAM if p is Place.CPU else p for i, p in plan.places.items()}
-    _move_to_host(units, places, costs)
+    _move_to_host(units, places, costs, among=set(plan.units_at(Place.CPU)))
     return _placement(units, places)
 
 
@@ -345,14 +348,16 @@ def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: i
         used += need
 
 
-def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs) -> None:
-    """Streamed units to ``CPU`` while the predicted step time falls
-    ([Note: choosing CPU updates])."""
+def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs, *,
+                  among: set[int] | None = None) -> None:
+    """Streamed units (of ``among``: all) to ``CPU`` while the predicted step
+    time falls ([Note: choosing CPU updates])."""
     def seconds() -> float:
         return _placement(units, places).seconds(costs.copy_bytes_per_s, costs.compute_s,
                                                  costs.host_bytes_per_s)
 
-    candidates = [u for u in units if places[u.index] is Place.STREAM and u.state_bytes]
+    candidates = [u for u in units if places[u.index] is Place.STREAM and u.state_bytes
+                  and (among is None or u.index in among)]
     # among equal savings the larger units first (fewer, coarser moves), then
     # the last in forward order: updated first in backward, needed last
     candidates.sort(key=lambda u: (-(u.streamed(Place.STREAM) - u.streamed(Place.CPU))

@@ -84,7 +84,11 @@ plan grows into it (``grow_placement``: units only move up, none off the
 CPU; no state written back), within what the device has free outside the
 allocator's cache (cached blocks may be too fragmented for the new tensors:
 at 18.5B a step reserved 12 GB more than it allocated). At most once per
-input shape: a plan made again (a step outgrew it) does not grow.
+input shape: a plan made again (a step outgrew it) does not grow. With
+``optimizer_placement="auto"`` such a step first sends back to streaming
+the CPU-updated units the host's measured rate no longer pays for
+(``rebalance_host``); growth then waits for the next fused step, which
+holds their state too.
 """
 
 from __future__ import annotations
@@ -147,7 +151,8 @@ class Placer:
         self._window = 0                 # update window assumed by the last step read
         self._plan_window = 0            # ... by the step the plan was made from
         self._cpu_mode = "none"          # the plan's CPU updates ("all": whole units only)
-        self._grown = False              # grown (or looked at) since the inputs changed
+        self._grown = False              # the plan grew since the inputs changed
+        self._rebalanced = False         # ... or chose its CPU updates again
         self._ran_fused = False          # the last step read ran the fused update
         self.replans = 0
         self.cap, self._explicit = cap, explicit
@@ -213,7 +218,7 @@ class Placer:
             log.info("tierd placement: the inputs changed (%s -> %s); streaming everything "
                      "and measuring this step", self._signature, signature)
             self._reset()
-            self._grown = False
+            self._grown = self._rebalanced = False
         elif self.state is PlacerState.MEASURING:
             if ready:
                 self._place(non_model, budget)
@@ -351,31 +356,36 @@ class Placer:
                  budget, self.cap, non_model, self._margin)
 
     def _grow(self, non_model: int, budget: int) -> None:
-        """After the first step on the plan that ran the fused update: keep
-        more on the device, from the plan's places up, where the plan assumed
-        an update window and the step left more room than the margin
-        ([Note: growing the plan]); and choose the CPU-updated units again at
-        the rate their updates reached ([Note: choosing CPU updates])."""
+        """After a step on the plan that ran the fused update: first (with
+        "auto", once) keep on the CPU only the units the host's measured
+        rate still pays for ([Note: choosing CPU updates]); then keep more on
+        the device, from the plan's places up, where the plan assumed an
+        update window and the step left more room than the margin ([Note:
+        growing the plan]). A unit sent back to streaming adds state that
+        step did not hold, so growth waits for a step that measured it."""
         if self._ranks is not None or self._grown or not self._ran_fused:
             return
-        self._grown = True
-        units, plan, what = self.unit_bytes(), self.plan, []
+        units, plan = self.unit_bytes(), self.plan
+        cpu, costs = self._host_choice()
+        if cpu == "auto" and not self._rebalanced and plan.units_at(Place.CPU):
+            self._rebalanced = True
+            again = rebalance_host(units, plan, costs)
+            if again.places != plan.places:
+                self._apply(again, grow=True)
+                self._adopt(again, non_model, budget, "placement chose CPU updates again")
+                return
         room, memory = budget - plan.device_bytes, self._memory()
         if memory is not None:   # the allocator's cache may not take it: the device's free
             room = min(room, memory[1] - self._margin)
-        if self._plan_window and room > self._margin:
-            budget = plan.device_bytes + room
-            plan = grow_placement(units, plan, budget, whole=self._cpu_mode == "all")
-            what += ["grew"] * (plan.device_bytes > self.plan.device_bytes)
-        cpu, costs = self._host_choice()
-        if cpu == "auto" and self.plan.units_at(Place.CPU):
-            again = rebalance_host(units, plan, costs)
-            what += ["chose CPU updates again"] * (again.places != plan.places)
-            plan = again
-        if what:
-            self._apply(plan, grow=True)
-            self._non_model_fused = non_model
-            self._adopt(plan, non_model, budget, "placement " + " and ".join(what))
+        if not self._plan_window or room <= self._margin:
+            return
+        self._grown = True
+        budget = plan.device_bytes + room
+        grown = grow_placement(units, plan, budget, whole=self._cpu_mode == "all")
+        if grown.device_bytes > plan.device_bytes:
+            self._apply(grown, grow=True)
+            self._non_model_fused = non_model   # only a grown plan changes the baseline
+            self._adopt(grown, non_model, budget, "placement grew")
 
     def _store_room(self, units: list[UnitBytes]) -> int | None:
         """Store bytes the units' values may take: what is free plus what they
@@ -411,7 +421,8 @@ class Placer:
 
     def _apply(self, plan: Placement, *, grow: bool = False) -> None:
         """Make ``plan`` so: from everything streamed, or (``grow``) from the
-        current plan, whose units only move up ([Note: growing the plan])."""
+        current plan, whose units only move up ([Note: growing the plan]) or
+        from the CPU to streaming (:func:`~tierd.client.placement.rebalance_host`)."""
         session = self._session
         # no copy in flight, no value kept: every streamed parameter HOST
         session.settle(write_resident=not grow)

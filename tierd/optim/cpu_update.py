@@ -287,6 +287,10 @@ class HostUpdates:
         if pairs:
             copy = copy_stream.copy_out_many(pairs, tuple(tp.grad_key for tp, g in items
                                                           if g is not None))
+            # the job keeps the event and the pool side, not the device
+            # gradients: the stream they were recorded on keeps their memory
+            # until the copy lands, and a job is held until step() reaps it
+            copy = InflightCopy(copy.dst, (), copy.keys, copy.event)
         return tuple(grads_in), copy
 
     def running(self, b: Bucket) -> bool:
