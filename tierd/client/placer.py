@@ -357,12 +357,11 @@ class Placer:
 
     def _grow(self, non_model: int, budget: int) -> None:
         """After a step on the plan that ran the fused update: first (with
-        "auto", once) keep on the CPU only the units the host's measured
-        rate still pays for ([Note: choosing CPU updates]); then keep more on
-        the device, from the plan's places up, where the plan assumed an
-        update window and the step left more room than the margin ([Note:
-        growing the plan]). A unit sent back to streaming adds state that
-        step did not hold, so growth waits for a step that measured it."""
+        "auto", once) stream the CPU units the host's measured rate does not
+        pay for ([Note: choosing CPU updates]), and grow a step later; else
+        keep more on the device, from the plan's places up, where the plan
+        assumed an update window and the step left more room than the
+        margin ([Note: growing the plan])."""
         if self._ranks is not None or self._grown or not self._ran_fused:
             return
         units, plan = self.unit_bytes(), self.plan
