@@ -522,8 +522,8 @@ def test_cpu_updates_are_chosen_again_at_the_rate_the_host_reached(monkeypatch):
     import tierd.optim.cpu_update as cpu_update
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)   # made up
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)         # made up: fast
-    monkeypatch.setattr(cpu_update.HostUpdates, "host_rate",
-                        lambda self: 1.0 if self.seconds else 1e12)          # measured: slow
+    run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more)
+    monkeypatch.setattr(cpu_update, "run_job", lambda opt, job: run_job(opt, job) + 1e3)
     ref = llama()
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
                    gpu_memory_bytes=_cap_for_half(llama), optimizer_placement="auto")

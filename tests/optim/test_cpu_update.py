@@ -171,3 +171,23 @@ def test_cpu_updates_overlap_backward_except_under_ranks():
     assert overlapped(SimpleNamespace(share=None, device=torch.device("cpu")))
     assert overlapped(SimpleNamespace(share=None, device=torch.device("cuda", 0)))
     assert not overlapped(SimpleNamespace(share=object(), device=torch.device("cuda", 0)))
+
+
+def test_the_plan_sees_the_host_rate_every_optimizer_measured_together():
+    """Updates of several optimizers share the host: the rate the placer
+    plans with is their bytes over their seconds, not the first one's (or
+    its probe, when only another has updated on the host)."""
+    from types import SimpleNamespace
+
+    from tierd.client.placement import Costs
+    from tierd.optim.cpu_update import host_choice
+
+    def opt(choice, nbytes, seconds):
+        return SimpleNamespace(host=SimpleNamespace(choice=lambda: choice, nbytes=nbytes,
+                                                    seconds=seconds))
+    probed = ("auto", Costs(copy_bytes_per_s=50.0, host_bytes_per_s=1000.0))
+    mode, costs = host_choice([opt(("none", None), 0, 0.0), opt(probed, 0, 0.0),
+                               opt(probed, 300, 2.0), opt(probed, 100, 2.0)])
+    assert mode == "auto" and costs == Costs(50.0, 100.0)
+    assert host_choice([opt(probed, 0, 0.0)]) == probed            # nothing measured yet
+    assert host_choice([opt(("none", None), 5, 1.0)]) == ("none", None)

@@ -99,10 +99,11 @@ import logging
 import torch
 
 from tierd.client.capacity import DaemonRoom, size_text
-from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
+from tierd.client.placement import (Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, rebalance_host, stored)
 from tierd.errors import CapacityError
 from tierd.optim.buckets import update_window
+from tierd.optim.cpu_update import host_choice
 from tierd.optim.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
@@ -322,7 +323,7 @@ class Placer:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
-        cpu, costs = self._host_choice()
+        cpu, costs = host_choice(self._session.optimizers)
         room = self._store_room(units)
         plan = plan_placement(units, budget, cpu=cpu, costs=costs,
                               store_bytes=None if room is None else room + _room(freed))
@@ -338,11 +339,6 @@ class Placer:
         self.state = PlacerState.PLACED
         self._non_model, self._non_model_fused = non_model, None
         self._adopt(plan, non_model, budget, "placement")
-
-    def _host_choice(self) -> tuple[str, Costs | None]:
-        """CPU updates: what the optimizers' placement allows, at measured costs."""
-        return next((c for c in (f.host.choice() for f in self._session.optimizers)
-                     if c[0] != "none"), ("none", None))
 
     def _adopt(self, plan: Placement, non_model: int, budget: int, what: str) -> None:
         self.plan = plan
@@ -365,7 +361,7 @@ class Placer:
         if self._ranks is not None or self._grown or not self._ran_fused:
             return
         units, plan = self.unit_bytes(), self.plan
-        cpu, costs = self._host_choice()
+        cpu, costs = host_choice(self._session.optimizers)
         if cpu == "auto" and not self._rebalanced and plan.units_at(Place.CPU):
             self._rebalanced = True
             again = rebalance_host(units, plan, costs)

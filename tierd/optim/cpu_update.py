@@ -131,6 +131,19 @@ def probe_copy_rate(device: torch.device) -> float | None:
     return 2 * n / max(seconds, 1e-9)
 
 
+def host_choice(optimizers) -> tuple[str, Costs | None]:
+    """What the planner may do with CPU updates over a session's fused
+    ``optimizers``: the first that allows any ([Note: choosing CPU updates]),
+    at the host rate all of them measured together (their updates share the
+    host), else that one's probe."""
+    mode, costs = next((c for c in (f.host.choice() for f in optimizers) if c[0] != "none"),
+                       ("none", None))
+    seconds = sum(f.host.seconds for f in optimizers)
+    if costs is not None and seconds > 0:
+        costs = Costs(costs.copy_bytes_per_s, sum(f.host.nbytes for f in optimizers) / seconds)
+    return mode, costs
+
+
 def overlapped(session) -> bool:
     """Whether CPU updates overlap backward for ``session``'s optimizers: not
     under torch.distributed (shared keys change by publishing)."""
