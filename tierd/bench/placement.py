@@ -353,7 +353,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
     logging.basicConfig(format="[%(name)s] %(message)s")
-    logging.getLogger("tierd.placement").setLevel(logging.INFO)   # each plan, to stderr
+    logging.getLogger("tierd.placement").setLevel(logging.DEBUG)   # each plan, to stderr
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:

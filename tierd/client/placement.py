@@ -37,8 +37,9 @@ model fits, everything is ``RESIDENT`` and a step moves nothing.
 [Note: spread]
 Moves that save alike (a model's blocks) were taken in forward order, so the
 units left streaming were the last blocks: at 8B capped at 100 GB (H200) the
-48 units whose state streamed were the first 48 updated in backward. Their
-28 GB each way then ran in one stretch at the start of backward, with the
+48 units whose state streamed were, by that order, the first 48 updated in
+backward. Their 28 GB each way ran in one stretch at the start of backward
+(as the step's figures below fit; the plan's log names no units), with the
 host blocked on copies out (a fused update keeps at most twice
 ``prefetch_bytes`` of state on the device) and so queueing none of the
 resident units' kernels, and the resident units' compute ran after it:

@@ -350,6 +350,8 @@ class Placer:
                  len(plan.units_at(Place.STREAM)), len(plan.units_at(Place.CPU)),
                  plan.device_bytes, plan.streamed_bytes,
                  budget, self.cap, non_model, self._margin)
+        log.debug("tierd placement, unit by unit in forward order (Resident, Weights only, "
+                  "Streamed, Cpu): %s", "".join(p.name[0] for _, p in sorted(plan.places.items())))
 
     def _grow(self, non_model: int, budget: int) -> None:
         """After a step on the plan that ran the fused update: first (with
