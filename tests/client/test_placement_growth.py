@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -258,14 +259,21 @@ def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
 
 def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatch):
     """Made-up peaks: a fused step peaks at its real update window. The host
-    measures slow, so its units stream again; the plan grows only after a
-    step that held their state, and no step goes over the cap or replans."""
+    measures slow, so its units stream again, once an update has ended to
+    measure it; the plan grows only after a step that held their state, and
+    no step goes over the cap or replans."""
     import tierd.optim.cpu_update as cpu_update
     from tierd.optim.buckets import update_window
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 4e8)
-    run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more)
-    monkeypatch.setattr(cpu_update, "run_job", lambda opt, job: run_job(opt, job) + 1e3)
+    run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more),
+    # and still running when the next step starts, so the first re-choice has no rate yet
+
+    def slow(opt, job):
+        time.sleep(0.05)
+        return run_job(opt, job) + 1e3
+
+    monkeypatch.setattr(cpu_update, "run_job", slow)
     extra, cap, peaks = 1 << 16, 240_000, []
 
     def memory(self):

@@ -365,6 +365,8 @@ class Placer:
         units, plan = self.unit_bytes(), self.plan
         cpu, costs = host_choice(self._session.optimizers)
         if cpu == "auto" and not self._rebalanced and plan.units_at(Place.CPU):
+            if not any(f.host.seconds for f in self._session.optimizers):
+                return   # no host update ended yet: choose (and grow) once one has
             self._rebalanced = True
             again = rebalance_host(units, plan, costs)
             if again.places != plan.places:
