@@ -1,12 +1,15 @@
 """docs/ against the code: the configuration reference lists exactly the
 dataclass fields, troubleshooting covers every error class, the README's
-commands name what exists."""
+commands name what exists, and the examples in docstrings run."""
 
 from __future__ import annotations
 
 import dataclasses
+import doctest
+import importlib
 import inspect
 import os
+import pkgutil
 import re
 import shlex
 
@@ -105,3 +108,15 @@ def test_architecture_names_the_state_machines_that_exist():
         assert f"`{enum.__name__}`" in text
         for member in enum:
             assert f"`{member.name}`" in text, f"{enum.__name__}.{member.name}"
+
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(tierd.__path__, "tierd."))
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not n.endswith("__main__")])
+def test_docstring_examples_run(name):
+    """Examples not marked ``+SKIP`` are run as written (plain-code parts)."""
+    runner, out = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS), []
+    for test in doctest.DocTestFinder().find(importlib.import_module(name)):
+        runner.run(test, out=out.append)
+    assert runner.failures == 0, "".join(out)

@@ -128,6 +128,6 @@ def test_a_cap_too_small_on_one_rank_fails_attach_on_every_rank(daemon_factory, 
                         "--last-rank-gpu-memory-bytes", "1000")
     for r in results:   # the same error everywhere, no rank left waiting
         assert r["error"].startswith("ValueError: gpu_memory_bytes=1000 is below"), r
-        assert "smallest cap that works" in r["error"] and "of any rank" in r["error"]
+        assert "a cap must be at least" in r["error"] and "of any rank" in r["error"]
     with daemon.connect(job="small") as client:   # the failed attach left nothing stored
         assert client.keys("tierd-attach/") == []

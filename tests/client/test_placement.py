@@ -11,7 +11,7 @@ import torch
 
 import tierd
 import tierd.optim
-from tierd.client.attach import attach, detach, session_of
+from tierd.client.attach import attach, detach, is_attached, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, smallest_budget, stored)
 from tierd.client.placer import Placer, PlacerState
@@ -310,6 +310,35 @@ def test_new_input_shapes_stream_everything_then_place_again():
     assert_same_weights(model, ref)
 
 
+def test_lengths_that_vary_by_batch_run_on_one_plan_for_the_longest(monkeypatch):
+    """Made-up peaks that grow with the length: each length is measured once
+    (the longer one streams everything for a step), then batches of either
+    length run on one plan, made for the longer; bitwise like torch."""
+    probe = attach(gpt2(), client=LocalStore(), device="cpu")
+    everything = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
+    detach(probe)
+    peak = {8: 1 << 20, 16: (1 << 20) + everything // 2}   # non-model bytes by length
+    seen = {"len": 8}
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + peak[seen["len"]],
+                                                         1 << 40))
+    model, ref, opt, ref_opt = _train_placed(gpt2, cap=everything + (2 << 20), data=None)
+    model.register_forward_pre_hook(   # runs after tierd's: the step's length, for _memory
+        lambda m, args, kwargs: seen.update(len=kwargs["input_ids"].shape[1]), with_kwargs=True)
+    placer = session_of(model).placer
+    short, long = batches(8, seq=8), batches(8, seq=16, seed=4)
+    got, want, states = [], [], []
+    for ids in (short[0], short[1], long[0], long[1], *[b for pair in zip(short[2:], long[2:])
+                                                         for b in pair]):
+        got += train(model, opt, [ids])
+        want += train(ref, ref_opt, [ids])
+        states.append(placer.state)
+    assert got == want
+    assert_same_weights(model, ref)
+    assert states.count(PlacerState.MEASURING) <= 2 and states[-8:] == [PlacerState.PLACED] * 8
+    assert placer.replans == 0
+    assert 0 < placer.plan.device_bytes <= everything + (2 << 20) - peak[16]
+
+
 def test_commit_and_resume_with_resident_units():
     store = LocalStore(job="run1")
     model = attach(gpt2(), client=store, job="run1", device="cpu", gpu_memory_bytes=1 << 30)
@@ -444,14 +473,42 @@ def test_auto_placement_updates_streamed_units_on_the_cpu_when_pcie_is_slow(monk
 
 
 def test_bad_caps_fail_clearly():
-    with pytest.raises(ValueError, match="smallest cap that works"):
-        attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1000)
+    """A cap below one unit's need: the error says the least that works, and
+    the model and store are as they were (a valid attach then trains)."""
+    model, store = llama(), LocalStore()
+    params = dict(model.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match="a cap must be at least [0-9]+ bytes"):
+        attach(model, client=store, device="cpu", gpu_memory_bytes=1000)
+    assert not is_attached(model) and store.keys() == []
+    assert all(p is params[k] and torch.equal(p, before[k])
+               for k, p in model.named_parameters())
+    attach(model, client=store, device="cpu", gpu_memory_bytes=1 << 30)
+    train(model, tierd.optim.AdamW(model.parameters(), lr=1e-3), batches(2))
+    assert model.state_dict().keys() == before.keys()
+    with pytest.raises(ValueError, match="fraction of the device's memory"):
+        attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=0.5)
     with pytest.raises(ValueError, match="gpu_memory_bytes"):
         tierd.AttachConfig(gpu_memory_bytes=1.5)
     with pytest.raises(ValueError, match="gpu_memory_bytes"):
         tierd.AttachConfig(gpu_memory_bytes=-1)
     off = attach(gpt2(), client=LocalStore(), device="cpu", gpu_memory_bytes=0)
     assert session_of(off).placer.state is PlacerState.OFF
+
+
+def test_a_cap_above_free_memory_warns_and_uses_what_is_free(monkeypatch):
+    from tierd.client.attach_config import resolve_cap
+    free, total = 10 << 30, 80 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 << 30)
+    cuda = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="are free on cuda:0"):
+        assert resolve_cap(cuda, 40 << 30) == free + (1 << 30)   # the allocator's cache counts
+    with pytest.warns(UserWarning, match="are free"):
+        assert resolve_cap(cuda, 0.5) == free + (1 << 30)        # 40 GiB of 80
+    assert resolve_cap(cuda, 0.1) == 8 << 30
+    assert resolve_cap(cuda, None) == free + (1 << 30)
 
 
 def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
@@ -532,6 +589,7 @@ def test_cpu_updates_are_chosen_again_at_the_rate_the_host_reached(monkeypatch):
     placer, host = session_of(model).placer, opt._fused[0].host
     data = batches(6)
     got, want = train(model, opt, data[:2]), train(ref, ref_opt, data[:2])
+    host.wait_all()   # counted as its updates end (a loaded machine may not have ended them)
     assert Place.CPU in placer.plan.places.values() and host.nbytes > 0   # updated there
     got += train(model, opt, data[2:])
     want += train(ref, ref_opt, data[2:])

@@ -224,13 +224,12 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
         AttachSession(model, client, config, owns_store=owns_client, resumed=resumed, ranks=ranks)
     if shared_upload and ranks.leader:
         ranks.barrier("attach (the leader uploading the parameters)")
-    if ranks is not None:   # every rank has its session: they agree on one cap
-        session = session_of(model)
-        try:
-            session.placer.join_ranks()
-        except ValueError:   # a cap too small: the same error on every rank
-            session.close()
-            raise
+    session = session_of(model)
+    try:   # under ranks every rank has its session now: they agree on one cap
+        session.placer.join_ranks() if ranks is not None else session.placer.check_cap()
+    except ValueError:   # a cap too small (the same error on every rank): nothing stays
+        session.close()
+        raise
     return model
 
 

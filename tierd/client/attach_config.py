@@ -133,7 +133,10 @@ def resolve_cap(device: torch.device, requested: int | float | None, *,
     if requested == 0:
         return None   # stream everything
     if device.type != "cuda":
-        return None if requested is None else int(requested)
+        if isinstance(requested, float):
+            raise ValueError(f"gpu_memory_bytes={requested} is a fraction of the device's "
+                             f"memory, and {device} has none to measure: pass bytes")
+        return requested
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + leaving
     if requested is None:

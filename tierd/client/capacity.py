@@ -7,8 +7,8 @@ Example:
     >>> need = StoreNeed(params=2 << 30, master=4 << 30, optimizer=8 << 30,
     ...                  gradients=4 << 30, largest=1 << 30)
     >>> sizes = embedded_sizes(need, Machine(available_ram=16 << 30, free_disk=100 << 30))
-    >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM kept; the rest on NVMe
-    (8.0, 23.125)
+    >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM; the rest (no gradients) on NVMe
+    (8.0, 7.875)
 
 [Note: what the store holds for a model]
 Each parameter (tied ones once) has its compute-dtype copy (``p/``); below

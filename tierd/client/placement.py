@@ -211,9 +211,9 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "non
         [0, 1]
         >>> p = plan_placement(units, 16)     # both weights, then one unit's state
         >>> [p.places[0].name, p.places[1].name], p.device_bytes
-        (['RESIDENT', 'WEIGHTS'], 16)
+        (['WEIGHTS', 'RESIDENT'], 16)
         >>> plan_placement(units, 14, cpu="all").units_at(Place.CPU)
-        [1]
+        [0]
     """
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
@@ -378,3 +378,49 @@ def smallest_budget(units: list[UnitBytes]) -> int:
     """The fewest device bytes a step needs beyond activations: the largest
     unit's compute copy and state in flight at once (everything streamed)."""
     return max((u.param_bytes + u.state_bytes for u in units), default=0)
+
+
+class MeasuredShapes:
+    """The root inputs' shapes of the steps measured, each with the largest
+    non-model peak seen at it ([Note: measuring the step for placement] in
+    ``tierd.client.placer``): a plan is made for the largest, and a step at
+    shapes no larger than one measured (the same tensors, every dimension
+    at most its) needs no new measurement.
+
+    Example:
+        >>> shapes = MeasuredShapes()
+        >>> shapes.record(((8, 1024),), 30); shapes.record(((16, 512),), 20)
+        >>> shapes.covers(((8, 512),)), shapes.covers(((16, 1024),)), shapes.peak()
+        (True, False, 30)
+        >>> shapes.record(((8, 1024),), 25); shapes.peak()   # 30 was no estimate: kept
+        30
+        >>> shapes.record(((4, 64),), 90, estimated=True); shapes.record(((4, 64),), 10)
+        >>> shapes.peak()
+        30
+    """
+
+    def __init__(self) -> None:
+        self._peaks: dict[tuple, int] = {}
+        self._estimated: set[tuple] = set()   # peaks with an update window assumed
+
+    def record(self, signature: tuple, peak: int, *, estimated: bool = False) -> None:
+        """The largest peak measured at ``signature``; ``estimated``: with the
+        update window assumed ([Note: the update window]), replaced by the
+        first peak measured with the update."""
+        if estimated and signature in self._peaks and signature not in self._estimated:
+            return
+        if not estimated and signature in self._estimated:
+            self._estimated.discard(signature)
+            self._peaks[signature] = peak
+            return
+        if estimated:
+            self._estimated.add(signature)
+        self._peaks[signature] = max(peak, self._peaks.get(signature, 0))
+
+    def covers(self, signature: tuple) -> bool:
+        return any(len(s) == len(signature) and all(
+            len(a) == len(b) and all(x <= y for x, y in zip(b, a)) for a, b in zip(s, signature))
+            for s in self._peaks)
+
+    def peak(self) -> int:
+        return max(self._peaks.values(), default=0)

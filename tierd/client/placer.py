@@ -7,38 +7,35 @@ this module measures what it needs, makes units resident or streamed again
 [Note: measuring the step for placement]
 The first step streams everything (the GPU holds only the prefetch window
 and the optimizer state in flight) and is measured: on CUDA the allocator's
-peak over the step, less what was allocated before attach, is the step's
+peak over the step, less what was allocated before attach, is its
 *non-model* memory (activations, workspace, gradients in flight, the
-streaming window). Device bytes for placement are then ``cap`` less that,
-less a margin for fragmentation. The streaming window only shrinks as units
-become resident, so the estimate errs towards holding less. Each later step's
-peak is read again (less what the plan holds): if it grew past the margin, the
-plan is made again within the smaller budget. When the root forward's input
-shapes change (a new batch size or sequence length), the step may need far
-more memory than the one measured, so everything streams again first and
-that step is measured anew: one slow step, never an out-of-memory error.
-On the CPU nothing is measured: placement runs only with an explicit
-``gpu_memory_bytes`` (for tests), against that budget.
+streaming window, which only shrinks as units become resident). Placement
+gets ``cap`` less that, less a margin for fragmentation. Each later step's
+peak is read again (less what the plan holds): past the margin, the plan is
+made again within less. Input shapes larger than every shape measured (a
+larger batch or sequence) may need far more, so everything streams again
+and that step is measured: one slow step, never an out-of-memory error.
+Each shape's peak is kept (``MeasuredShapes``) and the plan is for the
+largest, so shapes no larger than one measured (lengths that vary by batch)
+run on it. On the CPU nothing is measured: placement runs only with an
+explicit ``gpu_memory_bytes`` (for tests), against that budget.
 
 [Note: one plan for every rank]
 Under torch.distributed the units placed whole are replicas on every rank
-([Note: resident units are replicas] in ``tierd.client.distributed``), and
-their gradients are all-reduced where the others are reduced to an owner,
-so every rank must hold the same plan and change it at the same step. Each
-rank measures its own step; what the plan depends on is agreed in one small
-gloo all-reduce (MAX, a MIN as the MAX of negatives) over every rank: the cap
-at attach (the smallest; none if any rank streams everything), then at each
-training step whether the inputs changed or a step outgrew the plan on any
-rank, whether every rank is ready, and the smallest budget; when a plan is
-made, each unit's optimizer bytes (only its owner has them) and whether
-every rank can keep it as a replica (else at most its weights are kept).
-The CPU place is never chosen under ranks (``HostUpdates`` updates on the
-device there), so the measured host costs, which differ per rank, never
-reach the plan.
-Forwards without autograd (evaluation, perhaps on one rank only) leave the
-plan alone, as they leave DDP's buffers alone. A plan is applied only
-between accumulation windows, so a replica never misses a gradient its
-owner summed.
+([Note: resident units are replicas] in ``tierd.client.distributed``) whose
+gradients are all-reduced (the others' are reduced to an owner), so every
+rank holds the same plan and changes it at the same step. Each rank measures
+its own step; one small gloo all-reduce (MAX; a MIN as the MAX of negatives)
+agrees on the cap at attach (the smallest; none if any rank streams
+everything), then at each training step on whether the inputs changed or a
+step outgrew the plan on any rank, whether every rank is ready, and the
+smallest budget; for a plan, on each unit's optimizer bytes (only its owner
+has them) and whether every rank can keep it as a replica (else at most its
+weights). The CPU place is never chosen under ranks (``HostUpdates`` updates
+on the device there): host costs differ per rank. Forwards without autograd
+(evaluation, perhaps on one rank only) leave the plan alone, as they leave
+DDP's buffers alone. A plan is applied only between accumulation windows, so
+a replica never misses a gradient its owner summed.
 
 [Note: placement and activation tiering share one budget]
 Activation tiering decides first, placement second. ``activations="auto"``
@@ -51,28 +48,24 @@ activation planner's later steps grow past what placement left free.
 
 [Note: placing before the first update]
 The first (measuring) step updates in ``opt.step()``, after its backward.
-Placing there, with the forward and backward measured, rather than at the
-next forward means the resident units' optimizer state is made on the device
-by that first update and never stored ([Note: resident state leaves the
-store] in ``tierd.optim.resident``, [Note: state made when first needed]
-in ``tierd.optim.state``): the store needs room only for the first step's
-gradients and what streams, not for the whole training state, which is what
-lets a model larger than pool + NVMe train. The update itself adds little
-device memory (one block at a time) beyond what the margin covers. Under
-torch.distributed the plan still waits for the next forward (every rank
-agrees on it there, [Note: one plan for every rank]).
+Placing there rather than at the next forward means the resident units'
+optimizer state is made on the device by that first update and never stored
+([Note: resident state leaves the store] in ``tierd.optim.resident``,
+[Note: state made when first needed] in ``tierd.optim.state``): the store
+needs room only for the first step's gradients and what streams, which lets
+a model larger than pool + NVMe train. The update adds little device memory
+(one block at a time) beyond the margin. Under torch.distributed the plan
+waits for the next forward, where every rank agrees on it.
 
 [Note: the update window]
 The measured first step updates in ``opt.step()``, after its activations are
 freed, but every later backward runs the fused update ([Note: fused update]
-in ``tierd.optim.fused``) next to the activations: streamed buckets' master
-and moments fetched ahead (up to twice ``prefetch_bytes``, plus the bucket
-running now whatever its size) and one bucket's gradients in fp32. A step
-measured without it would under-count the next step's peak by that much (at
-13B on the H200: a 318M-parameter layer, 3.8 GB of state, 1.9 GB of
-gradients, besides 4 GiB of window), which the margin does not cover: the
-second step ran out of memory. So a measured step that ran no fused update
-adds the optimizers' window (``tierd.optim.buckets.update_window``) to its peak.
+in ``tierd.optim.fused``) beside them: streamed buckets' state fetched ahead
+(up to twice ``prefetch_bytes``, plus the running bucket) and one bucket's
+fp32 gradients. Uncounted, that ran 13B (H200) out of memory in its second
+step (a 318M-parameter layer: 3.8 GB of state and 1.9 GB of gradients besides
+4 GiB of window, past the margin). So a measured step that ran no fused
+update adds the optimizers' window (``tierd.optim.buckets.update_window``).
 
 [Note: growing the plan]
 That window is an upper bound: backward frees activations while the state
@@ -81,10 +74,10 @@ under 1 GB seen; nothing kept on the GPU, 7 GB of the cap unused). So the
 first placed step that runs the fused update is measured too; where the
 plan assumed a window and that step left more room than the margin, the
 plan grows into it (``grow_placement``: units only move up, none off the
-CPU; no state written back), within what the device has free outside the
-allocator's cache (cached blocks may be too fragmented for the new tensors:
-at 18.5B a step reserved 12 GB more than it allocated). At most once per
-input shape: a plan made again (a step outgrew it) does not grow. With
+CPU; no state written back), within the device's free memory outside the
+allocator's cache (cached blocks may be too fragmented: at 18.5B a step
+reserved 12 GB more than it allocated). At most once per input shape: a
+plan made again (a step outgrew it) does not grow. With
 ``optimizer_placement="auto"`` such a step first sends back to streaming
 the CPU-updated units the host's measured rate no longer pays for
 (``rebalance_host``); growth then waits for the next fused step, which
@@ -99,8 +92,8 @@ import logging
 import torch
 
 from tierd.client.capacity import DaemonRoom, size_text
-from tierd.client.placement import (Place, Placement, UnitBytes, grow_placement,
-                                    plan_placement, rebalance_host, stored)
+from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
+                                    grow_placement, plan_placement, rebalance_host, stored)
 from tierd.errors import CapacityError
 from tierd.optim.buckets import update_window
 from tierd.optim.cpu_update import host_choice
@@ -145,6 +138,7 @@ class Placer:
         self._placed: list = []          # TieredParams made resident by the plan
         self._replicas: list = []        # under ranks: ReplicaUpdates of others' units
         self._signature = None           # root inputs' shapes of the measured step
+        self._shapes = MeasuredShapes()  # ... of every step measured, with its peak
         self._non_model = 0              # measured non-model peak the plan assumed
         self._non_model_fused = None     # ... a grown plan's, of a step with the fused update
         self._measured_steps = 0
@@ -162,36 +156,37 @@ class Placer:
             self._configure(cap, explicit)
 
     def _configure(self, cap: int | None, explicit: bool) -> None:
-        self.cap = cap
+        self.cap, self._explicit = cap, explicit
         # an explicit cap is the user's; free memory at attach also has to leave
         # room for the allocator's slack
         fraction = int(_MARGIN_FRACTION * (cap or 0))
         self._margin = (0 if not self._cuda else fraction if explicit
                         else max(_MARGIN_MIN, fraction))
         self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
-        if cap is not None and explicit:
-            self._check_cap(cap)
 
     def join_ranks(self) -> None:
         """Under torch.distributed, once every rank has its session: place
         within the smallest cap of any rank ([Note: one plan for every rank])."""
         low, explicit = self._ranks.agree_max([-(self.cap or 0), int(self._explicit)],
                                               "agreeing on gpu_memory_bytes")
+        self._configure(-low or None, bool(explicit))
         try:
-            self._configure(-low or None, bool(explicit))
+            self.check_cap()
         except ValueError as exc:
             raise ValueError(f"{exc} (under torch.distributed every rank places within the "
                              "smallest gpu_memory_bytes of any rank)") from None
 
-    def _check_cap(self, cap: int) -> None:
-        need = max((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
-                        for tp in u.params), u.name) for u in self._session.units) \
-            if self._session.units else (0, "")
-        if cap < need[0]:
+    def check_cap(self) -> None:
+        """ValueError where an explicit cap is below what one unit needs on the
+        device at once; attach then detaches the model."""
+        need, name = max(((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
+                               for tp in u.params), u.name) for u in self._session.units),
+                         default=(0, ""))
+        if self._explicit and self.cap is not None and self.cap < need:
             raise ValueError(
-                f"gpu_memory_bytes={cap} is below what unit {need[1]!r} needs on the device "
-                f"at once (its compute copy and fp32 optimizer state: {need[0]} bytes); the "
-                f"smallest cap that works is {need[0]} bytes plus the step's activations")
+                f"gpu_memory_bytes={self.cap} is below what unit {name!r} needs on the "
+                f"device at once (its compute copy and fp32 optimizer state: {need} bytes); "
+                f"a cap must be at least {need} bytes, and more by the step's activations")
 
     # ------------------------------------------------------------- steps
     def begin_step(self, signature) -> None:
@@ -204,12 +199,14 @@ class Placer:
             # evaluation batch of another shape must not stream the resident
             # state again, which would put it all back into the store
             return
-        changed = self._signature is not None and signature != self._signature
         non_model = self._read_step()
+        changed = self._signature is not None and signature != self._signature \
+            and not self._shapes.covers(signature)
         # like with like: a step with the update window assumed, or the fused step measured
         baseline = self._non_model if self._window or self._non_model_fused is None \
             else self._non_model_fused
         grew = self.state is PlacerState.PLACED and non_model > baseline + self._margin // 2
+        non_model = max(non_model, self._shapes.peak())   # a plan fits every shape measured
         ready, budget = self._ready(), max(0, self.cap - non_model - self._margin)
         if self._ranks is not None:
             got = self._ranks.agree_max([int(changed), int(grew), int(not ready), -budget],
@@ -245,7 +242,7 @@ class Placer:
         if self.state is not PlacerState.MEASURING or self._ranks is not None \
                 or not self._ready():
             return
-        non_model = self._read_step()
+        non_model = max(self._read_step(), self._shapes.peak())
         self._place(non_model, max(0, self.cap - non_model - self._margin), freed=freed)
 
     def _ready(self) -> bool:
@@ -284,12 +281,15 @@ class Placer:
         memory = self._memory()
         self._window = 0
         self._ran_fused = self._measured_steps > 0 and self._fused_backwards() != self._fused_before
-        if memory is None or self._measured_steps == 0:
+        if self._measured_steps == 0:
             return 0
-        if not self._ran_fused:
+        if memory is not None and not self._ran_fused:
             self._window = sum(update_window(f.buckets, f.prefetch_bytes)
                                for f in self._session.optimizers if f.fusing)
-        return max(0, memory[0] - self._base - self.resident_bytes()) + self._window
+        non_model = 0 if memory is None else \
+            max(0, memory[0] - self._base - self.resident_bytes()) + self._window
+        self._shapes.record(self._signature, non_model, estimated=self._window > 0)
+        return non_model
 
     # ------------------------------------------------------------- plan
     def unit_bytes(self) -> list[UnitBytes]:

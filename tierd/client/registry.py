@@ -104,6 +104,7 @@ class ParamRegistry:
         self.params: dict[str, TieredParam] = {}     # canonical name -> param
         self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
         self.units: list[Unit] = []
+        self._originals: dict[TieredParam, nn.Parameter] = {}   # the caller's, by param
         self.unit_of: dict[int, Unit] = {}           # id(module) -> unit
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
         # every parameter of each unit, resident ones included (by unit index)
@@ -155,6 +156,7 @@ class ParamRegistry:
         except BaseException:
             self._undo(store, holders, taken, put, pending)
             raise
+        self._originals = {tp: param for param, tp in taken}   # emptied; refilled at detach
         for module in self.model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -288,10 +290,19 @@ class ParamRegistry:
         return [tp for tp in self.params.values() if tp.resident]
 
     def restore(self, values: dict[TieredParam, torch.Tensor]) -> None:
-        """Put ordinary parameters (``values``, original dtype and device) and
-        buffers (original device) back into the model."""
-        fresh = {tp: nn.Parameter(value.to(tp.orig_device), requires_grad=tp.param.requires_grad)
-                 for tp, value in values.items()}
+        """Put the model's own Parameters back, holding ``values`` (original
+        dtype and device; a new Parameter for one that was on the meta
+        device), and its buffers (original device)."""
+        fresh = {}
+        for tp, value in values.items():
+            param = self._originals.get(tp)
+            value = value.to(tp.orig_device)
+            if param is None or param.is_meta:
+                param = nn.Parameter(value, requires_grad=tp.param.requires_grad)
+            else:
+                param.data = value
+                param.requires_grad_(tp.param.requires_grad)
+            fresh[tp] = param
         for module in self.model.modules():
             for attr, param in module._parameters.items():
                 if isinstance(param, TieredParameter) and param.tiered in fresh:

@@ -209,6 +209,7 @@ class LocalStore:
     does for a named job.
 
     Example:
+        >>> import torch
         >>> s = LocalStore(job="run1")
         >>> s.put_many({"a": torch.ones(2)})
         >>> [l.tensor.tolist() for l in s.lease_async(["a"]).result()]
