@@ -297,3 +297,27 @@ def test_a_dead_daemon_is_seen_at_the_next_step(daemon):
     with pytest.raises(tierd.DaemonUnavailable):
         train(model, opt, data[1:])
     assert time.monotonic() - start < 2
+
+
+def test_attach_frees_each_cpu_parameter_once_its_module_is_stored(monkeypatch):
+    """A CPU model's parameters are emptied module by module as attach stores
+    them, so the process never holds the model twice; detach gives back the
+    same Parameter objects with their values."""
+    from tierd.client.store import LocalStore
+    model = llama()
+    params = list(model.parameters())
+    want = [p.detach().clone() for p in params]
+    store, held = LocalStore(), []
+    put_many = store.put_many
+
+    def spy(values, **kw):
+        held.append(sum(p.untyped_storage().nbytes() for p in params))
+        return put_many(values, **kw)
+
+    monkeypatch.setattr(store, "put_many", spy)
+    attach(model, client=store, device="cpu")
+    assert len(held) > 3 and all(a > b for a, b in zip(held, held[1:])), held
+    assert sum(p.untyped_storage().nbytes() for p in params) == 0
+    detach(model)
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(p, w) for p, w in zip(params, want))

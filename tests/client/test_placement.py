@@ -511,6 +511,34 @@ def test_a_cap_above_free_memory_warns_and_uses_what_is_free(monkeypatch):
     assert resolve_cap(cuda, None) == free + (1 << 30)
 
 
+def test_export_of_a_commit_with_resident_units_holds_the_values_at_commit(daemon, tmp_path):
+    """``tierd export`` reads the daemon's last commit from NVMe: resident
+    weights and optimizer state are in it as they were at the commit."""
+    from tierd.archive import export_job
+    safetensors = pytest.importorskip("safetensors.torch")
+    model = attach(gpt2(), client=tierd.connect(daemon, job="run"), job="run", device="cpu",
+                   gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    assert Place.RESIDENT in session_of(model).placer.plan.places.values()
+    tierd.commit(model, opt, 3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = session_of(model).keys   # the commit wrote the resident moments down
+    with daemon.connect(job="run") as client:
+        stored = client.get_many([keys.state("exp_avg", n) for n, _ in model.named_parameters()])
+    moments = {n: stored[keys.state("exp_avg", n)] for n, _ in model.named_parameters()}
+    train(model, opt, batches(1, seed=7))   # after the commit: not exported
+    out = tmp_path / "run.safetensors"
+    export_job(daemon.nvme, "run", out, prefix="tierd-attach/run/")
+    got = safetensors.load_file(out)
+    for name, value in want.items():
+        if f"p/{name}" in got:
+            assert torch.equal(got[f"p/{name}"], value), name
+    assert sum(f"p/{n}" in got for n in want) == len(dict(model.named_parameters()))
+    assert all(torch.equal(got[f"optim/exp_avg/{n}"], m) for n, m in moments.items())
+    detach(model)
+
+
 def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
     import subprocess
     import sys

@@ -20,7 +20,7 @@ import tierd.client.placer as placer_mod
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place
-from tierd.client.placer import Placer
+from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.activations.config import ActivationConfig
 from tierd.errors import CapacityError
@@ -209,7 +209,9 @@ def test_a_failed_write_of_kept_weights_leaves_no_lease_behind(monkeypatch):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_growth_with_activation_tiering(monkeypatch, activations, dtype):
     """Growth with activation tiering (its plan is final before placing),
-    against the all-streamed tierd run."""
+    against the all-streamed tierd run. With "auto" the first step on its
+    final plan already runs the fused update, so the plan is made from a
+    real update window and has nothing to grow into."""
     extra = 1 << 20
     weights, everything = _sizes(llama, dtype, None)
     cap = everything + 2 * extra
@@ -225,12 +227,30 @@ def test_growth_with_activation_tiering(monkeypatch, activations, dtype):
     data = batches(10)
     got = train(model, opt, data)
     placer = session_of(model).placer
-    assert placer._grown and placer.replans == 0
+    assert placer._grown == (activations.policy == "offload") and placer.replans == 0
     assert Place.RESIDENT in placer.plan.places.values()
     assert got == train(ref, ref_opt, data)
     want = detach(ref).state_dict()
     sd = detach(model).state_dict()
     assert all(torch.equal(sd[k], v) for k, v in want.items())
+
+
+def test_placement_waits_for_the_final_activation_plan(monkeypatch):
+    """[Note: placement and activation tiering share one budget]: a step that
+    began while activations="auto" still profiled (its plan is made as that
+    backward ends) is not the step placement is made from."""
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + (1 << 20),
+                                                         1 << 40))
+    model = attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1 << 30,
+                   activations=ActivationConfig(policy="auto", min_bytes=0))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    session, began, after = session_of(model), [], []
+    model.register_forward_pre_hook(lambda m, args: began.append(session.activations.stage.name))
+    for ids in batches(4):
+        train(model, opt, [ids])
+        after.append(session.placer.state)
+    assert began[0] == "PROFILE" and after[0] is PlacerState.MEASURING, (began, after)
+    assert began[1:] == ["DONE"] * 3 and after[-1] is PlacerState.PLACED, (began, after)
 
 
 def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):

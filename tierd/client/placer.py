@@ -143,6 +143,7 @@ class Placer:
         self._non_model_fused = None     # ... a grown plan's, of a step with the fused update
         self._measured_steps = 0
         self._fused_before = 0           # fused-update backwards when measuring began
+        self._on_final_activations = False   # ... and activation tiering's plan was final
         self._window = 0                 # update window assumed by the last step read
         self._plan_window = 0            # ... by the step the plan was made from
         self._cpu_mode = "none"          # the plan's CPU updates ("all": whole units only)
@@ -246,12 +247,9 @@ class Placer:
         self._place(non_model, max(0, self.cap - non_model - self._margin), freed=freed)
 
     def _ready(self) -> bool:
-        """A whole step was measured, and activation tiering has its final plan;
-        under ranks also no window is half-way ([Note: one plan for every rank])."""
-        if self._measured_steps < 1:
-            return False
-        act = self._session.activations
-        if act is not None and act.stage.name != "DONE":
+        """A whole step was measured, which began on activation tiering's final
+        plan; under ranks also no window is half-way ([Note: one plan for every rank])."""
+        if self._measured_steps < 1 or not self._on_final_activations:
             return False
         session = self._session
         return self._ranks is None or (
@@ -263,6 +261,8 @@ class Placer:
             torch.cuda.reset_peak_memory_stats(self._session.device)
         self._measured_steps += 1
         self._fused_before = self._fused_backwards()
+        act = self._session.activations   # its stage changes as a backward ends
+        self._on_final_activations = act is None or act.stage.name == "DONE"
 
     def _fused_backwards(self) -> int:
         return sum(f.fused_backwards for f in self._session.optimizers)
