@@ -85,9 +85,5 @@ _BY_CODE = {cls.code: cls for cls in (TierdError, CapacityError, ProtocolError,
                                        UnknownKey)}
 
 
-def to_wire(exc: TierdError) -> tuple[str, str]:
-    return exc.code, str(exc)
-
-
 def from_wire(code: str, message: str) -> TierdError:
     return _BY_CODE.get(code, TierdError)(message)

@@ -52,10 +52,6 @@ class Failpoints:
         with self._lock:
             self._armed[op] = [err, after, times]
 
-    def disarm(self) -> None:
-        with self._lock:
-            self._armed.clear()
-
     def check(self, op: str) -> None:
         with self._lock:
             armed = self._armed.get(op)

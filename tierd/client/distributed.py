@@ -135,7 +135,6 @@ class Ranks:
     rank: int                     # global rank (default group numbering)
     world: int                    # ranks in ``group``
     node_ranks: tuple[int, ...]   # global ranks of this node, leader first
-    node_index: int
     nodes: int
 
     @property
@@ -241,7 +240,7 @@ def join(process_group, *, socket_path: Path | None, job: str | None, model: nn.
                                  use_local_synchronization=True)
     me = Ranks(group=process_group, control=control, node=node_groups[index], leaders=leaders,
                all_ranks=tuple(ranks), rank=dist.get_rank(),
-               world=len(ranks), node_ranks=tuple(sorted(order[index])), node_index=index,
+               world=len(ranks), node_ranks=tuple(sorted(order[index])),
                nodes=len(order))
     path = socket_path
     if path is None:   # nobody on this node found a daemon: the leader starts one

@@ -154,8 +154,6 @@ class Mover:
         for tp in unit.params:
             if tp.state is ParamState.H2D_INFLIGHT:
                 tp.finish_swap_in(self.copy)
-            elif tp.state is ParamState.D2H_INFLIGHT:
-                tp.finish_write_back()
         self.releases.drain()
 
     def settle(self, *, synchronize: bool) -> None:
@@ -168,8 +166,6 @@ class Mover:
         for tp in self.registry.params.values():
             if tp.state is ParamState.H2D_INFLIGHT:
                 tp.finish_swap_in(self.copy)
-            elif tp.state is ParamState.D2H_INFLIGHT:
-                tp.finish_write_back()
             self.done_with(tp)
         for tp in list(self._leased):   # prefetched but never used: give them back
             self._drop_lease(tp)

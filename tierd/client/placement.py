@@ -374,12 +374,6 @@ def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs
             places[u.index] = Place.STREAM
 
 
-def smallest_budget(units: list[UnitBytes]) -> int:
-    """The fewest device bytes a step needs beyond activations: the largest
-    unit's compute copy and state in flight at once (everything streamed)."""
-    return max((u.param_bytes + u.state_bytes for u in units), default=0)
-
-
 class MeasuredShapes:
     """The root inputs' shapes of the steps measured, each with the largest
     non-model peak seen at it ([Note: measuring the step for placement] in

@@ -42,14 +42,11 @@ class ParamState(enum.Enum):
         the storage is allocated but may not hold the bytes yet; the pool lease
         is held until the copy's event has completed.
     DEVICE: the storage holds the bytes; modules may use the parameter.
-    D2H_INFLIGHT: new values computed on the device are being copied back into
-        the pool (the optimizer's GPU update); the storage is still allocated.
     """
 
     HOST = "host"
     H2D_INFLIGHT = "h2d_inflight"
     DEVICE = "device"
-    D2H_INFLIGHT = "d2h_inflight"
 
 
 class TieredParameter(nn.Parameter):
@@ -188,21 +185,6 @@ class TieredParam:
                              "settle the session (write it back) before streaming it")
         self.resident = False
         self.free()
-
-    def start_write_back(self, target: torch.Tensor, keys: tuple[str, ...],
-                         stream: CopyStream) -> InflightCopy:
-        """DEVICE -> D2H_INFLIGHT: queue a copy of the device values into ``target``."""
-        self._expect(ParamState.DEVICE, action="write back")
-        self._inflight = stream.copy_out(target, self.param.data, keys)
-        self.state = ParamState.D2H_INFLIGHT
-        return self._inflight
-
-    def finish_write_back(self) -> None:
-        """D2H_INFLIGHT -> DEVICE once the copy out has completed."""
-        self._expect(ParamState.D2H_INFLIGHT, action="finish write-back of")
-        self._inflight.synchronize()
-        self._inflight = None
-        self.state = ParamState.DEVICE
 
     # ------------------------------------------------------------- queries
     @property
