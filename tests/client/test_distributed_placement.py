@@ -131,3 +131,28 @@ def test_a_cap_too_small_on_one_rank_fails_attach_on_every_rank(daemon_factory, 
         assert "a cap must be at least" in r["error"] and "of any rank" in r["error"]
     with daemon.connect(job="small") as client:   # the failed attach left nothing stored
         assert client.keys("tierd-attach/") == []
+
+
+def test_a_fraction_cap_on_the_cpu_under_ranks_is_refused_before_anything_is_stored(
+        daemon, tmp_path):
+    """In-process gloo world of one: the cap is checked before the upload."""
+    import torch.distributed as dist
+
+    import tierd
+    from tierd.client.attach import attach, is_attached
+    from tests.client.models import llama
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        model = llama()
+        params = dict(model.named_parameters())
+        before = {k: v.detach().clone() for k, v in params.items()}
+        with pytest.raises(ValueError, match="fraction of the device's memory"):
+            attach(model, client=tierd.connect(daemon, job="frac"), job="frac", device="cpu",
+                   process_group=dist.group.WORLD, gpu_memory_bytes=0.5)
+    finally:
+        dist.destroy_process_group()
+    assert not is_attached(model)
+    assert all(p is params[k] and torch.equal(p, before[k]) for k, p in model.named_parameters())
+    with daemon.connect(job="frac") as client:
+        assert client.keys("tierd-attach/") == []

@@ -495,6 +495,41 @@ def test_bad_caps_fail_clearly():
     assert session_of(off).placer.state is PlacerState.OFF
 
 
+@pytest.mark.parametrize("make,options", [(llama, {}), (gpt2, {"compute_dtype": "bf16"}),
+                                          (gpt2, {"resident_below_bytes": 4096})],
+                         ids=["llama", "gpt2-tied-bf16", "gpt2-small-resident"])
+def test_the_least_cap_is_the_largest_units_need(make, options):
+    """attach checks the cap on the model before storing anything: the least
+    it accepts is what the largest of the session's units needs at once."""
+    probe = attach(make(), client=LocalStore(), device="cpu", **options)
+    need = max(sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
+                   for tp in u.params) for u in session_of(probe).units)
+    detach(probe)
+    with pytest.raises(ValueError, match=f"a cap must be at least {need} bytes"):
+        attach(make(), client=LocalStore(), device="cpu", gpu_memory_bytes=need - 1, **options)
+    attach(make(), client=LocalStore(), device="cpu", gpu_memory_bytes=need, **options)
+
+
+def test_a_resume_refused_for_its_cap_keeps_the_jobs_keys():
+    store = LocalStore(job="run1")
+    model = attach(llama(), client=store, job="run1", device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(2))
+    tierd.commit(model, opt, 2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    store.restart()                            # the job holds its commit
+    object.__delattr__(model, "_tierd_session")
+    before = store.keys()
+    with pytest.raises(ValueError, match="a cap must be at least"):
+        attach(llama(seed=9), client=store, job="run1", resume=True, device="cpu",
+               gpu_memory_bytes=1000)
+    assert before and store.keys() == before   # the committed job's keys are still there
+    again = attach(llama(seed=9), client=store, job="run1", resume=True, device="cpu",
+                   gpu_memory_bytes=1 << 30)    # the corrected retry resumes
+    got = again.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_a_cap_above_free_memory_warns_and_uses_what_is_free(monkeypatch):
     from tierd.client.attach_config import resolve_cap
     free, total = 10 << 30, 80 << 30

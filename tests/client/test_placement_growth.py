@@ -253,6 +253,32 @@ def test_placement_waits_for_the_final_activation_plan(monkeypatch):
     assert began[1:] == ["DONE"] * 3 and after[-1] is PlacerState.PLACED, (began, after)
 
 
+def test_the_check_steps_peak_does_not_set_the_budget(monkeypatch):
+    """activations="auto"'s CHECK step runs a plan it may reject: its peak
+    (made up, large here) does not set the placement budget."""
+    import tierd.client.activations.auto as auto
+    # CHECK on the CPU: a reader of "allocated bytes" (constant) as CUDA's would be
+    monkeypatch.setattr(auto, "_allocated_reader", lambda device: (lambda: 0))
+    small, big = 1 << 20, 64 << 20
+    began = {"stage": None}   # the stage the step being read began in
+    monkeypatch.setattr(Placer, "_memory", lambda self: (
+        self.resident_bytes() + (big if began["stage"] == "CHECK" else small), 1 << 40))
+    model = attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1 << 30,
+                   activations=ActivationConfig(policy="auto", min_bytes=0,
+                                                budget_bytes=1 << 30))
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    session, stages = session_of(model), []
+    model.register_forward_pre_hook(   # runs after tierd's: the read has been made
+        lambda m, args: began.update(stage=session.activations.stage.name))
+    for ids in batches(5):
+        train(model, opt, [ids])
+        stages.append(began["stage"])
+    assert stages[:3] == ["PROFILE", "CHECK", "DONE"], stages
+    placer = session.placer
+    assert placer.state is PlacerState.PLACED
+    assert placer._non_model < big, (placer._non_model, stages)
+
+
 def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
     import tierd.optim.resident as resident
     model = attach(llama(), client=LocalStore(job="run1"), job="run1", device="cpu",

@@ -218,6 +218,13 @@ def test_missing_and_unexpected_keys_listed(tmp_path):
     assert torch.equal(model.state_dict()["1.weight"], _small().state_dict()["1.weight"])
 
 
+@pytest.mark.parametrize("meta", [True, False])
+def test_a_cap_too_small_with_weights(tmp_path, meta):
+    save_file({k: v + 1 for k, v in _small().state_dict().items()}, tmp_path / "m.safetensors")
+    _refused(_on_meta(_small) if meta else _small(), tmp_path / "m.safetensors",
+             "a cap must be at least", gpu_memory_bytes=100)
+
+
 def test_meta_model_without_weights():
     model = _on_meta(_small)
     with pytest.raises(ValueError, match=r"meta device \(0\.weight, 0\.bias, 1\.weight, \.\.\.\)"

@@ -19,7 +19,7 @@ from dataclasses import fields, replace
 from torch import nn
 
 from tierd.client import distributed
-from tierd.client.attach_config import AttachConfig, resolve_cap
+from tierd.client.attach_config import AttachConfig, check_cap, resolve_cap
 from tierd.client.attached import AttachSession, Resumed, is_attached, session_of
 from tierd.client.capacity import StoreNeed, device_room, model_need
 from tierd.client.checkpoint import resumable_keys
@@ -156,8 +156,11 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
     device = config.resolved_device()
     # a model built on the device leaves it at attach: its bytes count as room
     on_device = sum(p.nbytes for p in model.parameters() if p.device == device)
-    gpu = 0 if group is not None else device_room(
-        resolve_cap(device, config.gpu_memory_bytes, warn=False, leaving=on_device))
+    cap = resolve_cap(device, config.gpu_memory_bytes, warn=False, leaving=on_device)
+    explicit = config.gpu_memory_bytes is not None
+    if group is None and explicit:   # a bad cap fails here, before anything is stored
+        check_cap(model, config, cap)
+    gpu = 0 if group is not None else device_room(cap)
     need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
                       device=gpu, lazy_masters=group is None)
     if group is not None:
@@ -167,6 +170,11 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
     elif client is None:
         client = connect(ensure_daemon(need=need, commits=job is not None), job=job)
     try:
+        if ranks is not None:   # every rank checks the smallest cap of any rank
+            low, explicit = ranks.agree_max([-(cap or 0), int(explicit)],
+                                            "agreeing on gpu_memory_bytes")
+            if explicit:
+                _check_agreed_cap(model, config, -low)
         _check_room(model, client, config, ranks, gpu)
         return _build(model, client, config, owns_client=owns_client, resume=resume,
                       ranks=ranks, plan=plan)
@@ -174,6 +182,14 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
         if owns_client:
             client.close()
         raise
+
+
+def _check_agreed_cap(model: nn.Module, config: AttachConfig, cap: int) -> None:
+    try:
+        check_cap(model, config, cap)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (under torch.distributed every rank places within the "
+                         "smallest gpu_memory_bytes of any rank)") from None
 
 
 def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int) -> None:
@@ -224,12 +240,8 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
         AttachSession(model, client, config, owns_store=owns_client, resumed=resumed, ranks=ranks)
     if shared_upload and ranks.leader:
         ranks.barrier("attach (the leader uploading the parameters)")
-    session = session_of(model)
-    try:   # under ranks every rank has its session now: they agree on one cap
-        session.placer.join_ranks() if ranks is not None else session.placer.check_cap()
-    except ValueError:   # a cap too small (the same error on every rank): nothing stays
-        session.close()
-        raise
+    if ranks is not None:   # every rank has its session: they agree on one cap
+        session_of(model).placer.join_ranks()
     return model
 
 

@@ -148,3 +148,22 @@ def resolve_cap(device: torch.device, requested: int | float | None, *,
                           f"on {device}; using {free}", stacklevel=4)
         return free
     return cap
+
+
+def check_cap(model: torch.nn.Module, config: AttachConfig, cap: int | None) -> None:
+    """ValueError, before anything is stored, where an explicit ``cap`` is
+    below what one unit (a module's own parameters that are not kept on the
+    device anyway, a tied one in each module holding it) needs on the device
+    at once: its compute copy and fp32 optimizer state."""
+    if not cap or config.gpu_memory_bytes is None:
+        return
+    need, name = max(((sum(p.numel() * ((config.compute_dtype if p.is_floating_point()
+                                          else p.dtype).itemsize + 12 * p.requires_grad)
+                           for p in dict.fromkeys(m._parameters.values()) if p is not None
+                           and p.numel() * p.element_size() >= config.resident_below_bytes),
+                       n or "<root>") for n, m in model.named_modules()), default=(0, ""))
+    if cap < need:
+        raise ValueError(
+            f"gpu_memory_bytes={cap} is below what unit {name!r} needs on the device at "
+            f"once (its compute copy and fp32 optimizer state: {need} bytes); a cap must "
+            f"be at least {need} bytes, and more by the step's activations")

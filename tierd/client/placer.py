@@ -171,23 +171,6 @@ class Placer:
         low, explicit = self._ranks.agree_max([-(self.cap or 0), int(self._explicit)],
                                               "agreeing on gpu_memory_bytes")
         self._configure(-low or None, bool(explicit))
-        try:
-            self.check_cap()
-        except ValueError as exc:
-            raise ValueError(f"{exc} (under torch.distributed every rank places within the "
-                             "smallest gpu_memory_bytes of any rank)") from None
-
-    def check_cap(self) -> None:
-        """ValueError where an explicit cap is below what one unit needs on the
-        device at once; attach then detaches the model."""
-        need, name = max(((sum(tp.nbytes + 12 * tp.param.numel() * tp.param.requires_grad
-                               for tp in u.params), u.name) for u in self._session.units),
-                         default=(0, ""))
-        if self._explicit and self.cap is not None and self.cap < need:
-            raise ValueError(
-                f"gpu_memory_bytes={self.cap} is below what unit {name!r} needs on the "
-                f"device at once (its compute copy and fp32 optimizer state: {need} bytes); "
-                f"a cap must be at least {need} bytes, and more by the step's activations")
 
     # ------------------------------------------------------------- steps
     def begin_step(self, signature) -> None:
@@ -288,7 +271,8 @@ class Placer:
                                for f in self._session.optimizers if f.fusing)
         non_model = 0 if memory is None else \
             max(0, memory[0] - self._base - self.resident_bytes()) + self._window
-        self._shapes.record(self._signature, non_model, estimated=self._window > 0)
+        if self._on_final_activations:   # a step on a plan activation tiering left is no guide
+            self._shapes.record(self._signature, non_model, estimated=self._window > 0)
         return non_model
 
     # ------------------------------------------------------------- plan
