@@ -76,8 +76,8 @@ plan assumed a window and that step left more room than the margin, the
 plan grows into it (``grow_placement``: units only move up, none off the
 CPU; no state written back), within the device's free memory outside the
 allocator's cache (cached blocks may be too fragmented: at 18.5B a step
-reserved 12 GB more than it allocated). At most once per input shape: a
-plan made again (a step outgrew it) does not grow. With
+reserved 12 GB more than it allocated). At most once per measuring (a new
+largest shape): a plan made again (a step outgrew it) does not grow. With
 ``optimizer_placement="auto"`` such a step first sends back to streaming
 the CPU-updated units the host's measured rate no longer pays for
 (``rebalance_host``); growth then waits for the next fused step, which
