@@ -91,11 +91,16 @@ def export_job(nvme_dir: Path, job: str, out: Path, tag: str | None = None,
     manifest = ManifestStore(nvme_dir).find(job)
     if manifest is None:
         raise TierdError(f"job {job!r} has no commit in {nvme_dir}; commit it first "
-                         f"(client.commit(tag)) or check --nvme")
+                         f"(tierd.commit(model, opt, step), or client.commit(tag)) or "
+                         f"check --nvme")
     if tag is not None and tag != manifest.tag:
         raise TierdError(f"job {job!r}: only its last commit {manifest.tag!r} can be exported "
                          f"(the records of {tag!r} are gone); omit --tag or pass that one")
     tensors = [t for t in manifest.tensors if t.key.startswith(prefix) and t.key != prefix]
+    if not tensors:
+        near = sorted({t.key.rsplit("/", 1)[0] + "/" for t in manifest.tensors})[:5]
+        raise TierdError(f"job {job!r}: no key of commit {manifest.tag!r} starts with "
+                         f"{prefix!r}; its keys are under {', '.join(near)}")
     bad = [t.key for t in tensors if t.dtype not in ST_DTYPES]
     if bad:
         raise TierdError(f"safetensors has no dtype for {bad[:5]}; export with a --prefix "
@@ -126,7 +131,7 @@ def safetensors_index(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{name: (tierd dtype, shape)}`` of a safetensors file, checked by the
     safetensors library; a file that is not one is a TierdError (one line)."""
     try:
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(str(path), framework="pt") as f:
             slices = {name: f.get_slice(name) for name in f.keys()}
             index = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
     except SafetensorError as exc:

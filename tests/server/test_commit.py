@@ -137,3 +137,6 @@ def test_export_names_the_fix_for_a_wrong_tag_or_no_commit(d, tmp_path):
         export_job(d.nvme, "run", tmp_path / "x.safetensors", tag="older")
     with pytest.raises(tierd.TierdError, match="no commit"):
         export_job(d.nvme, "other", tmp_path / "x.safetensors")
+    with pytest.raises(tierd.TierdError, match="no key of commit 'last' starts with 'm/p/'"):
+        export_job(d.nvme, "run", tmp_path / "x.safetensors", prefix="m/p/")
+    assert not (tmp_path / "x.safetensors").exists()

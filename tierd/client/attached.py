@@ -101,6 +101,7 @@ class AttachSession:
                  owns_store: bool, resumed: Resumed = Resumed(),
                  ranks: Ranks | None = None, source: ValueSource | None = None) -> None:
         self.model = model
+        self.closed = False   # detached: its parameters' values left tierd
         self.client = client
         self.config = config
         self.owns_client = owns_store
@@ -386,6 +387,7 @@ class AttachSession:
         if ranks is None or ranks.leader:
             self.client.delete(self.client.keys(self.keys.all))
         object.__delattr__(self.model, _SESSION_ATTR)
+        self.closed = True
         if self.owns_client:
             self.client.close()
 

@@ -53,14 +53,16 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierd.client.registry import Unit
-from tierd.client.tiered_param import ParamState, TieredParam
+from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
 from tierd.client.torch_internals import (DispatchMode, is_compiled_module, storage_id,
                                           tree_flatten)
 from tierd.errors import StateError
@@ -267,6 +269,9 @@ class ModuleHooks:
             if any(p is not None for p in module._parameters.values()):
                 self._handles.append(module.register_state_dict_post_hook(
                     self._state_dict_hook()))
+            # on every module: the outermost one loaded refuses before any copy
+            self._handles.append(module.register_load_state_dict_pre_hook(_refuse_load))
+        _refuse_other_optimizers()
         # before autograd accumulates into p.grad: take the views off
         # ([Note: gradients users touch] in tierd.client.grad_view)
         for tp in session.params.values():
@@ -426,6 +431,45 @@ class ModuleHooks:
                  local_metadata: dict) -> None:
             self._session.fill_state_dict(module, state_dict, prefix)
         return hook
+
+
+def _refuse_load(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    where = f"{type(module).__name__} {prefix}".strip()
+    raise StateError(
+        f"load_state_dict on an attached model ({where}): its parameters' values live in "
+        "tierd. Load them before tierd.attach, attach a meta model with weights=PATH, or "
+        "tierd.detach(model) first")
+
+
+#: other optimizers seen: (param groups then, whether they hold an attached parameter)
+_OTHER_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CHECKING_OPTIMIZERS: list = []   # the global step pre-hook's handle, once registered
+
+
+def _refuse_other_optimizers() -> None:
+    """Once per process: a torch optimizer's step() over an attached model's
+    parameters (their storage is empty between uses) raises StateError
+    instead of writing through an empty storage."""
+    if not _CHECKING_OPTIMIZERS:
+        _CHECKING_OPTIMIZERS.append(
+            register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(opt, args, kwargs) -> None:
+    from tierd.optim.base import StreamedOptimizer   # tierd.optim imports this package
+    if isinstance(opt, StreamedOptimizer):
+        return
+    groups = len(opt.param_groups)
+    known = _OTHER_OPTIMIZERS.get(opt)
+    if known is None or known[0] != groups:
+        known = (groups, next((p for g in opt.param_groups for p in g["params"]
+                               if isinstance(p, TieredParameter)), None) is not None)
+        _OTHER_OPTIMIZERS[opt] = known
+    if known[1]:
+        raise StateError(
+            f"{type(opt).__module__}.{type(opt).__name__} cannot update an attached model's "
+            "parameters (their values live in tierd); use tierd.optim.AdamW or "
+            "tierd.optim.SGD, built after tierd.attach")
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:

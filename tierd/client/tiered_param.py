@@ -66,6 +66,13 @@ class TieredParameter(nn.Parameter):
 
     tiered: "TieredParam"
 
+    def __repr__(self) -> str:
+        if self.untyped_storage().nbytes() or not self.numel():
+            return super().__repr__()
+        return (f"TieredParameter({self.tiered.name!r}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}: in tierd between uses; read it with "
+                "model.state_dict())")
+
 
 class TieredParam:
     """Bookkeeping for one parameter: its keys, its state, its storage.

@@ -46,14 +46,12 @@ from typing import Any, ClassVar
 import torch
 
 from tierd.client.grads import free_grads, unused_grads
-from tierd.client.capacity import StoreNeed, device_room
-from tierd.client.embedded import room_problem
 from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter
-from tierd.errors import CapacityError
+from tierd.errors import CapacityError, StateError
 from tierd.optim.cpu_update import overlapped
 from tierd.optim.fused import FusedUpdates
-from tierd.optim.state import UnmadeState
+from tierd.optim.state import UnmadeState, check_capacity
 
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
@@ -75,38 +73,6 @@ def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
     """``tp``'s state is updated on the CPU ([Note: CPU updates overlapped with
     backward] in tierd.optim.cpu_update)."""
     return any(f.bucket_of[tp].cpu for f in fused if tp in f.bucket_of)
-
-
-def _check_capacity(opt: "StreamedOptimizer") -> None:
-    """CapacityError, before any state is written, when a daemon cannot hold
-    what ``opt`` adds: its state and the fp32 gradients of the trainable
-    parameters not stored yet ([Note: what the store holds for a model] in
-    tierd.client.capacity). Under torch.distributed the node holds one copy
-    of every rank's share: the leader checks it all and every rank raises."""
-    trainable = [tp for tp in dict.fromkeys(opt._all()) if tp.param.requires_grad]
-    for session, tps in opt._by_session(trainable).items():
-        ranks = session.share.ranks if session.share is not None else None
-        text = None
-        if ranks is None or ranks.leader:
-            items = [(kind, key, tp.param.numel() * 4) for tp in tps
-                     for kind, key in ([("optimizer", opt.state_key(tp, n))
-                                        for n in opt.state_names]
-                                       + [("gradients", tp.grad_key)])]
-            unmade = [tp for tp in tps if not tp.master_made]   # made by the first update
-            later = [tp.master_key for tp in unmade]
-            items += [("master", tp.master_key, tp.param.numel() * 4) for tp in unmade]
-            kept = opt.keeps_gradients or (
-                opt.placement or session.config.optimizer_placement) == "cpu"
-            need = StoreNeed.of(items, job=getattr(session.client, "job", None),
-                                existing=session.client.keys(session.keys.all), later=later,
-                                device=device_room(session.placer.cap if ranks is None
-                                                   else None), gradients_kept=kept)
-            text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
-                                f"gradients of {len(tps)} parameters", attaching=False)
-        if ranks is not None:
-            text = ranks.from_leader(text, "the optimizer's capacity check")
-        if text:
-            raise CapacityError(text)
 
 
 def _unregister(f: FusedUpdates) -> None:
@@ -192,7 +158,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._fused: list[FusedUpdates] = []
         #: its state not made yet ([Note: state made when first needed] in tierd.optim.state)
         self.unmade = UnmadeState(self)
-        _check_capacity(self)   # before an earlier optimizer is retired or a state written
+        check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
         self.unmade.create(self._owned())
         for session, tps in self._by_session(self._owned()).items():
@@ -225,6 +191,28 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._fused.append(fused)
 
     # ------------------------------------------------------------- API
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Hyper-parameters (``param_groups``) as torch loads them; each
+        parameter's state (moments, step counts) lives in tierd and
+        ``state_dict()`` holds only the step counts, so a non-empty
+        ``state`` is refused (resuming from it would train on fresh moments)."""
+        if state_dict.get("state"):
+            raise StateError(
+                "tierd.optim keeps each parameter's optimizer state (moments, step counts) in "
+                "tierd, and its state_dict() holds only the step counts: loading one would "
+                "resume with fresh moments. Checkpoint with tierd.commit(model, opt, step) and "
+                "resume with tierd.attach(model, job=..., resume=True); to load only the "
+                "hyper-parameters, pass {'state': {}, 'param_groups': ...}")
+        super().load_state_dict(state_dict)
+
+    def _check_attached(self) -> None:
+        detached = [tp for tp in self._all() if tp.session.closed]
+        if detached:
+            raise StateError(
+                f"the model of this optimizer's parameters ({detached[0].name!r}...) was "
+                "detached (tierd.detach): their values and state left tierd. Attach the "
+                "model again and build a new tierd.optim optimizer on its parameters")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients of this optimizer's parameters."""
         for session, tps in self._by_session(self._all()).items():
@@ -239,6 +227,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Close the window: nothing left to do after a fused backward,
         otherwise update every parameter that has a gradient, block by block."""
+        self._check_attached()
         loss = None
         if closure is not None:
             with torch.enable_grad():

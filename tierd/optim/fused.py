@@ -125,8 +125,10 @@ class FusedUpdates:
             raise StateError(
                 f"backward ran again after a fused optimizer update but before opt.step(): "
                 f"this window is longer than {self.window} backwards (learned from the "
-                "first window, or given); pass accumulation_steps=N (the longest window) "
-                "to the tierd optimizer, or fused=False")
+                "first window, or given), and the update of its first backwards has "
+                "already run: resume from the last commit (or restart) with "
+                "accumulation_steps=N (the longest window) or fused=False for the tierd "
+                "optimizer")
         if self.opt.needs_zero_grad:
             if self.session.grad_views.has_gradient(self.bucket_of):
                 raise StateError(

@@ -1,5 +1,6 @@
 """Which of an optimizer's state keys exist: made at construction, or when
-first needed.
+first needed; and whether the store has room for what an optimizer adds
+(:func:`check_capacity`, at its construction).
 
 [Note: state made when first needed]
 A new optimizer's moments are zeros, and a parameter's are first read by
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from tierd.client.capacity import StoreNeed, device_room
+from tierd.client.embedded import room_problem
 from tierd.client.tiered_param import TieredParam
+from tierd.errors import CapacityError
 
 
 def _like(tp: TieredParam) -> torch.Tensor:
@@ -170,3 +174,35 @@ class UnmadeState:
                 if session in self._hold_later and session.held_bytes \
                         and session.leases.hold(fresh):
                     session.held_bytes += sum(t.numel() * 4 for t in fresh.values())
+
+
+def check_capacity(opt) -> None:
+    """CapacityError, before any state is written, when a daemon cannot hold
+    what ``opt`` adds: its state and the fp32 gradients of the trainable
+    parameters not stored yet ([Note: what the store holds for a model] in
+    tierd.client.capacity). Under torch.distributed the node holds one copy
+    of every rank's share: the leader checks it all and every rank raises."""
+    trainable = [tp for tp in dict.fromkeys(opt._all()) if tp.param.requires_grad]
+    for session, tps in opt._by_session(trainable).items():
+        ranks = session.share.ranks if session.share is not None else None
+        text = None
+        if ranks is None or ranks.leader:
+            items = [(kind, key, tp.param.numel() * 4) for tp in tps
+                     for kind, key in ([("optimizer", opt.state_key(tp, n))
+                                        for n in opt.state_names]
+                                       + [("gradients", tp.grad_key)])]
+            unmade = [tp for tp in tps if not tp.master_made]   # made by the first update
+            later = [tp.master_key for tp in unmade]
+            items += [("master", tp.master_key, tp.param.numel() * 4) for tp in unmade]
+            kept = opt.keeps_gradients or (
+                opt.placement or session.config.optimizer_placement) == "cpu"
+            need = StoreNeed.of(items, job=getattr(session.client, "job", None),
+                                existing=session.client.keys(session.keys.all), later=later,
+                                device=device_room(session.placer.cap if ranks is None
+                                                   else None), gradients_kept=kept)
+            text = room_problem(session.client, need, f"{type(opt).__name__}'s state and the "
+                                f"gradients of {len(tps)} parameters", attaching=False)
+        if ranks is not None:
+            text = ranks.from_leader(text, "the optimizer's capacity check")
+        if text:
+            raise CapacityError(text)
