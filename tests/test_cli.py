@@ -169,7 +169,8 @@ def test_bad_boolean_and_unknown_setting_are_one_line_errors(tmp_path):
     for args, env, needle in (
             ([], {"TIERD_ALLOW_ROOT_JOIN": "maybe"}, "TIERD_ALLOW_ROOT_JOIN"),
             (["--allow-root-join=2"], {}, "--allow-root-join"),
-            (["--pool-size", "1GiB"], {}, "unrecognized arguments: --pool-size"),
+            (["--pool-size", "1GiB"], {}, "unrecognized arguments: --pool-size 1GiB; "
+                                          "see `tierd serve --help`"),
             (["--job-quotas", "a.disk=1GiB"], {}, "unknown quota 'disk'")):
         proc = tierd_run("serve", "--print-config", *args, env=env)
         assert proc.returncode == 2, (args, proc.stdout)
@@ -255,7 +256,7 @@ def test_status_lists_live_jobs_only(daemon):
                                  "nvme_used_bytes": 0}
     assert set(json.loads(every.stdout)["jobs"]) == {"alive", "ended"}
     assert re.search(r"^alive ", text.stdout, re.M) and "\nended " not in text.stdout
-    assert "and 1 jobs with no client" in text.stdout
+    assert "and 1 job with no client, holding 1 tensors" in text.stdout
     # the largest free NVMe extent says whether fragmentation makes records span extents
     assert view["nvme_largest_free_bytes"] > 0 and "largest free extent" in text.stdout
 

@@ -192,7 +192,8 @@ def print_status(view: dict) -> None:
               f"(IntegrityError) says what to do")
     idle = view["idle_jobs"]
     if idle["jobs"]:
-        print(f"and {idle['jobs']} jobs with no client holding {idle['tensors']} tensors, "
+        jobs = f"{idle['jobs']} job{'s' if idle['jobs'] != 1 else ''}"
+        print(f"and {jobs} with no client, holding {idle['tensors']} tensors: "
               f"pool {size(idle['pool_used_bytes'])}, NVMe {size(idle['nvme_used_bytes'])} "
               f"(--all lists them)")
 
@@ -365,7 +366,11 @@ def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentP
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # the command's own help lists what it takes
+        parser.exit(2, f"tierd {args.command}: error: unrecognized arguments: "
+                       f"{' '.join(extra)}; see `tierd {args.command} --help`\n")
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = {c.name: c.run for c in COMMANDS}[args.command]
     try:

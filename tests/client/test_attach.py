@@ -362,3 +362,22 @@ def test_a_tierd_optimizer_refuses_what_would_train_wrong():
     detach(model)
     with pytest.raises(StateError, match="was detached"):
         opt.step()
+
+
+def test_attach_options_take_sizes_and_refuse_wrong_types():
+    config = AttachConfig(gpu_memory_bytes="1GiB", prefetch_bytes="512MiB",
+                          gpu_budget_bytes="2GB", grad_bucket_bytes=1 << 20)
+    assert (config.gpu_memory_bytes, config.prefetch_bytes, config.gpu_budget_bytes,
+            config.grad_bucket_bytes) == (1 << 30, 512 << 20, 2 * 10**9, 1 << 20)
+    for options, match in [({"gpu_memory_bytes": "lots"}, "cannot read size 'lots'"),
+                           ({"prefetch_bytes": 1.5}, "must be a byte count"),
+                           ({"grad_bucket_bytes": -1}, "must be >= 0"),
+                           ({"hold_fraction": "0.5"}, "must be a number"),
+                           ({"name": 5}, "non-empty string"), ({"name": ""}, "non-empty string")]:
+        with pytest.raises(ValueError, match=match):
+            AttachConfig(**options)
+    from tierd.client.store import LocalStore
+    model, store = llama(), LocalStore()
+    with pytest.raises(ValueError, match="job=5 must be a non-empty string"):
+        attach(model, client=store, job=5)
+    assert store.keys() == [] and not tierd.client.attach.is_attached(model)

@@ -109,6 +109,8 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         if unknown:
             raise TypeError(f"unknown attach options {unknown}; known: {sorted(known)}")
         config = AttachConfig(**options)
+    if job is not None and not (isinstance(job, str) and job):
+        raise ValueError(f"job={job!r} must be a non-empty string (or None)")
     if is_attached(model):
         raise StateError(f"{type(model).__name__} is already attached; detach it first")
     if job is not None and client is not None and client.job != job:

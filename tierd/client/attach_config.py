@@ -14,6 +14,7 @@ import torch
 
 from tierd.client.activations import POLICIES, ActivationConfig
 from tierd.client.mover import MoverConfig
+from tierd.config import parse_size
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -22,7 +23,9 @@ _PLACEMENTS = ("gpu-stream", "cpu", "auto")
 
 @dataclass(frozen=True, kw_only=True)
 class AttachConfig:
-    """How an attached model uses the tiers. Every field has a working default.
+    """How an attached model uses the tiers. Every field has a working default;
+    byte counts may be given as sizes such as ``"512MiB"`` (as ``tierd serve``
+    reads them).
 
     Example:
         >>> AttachConfig(compute_dtype="bf16", gpu_budget_bytes=4 << 30).compute_dtype
@@ -85,8 +88,15 @@ class AttachConfig:
         object.__setattr__(self, "compute_dtype", dtype)
         for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
                   "grad_bucket_bytes"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+            object.__setattr__(self, f, _bytes(f, getattr(self, f)))
+        if isinstance(self.gpu_memory_bytes, str):
+            object.__setattr__(self, "gpu_memory_bytes",
+                               _bytes("gpu_memory_bytes", self.gpu_memory_bytes))
+        if self.name is not None and not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"name={self.name!r} must be a non-empty string (or None)")
+        if isinstance(self.hold_fraction, bool) or not isinstance(self.hold_fraction,
+                                                                   (int, float)):
+            raise ValueError(f"hold_fraction={self.hold_fraction!r} must be a number in [0, 1]")
         cap = self.gpu_memory_bytes
         if cap is not None and (cap < 0 or (isinstance(cap, float) and not 0 < cap <= 1.0)):
             raise ValueError(f"gpu_memory_bytes={cap} must be a byte count >= 0 (0: stream "
@@ -119,6 +129,20 @@ class AttachConfig:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _bytes(field: str, value) -> int:
+    """A byte count: an int, or a size such as "512MiB" as ``tierd serve`` reads them."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{field}={value!r} must be a byte count (an int, or a size such "
+                         "as '512MiB')")
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{field}={value!r}: {exc}") from None
+    if n < 0:
+        raise ValueError(f"{field}={value} must be >= 0")
+    return n
 
 
 def resolve_cap(device: torch.device, requested: int | float | None, *,
