@@ -337,6 +337,9 @@ def test_what_would_write_through_an_empty_storage_raises_instead():
         model.load_state_dict(llama(seed=3).state_dict())
     with pytest.raises(StateError, match="load_state_dict on an attached model"):
         model.model.norm.load_state_dict(llama(seed=3).model.norm.state_dict())
+    with pytest.raises(StateError, match="assigning .data of 'model.norm.weight'"):
+        model.model.norm.weight.data = torch.zeros(model.config.hidden_size)
+    model.to("cpu")   # nothing changes: allowed (a Trainer moves the model so)
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
     plain = llama()   # other models' optimizers are left alone

@@ -313,4 +313,4 @@ class ParamRegistry:
                     module._buffers[name] = buf.to(device)
         for tp in self.params.values():
             if tp.state is ParamState.DEVICE:
-                tp.param.data = torch.empty(0, dtype=tp.param.dtype, device=tp.param.device)
+                tp.param.untyped_storage().resize_(0)

@@ -66,6 +66,19 @@ class TieredParameter(nn.Parameter):
 
     tiered: "TieredParam"
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value is self:   # module.to() where nothing changes (a Trainer moving the model)
+            return
+        raise StateError(
+            f"assigning .data of {self.tiered.name!r} while it is attached: its values live "
+            "in tierd and the assignment would be lost. Set values before tierd.attach (or "
+            "with attach(model, weights=PATH)), or tierd.detach(model) first")
+
     def __repr__(self) -> str:
         if self.untyped_storage().nbytes() or not self.numel():
             return super().__repr__()
