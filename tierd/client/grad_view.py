@@ -60,7 +60,9 @@ _FUSED_HINT = (
     "inside backward, or the first step()), and tierd freed it, so it can no longer be "
     "read or changed. To clip, "
     "pass tierd.optim.AdamW(..., max_grad_norm=...) (or SGD), or call clip_grad_norm_ "
-    "from the first step on (tierd then keeps the update in step()), or pass fused=False")
+    "from the first step on (tierd then keeps the update in step()), or pass fused=False; "
+    "to log the gradient norm, max_grad_norm keeps it in opt.last_grad_norm, and "
+    "fused=False keeps every p.grad readable until zero_grad()")
 
 
 class PoolGrad(torch.Tensor):
