@@ -457,8 +457,9 @@ def _refuse_other_optimizers() -> None:
 
 def _check_optimizer(opt, args, kwargs) -> None:
     from tierd.optim.base import StreamedOptimizer   # tierd.optim imports this package
-    if isinstance(opt, StreamedOptimizer):
-        return
+    if isinstance(opt, StreamedOptimizer) or isinstance(getattr(opt, "optimizer", None),
+                                                        StreamedOptimizer):
+        return   # a tierd optimizer, or a wrapper of one (accelerate's AcceleratedOptimizer)
     groups = len(opt.param_groups)
     known = _OTHER_OPTIMIZERS.get(opt)
     if known is None or known[0] != groups:
