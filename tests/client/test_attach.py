@@ -384,3 +384,22 @@ def test_attach_options_take_sizes_and_refuse_wrong_types():
     with pytest.raises(ValueError, match="job=5 must be a non-empty string"):
         attach(model, client=store, job=5)
     assert store.keys() == [] and not tierd.client.attach.is_attached(model)
+
+
+def test_a_model_dropped_without_detach_is_collected_and_its_client_closed(daemon):
+    """torch holds tensor hooks from C++, out of the collector's sight: hooks
+    that held the session kept a dropped model (and its connection) alive."""
+    import gc
+    import weakref
+
+    def dropped():
+        model = attach(llama(), client=daemon.connect(), device="cpu")
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, opt, batches(2))
+        return weakref.ref(session_of(model)), session_of(model).client.job
+
+    session, job = dropped()
+    gc.collect()
+    assert session() is None
+    with daemon.connect() as client:   # the dropped client's default job went with it
+        assert job not in client.stats()["jobs"]

@@ -227,6 +227,12 @@ def _one_of(proc: Generator, key: str) -> Generator:
     return (yield from proc)[key]
 
 
+def _shut(sock, zctx, control) -> None:
+    sock.close(linger=0)
+    zctx.term()
+    control.close()
+
+
 class Pending:
     """A request on its way; :meth:`result` waits for and returns its reply."""
 
@@ -262,6 +268,10 @@ class Client(_StoreCalls):
         self._replies: dict[int, Any] = {}
         self._discard: set[int] = set()
         self._closed = False
+        # run by close(), or when a client never closed is collected (a model
+        # dropped without detach): its socket goes before the context, whose
+        # collection would otherwise wait for the socket forever
+        self._shut = weakref.finalize(self, _shut, self._sock, self._zctx, self.control)
 
     # ------------------------------------------------------------ transport
     def _submit(self, req: P.Request, convert=lambda r: r) -> Pending:
@@ -361,12 +371,8 @@ class Client(_StoreCalls):
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Disconnect; the daemon releases this client's leases."""
-        if self._closed:
-            return
         self._closed = True
-        self._sock.close(linger=0)
-        self._zctx.term()
-        self.control.close()
+        self._shut()   # once
 
     def __enter__(self) -> "Client":
         return self

@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tierd.client.registry import Unit
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
 from tierd.client.torch_internals import (DispatchMode, is_compiled_module, storage_id,
-                                          tree_flatten)
+                                          tree_flatten, weak_hook)
 from tierd.errors import StateError
 
 
@@ -276,7 +276,7 @@ class ModuleHooks:
         # ([Note: gradients users touch] in tierd.client.grad_view)
         for tp in session.params.values():
             if tp.param.requires_grad:
-                self._handles.append(tp.param.register_hook(self._gradient_arrives))
+                self._handles.append(tp.param.register_hook(weak_hook(self._gradient_arrives)))
 
     def remove(self) -> None:
         if self._probe is not None:

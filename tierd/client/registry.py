@@ -34,6 +34,7 @@ from torch import nn
 from tierd.client.keys import ModelKeys
 from tierd.client.store import Store
 from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+from tierd.client.torch_internals import weak_hook
 
 #: Gives a parameter's value to store: a tensor on any device whose values,
 #: converted to the parameter's dtype, are the parameter's (``WeightsPlan``
@@ -220,7 +221,7 @@ class ParamRegistry:
             else:
                 values[tp.master_key], dtypes[tp.master_key] = value, torch.float32
         if new.requires_grad and on_grad is not None:
-            new.register_post_accumulate_grad_hook(on_grad)
+            new.register_post_accumulate_grad_hook(weak_hook(on_grad))
         if resident:
             if value is not None:
                 with torch.no_grad():

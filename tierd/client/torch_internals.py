@@ -34,6 +34,7 @@ What each is for:
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -64,6 +65,20 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
 
     Only valid inside backward (from a hook that autograd runs)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def weak_hook(method: Callable) -> Callable:
+    """A tensor hook that calls the bound ``method`` without keeping its
+    object alive. torch holds a tensor's hooks from C++, out of the garbage
+    collector's sight, so a hook whose object holds the tensor (an attach
+    session holds its parameters) made a cycle never collected: a model
+    dropped without ``detach`` stayed in memory with its session."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return None if target is None else target(*args)
+    return hook
 
 
 def storage_id(t: torch.Tensor) -> int:
