@@ -240,6 +240,9 @@ def register_pool(client, device: torch.device) -> None:
         span = (view.data_ptr(), view.numel())
         if span in _REGISTERED:
             _REGISTERED.discard(span)
+            # no copy may still be reading it (a client collected unclosed
+            # was not settled first)
+            torch.cuda.synchronize(device)
             cudart.cudaHostUnregister(view.data_ptr())
 
     client.on_segment_mapped(register, unregister)
