@@ -171,7 +171,8 @@ def own_embedded(monkeypatch, tmp_path):
     fresh = embedded._Embedded()
     monkeypatch.setattr(embedded, "_EMBEDDED", fresh)
     monkeypatch.setattr(embedded, "available_memory", lambda: GiB)
-    monkeypatch.setenv("TIERD_SOCKET", str(tmp_path / "none.sock"))   # no daemon there
+    monkeypatch.delenv("TIERD_SOCKET", raising=False)   # no socket configured and
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))   # no daemon at the default
     monkeypatch.setenv("TIERD_NVME", str(tmp_path / "nvme"))
     for var in ("TIERD_POOL", "TIERD_NVME_SIZE"):
         monkeypatch.delenv(var, raising=False)

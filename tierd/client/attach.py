@@ -24,12 +24,11 @@ from tierd.client.attached import AttachSession, Resumed, is_attached, session_o
 from tierd.client.capacity import StoreNeed, device_room, model_need
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
-from tierd.client.embedded import answers, ensure_daemon, room_problem
+from tierd.client.embedded import ensure_daemon, node_socket, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.keys import ModelKeys
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
-from tierd.config import default_socket_path
 from tierd.errors import CapacityError, StateError
 
 __all__ = ["AttachConfig", "attach", "attached", "detach", "session_of"]
@@ -43,8 +42,7 @@ def _join_ranks(group, model: nn.Module, client, job: str | None, config: Attach
     if client is not None:
         socket, job = client.path, client.job
     else:
-        socket = default_socket_path()
-        socket = socket if answers(socket) else None
+        socket = node_socket()   # an explicit socket with no daemon raises here
     ranks, socket = distributed.join(
         group, socket_path=socket, job=job, model=model, config=config,
         device=config.resolved_device(),

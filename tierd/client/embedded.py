@@ -1,6 +1,7 @@
 """The embedded daemon: a private ``tierd serve`` for a job that found none.
 
-``tierd.attach(model)`` with no daemon running calls :func:`ensure_daemon`,
+``tierd.attach(model)`` with no socket configured and no daemon at the
+default path calls :func:`ensure_daemon`,
 which starts one as a child process with its socket in a private temp dir and
 its NVMe file in a private directory under ``$TIERD_NVME`` (default: the
 user's cache dir), and stops it when this process exits. The child asks the
@@ -12,6 +13,13 @@ Its sizes come from what the model needs and what the machine has
 then ``TIERD_POOL`` / ``TIERD_NVME_SIZE``, win over that. A later attach in
 this process whose model does not fit restarts it larger when it holds
 nothing; :func:`room_problem` gives the CapacityError text otherwise.
+
+[Note: an explicit socket is authoritative]
+A socket given as an argument (``connect(path)``, ``--socket``) or by
+``$TIERD_SOCKET`` names the daemon the operator means; when nothing answers
+there, the job fails with DaemonUnavailable naming the path instead of
+starting a private daemon sized from the host (in a 4 GiB pod, a pool sized
+for the node). Only with no socket configured does a job start its own.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 from tierd.backends.hostpool import available_memory
 from tierd.client.capacity import (
     DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, shortfall, unsized_defaults)
-from tierd.client.control import ControlChannel
+from tierd.client.control import ControlChannel, no_daemon
 from tierd.config import default_socket_path, parse_size
 from tierd.errors import DaemonUnavailable
 
@@ -97,6 +105,46 @@ def cache_dir() -> Path:
 def nvme_root() -> Path:
     """Where embedded daemons put their NVMe dirs: ``$TIERD_NVME``, else the cache dir."""
     return Path(os.environ[NVME_DIR_VAR]) if os.environ.get(NVME_DIR_VAR) else cache_dir()
+
+
+@dataclass(frozen=True)
+class SocketChoice:
+    """The daemon socket a job uses and why (``tierd doctor`` prints both).
+
+    ``explicit``: named by the caller or ``$TIERD_SOCKET``, so no embedded
+    daemon may stand in for it ([Note: an explicit socket is authoritative]).
+
+    >>> resolve_socket("/run/tierd/tierd.sock")
+    SocketChoice(path=PosixPath('/run/tierd/tierd.sock'), why='given as an argument', explicit=True)
+    """
+
+    path: Path
+    why: str
+    explicit: bool
+
+
+def resolve_socket(socket_path: str | Path | None = None) -> SocketChoice:
+    """The socket for ``socket_path``: itself, else ``$TIERD_SOCKET``, else the default path."""
+    if socket_path:
+        return SocketChoice(Path(socket_path), "given as an argument", True)
+    if os.environ.get("TIERD_SOCKET"):
+        return SocketChoice(Path(os.environ["TIERD_SOCKET"]), "set by $TIERD_SOCKET", True)
+    where = "$XDG_RUNTIME_DIR" if os.environ.get("XDG_RUNTIME_DIR") else "/tmp/tierd-$UID"
+    return SocketChoice(default_socket_path(), f"the default path (under {where}; "
+                        "no --socket or $TIERD_SOCKET)", False)
+
+
+def node_socket(socket_path: str | Path | None = None) -> Path | None:
+    """The socket of the daemon to use when one answers; None when none is
+    configured and none answers at the default path (start an embedded one).
+    DaemonUnavailable, naming the path, when an explicit socket has no daemon."""
+    choice = resolve_socket(socket_path)
+    if answers(choice.path):
+        return choice.path
+    if choice.explicit:
+        raise no_daemon(choice.path, f"{choice.why}; tierd starts a private daemon only "
+                                     "when no socket is configured")
+    return None
 
 
 def answers(path: Path) -> bool:
@@ -190,14 +238,15 @@ def _room(socket: Path) -> DaemonRoom | None:
 
 def ensure_daemon(socket_path: str | Path | None = None, *, need: StoreNeed | None = None,
                   commits: bool = False) -> Path:
-    """The socket of a daemon that answers: the given or default one if it
-    does, else this process's embedded daemon, started on first call sized
+    """The socket of a daemon that answers: the given one, or ``$TIERD_SOCKET``
+    (DaemonUnavailable when nothing answers there), or the default one if it
+    answers, else this process's embedded daemon, started on first call sized
     for ``need`` (``commits``: a named job, which may commit). A running
     embedded daemon that cannot hold ``need`` and holds nothing is started
     again larger; one that holds something is kept (the caller's
     :func:`room_problem` check then names the sizes that would work)."""
-    path = Path(socket_path) if socket_path else default_socket_path()
-    if socket_path or answers(path):
+    path = node_socket(socket_path)
+    if path is not None:
         return path
     with _EMBEDDED.lock:
         running = _EMBEDDED.running()

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"),
                    help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", help="compute device (default cuda if present, else cpu)")
-    p.add_argument("--socket", help="use the daemon at this socket instead of a private one")
+    p.add_argument("--socket", help="use the daemon at this socket (default $TIERD_SOCKET) "
+                                    "instead of a private one")
     p.add_argument("--pool", help="pool of the private daemon (small: 40MiB, below its "
                                   "model state, so it spills to NVMe; 1.3b: the embedded "
                                   "default)")

@@ -1,7 +1,9 @@
 """``tierd demo``: fine-tune a GPT-2 built here with ``tierd.attach`` + ``tierd.optim.AdamW``.
 
-Runs on CUDA when present, else on the CPU. Unless ``--socket`` names a
-running daemon, the demo starts a private (embedded) daemon for itself; for
+Runs on CUDA when present, else on the CPU. With ``--socket`` or
+``$TIERD_SOCKET`` it uses the daemon there (DaemonUnavailable, naming the
+path, when none answers: [Note: an explicit socket is authoritative] in
+``tierd.client.embedded``); otherwise it starts a private (embedded) daemon for itself; for
 ``gpt2-small`` its pool is smaller than the model state, so tensors spill to
 the NVMe tier and back and the progress lines show bytes moving between tiers.
 On a terminal a progress bar (tqdm) shows the steps, loss and tokens/s.
@@ -80,9 +82,10 @@ def run(args: argparse.Namespace, out=lambda line: None) -> DemoResult:
 
 
 def _open_client(args, state_bytes: int, default_pool: str | None):
-    if args.socket:
-        return tierd.connect(args.socket), None
-    from tierd.client.embedded import start_daemon
+    from tierd.client.embedded import resolve_socket, start_daemon
+    choice = resolve_socket(args.socket)
+    if choice.explicit:
+        return tierd.connect(choice.path), None
     pool = args.pool or default_pool
     embedded = start_daemon(pool=parse_size(pool) if pool else None,
                             nvme_size=max(2 * state_bytes, 1 << 30))
