@@ -69,3 +69,31 @@ def test_an_out_that_cannot_hold_results_is_refused_before_measuring(tmp_path, m
     assert f"--out {taken}: cannot write results there" in str(exc.value.code)
     assert taken.read_text() == "not a directory"
     assert not (tmp_path / "cache").exists()   # no daemon or NVMe dir was started
+
+
+def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-m", "tierd", "bench", "--quick", *args,
+                           "--out", str(tmp_path), "--nvme", str(tmp_path / "nvme")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    (path,) = tmp_path.glob("*-quick.json")
+    return proc, json.loads(path.read_text())["sections"]
+
+
+def test_the_control_section_measures_the_hooks(tmp_path):
+    proc, sections = _bench(tmp_path, "--only", "control")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    control = sections["control"]
+    assert control["status"] == "ok"
+    (r,) = control["rows"]
+    assert "error" not in r, r.get("log", r)
+    assert r["hook_calls"] > 0 and r["hook_s"] > 0 and 0 < r["share"]
+    assert "] control: ok" in proc.stderr
+
+
+def test_a_failed_section_makes_the_run_fail_and_is_named(tmp_path):
+    # a budget far below what the limits take: the section times out
+    proc, sections = _bench(tmp_path, "--only", "limits", "--budget-s", "0.001")
+    assert proc.returncode == 1
+    assert sections["limits"]["status"] == "timeout"
+    assert "tierd bench: 1 section failed: limits (timeout" in proc.stderr

@@ -7,7 +7,8 @@ training step and forward pass against the all-on-GPU reference and the peers
 step and two jobs on one daemon, all in one run so every ratio compares
 figures measured side by side. Prints a table and writes
 ``<out>/<gpu-or-cpu>-<yyyy-mm-dd>.json`` (``-quick`` added with ``--quick``)
-plus a PNG and a Markdown table of the same figures.
+plus a PNG and a Markdown table of the same figures. Exits 1, naming them,
+when a section failed (an error, a timeout, a row whose worker failed).
 
 Sections (``--only`` takes names or numbers): 1 limits, 2 dataplane,
 3 training, 4 forward, 5 control, 6 multijob.
@@ -132,7 +133,20 @@ def run(args: argparse.Namespace, command: str) -> int:
     results["sections"] = {n: results["sections"][n] for n in SECTIONS}
     results["meta"]["elapsed_s"] = time.monotonic() - started
     write(results, args.out, slug(ctx.device_name) + "-" + today + ("-quick" if args.quick else ""))
+    failed = failed_sections(results)
+    if failed:
+        print(f"tierd bench: {len(failed)} section{'s' if len(failed) != 1 else ''} failed: "
+              + "; ".join(f"{n} ({status_text(results['sections'][n])})" for n in failed),
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def failed_sections(results: dict) -> list[str]:
+    """Names of the sections that did not measure what they should: an error,
+    a timeout, or a row that failed (a worker that crashed)."""
+    return [n for n, sec in results["sections"].items()
+            if sec["status"] in ("error", "timeout", "failed")]
 
 
 def status_text(sec: dict) -> str:
@@ -153,6 +167,10 @@ def run_section(ctx: Context, name: str, budget: float) -> dict:
     except Exception as exc:   # a broken section must not lose the others' figures
         sec.update(status="error", reason=f"{type(exc).__name__}: {exc}",
                    traceback=traceback.format_exc()[-3000:])
+    failed = [r for r in sec["rows"] if "error" in r]
+    if failed and sec["status"] == "ok":   # a row's worker failed: the section did too
+        sec.update(status="failed", reason=f"{len(failed)} of {len(sec['rows'])} rows failed: "
+                                           f"{failed[0]['what']}: {failed[0]['error']}")
     sec["elapsed_s"] = time.monotonic() - t0
     ctx.results[name] = sec
     return sec

@@ -183,35 +183,53 @@ def control_share(model, opt, ids, device) -> dict:
             "hook_work_share": max(0.0, timer.hook_s - waited) / step,
             "hook_share": timer.hook_s / step,
             "control_share": (timer.hook_s + timer.req_outside_s) / step,
-            "method": "wrapping the Session's hook methods and the client's "
-                      "_submit/_wait on the instances for one step (host wall time)"}
+            "method": "the session's hook_seconds over one step; the client's _submit/_wait "
+                      "wrapped on the instance, outside the hooks wrapped there (on_grad's "
+                      "requests count as outside) (host wall time)"}
 
 
 class HookTimer:
     """Times the attach session's hook entry points and the client's requests
-    by shadowing them with instance attributes (nothing global is patched)."""
+    by shadowing them with instance attributes (nothing global is patched).
 
-    HOOKS = ("begin_step", "pre_forward", "post_forward", "pre_backward", "on_grad",
-             "end_backward")
+    The session's hook methods that its hooks look up at each call are
+    wrapped, and the end-of-backward callback through the session's
+    BackwardTracker. ``on_grad`` cannot be: it runs from a weak method hook
+    bound at attach, so requests made inside it count as outside the hooks;
+    the hook time (``hook_s``) is the session's own ``hook_seconds``, which
+    every hook body adds to."""
+
+    HOOKS = ("begin_step", "pre_forward", "post_forward", "pre_backward")
 
     def __init__(self, session) -> None:
-        self._targets = [(session, n) for n in self.HOOKS] + \
-            [(session.client, "_submit"), (session.client, "_wait")]
+        self._session = session
+        self._targets = [(session, n, n) for n in self.HOOKS] + \
+            [(session.backward, "_on_end", "end_backward"),
+             (session.client, "_submit", "_submit"), (session.client, "_wait", "_wait")]
+        self._saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in self._targets]
         self._depth = 0
         self.reset()
-        for obj, name in self._targets:
-            setattr(obj, name, self._wrap(getattr(obj, name), name))
+        for obj, name, label in self._targets:
+            setattr(obj, name, self._wrap(getattr(obj, name), label))
 
     def reset(self) -> None:
-        self.hook_s = self.req_outside_s = 0.0
+        self._hook_s0 = self._session.stats()["hook_seconds"]
+        self.req_outside_s = 0.0
         self.hook_calls = self.requests = 0
 
-    def remove(self) -> None:
-        for obj, name in self._targets:
-            obj.__dict__.pop(name, None)
+    @property
+    def hook_s(self) -> float:
+        return self._session.stats()["hook_seconds"] - self._hook_s0
 
-    def _wrap(self, fn, name):
-        is_hook = name in self.HOOKS
+    def remove(self) -> None:
+        for obj, name, before in self._saved:
+            if before is None:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, before)
+
+    def _wrap(self, fn, label):
+        is_hook = label in self.HOOKS or label == "end_backward"
 
         def timed(*args, **kwargs):
             outer = self._depth == 0
@@ -222,10 +240,9 @@ class HookTimer:
             finally:
                 dt = time.perf_counter() - t0
                 self._depth -= 1
-                if name == "_submit":
+                if label == "_submit":
                     self.requests += 1
                 if outer and is_hook:
-                    self.hook_s += dt
                     self.hook_calls += 1
                 elif outer:
                     self.req_outside_s += dt
