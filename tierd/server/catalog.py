@@ -77,9 +77,12 @@ class Catalog:
             pool_quota, nvme_quota = self.quotas(name)
             j = self.jobs[name] = Job(name, uid, ephemeral=job is None,
                                       pool_quota=pool_quota, nvme_quota=nvme_quota)
+            j.opened_by = sid
         elif j.owner_uid != uid and not (uid == 0 and self.allow_root_join):
             raise StateError(f"job {name!r} belongs to uid {j.owner_uid}; uid {uid} may not "
                              f"join it; pick another job name")
+        else:
+            j.opened_by = None   # joined by another session: a job someone knew
         j.sessions.add(sid)
         session = self.sessions[sid] = Session(sid, name, pid, uid)
         return session
@@ -96,14 +99,27 @@ class Catalog:
             self.tiers.give_up_reserved(spec, slot)
         job = self.jobs[s.job]
         job.sessions.discard(sid)
-        if job.ephemeral and not job.sessions:
-            self.drop_job(job.name)
+        if not job.sessions and (job.ephemeral or self._holds_nothing(job)):
+            self._drop(job)   # a named job with no tensor and no commit is only a name
+
+    def _holds_nothing(self, job: Job) -> bool:
+        return job.manifest is None and not job.committing and not self.tiers.job_entries(job.name)
 
     def drop_job(self, name: str) -> None:
-        """Delete every tensor of the job; forget the job once no session is in it."""
+        """Delete every tensor of the job; forget the job once no session is in it.
+
+        UnknownKey for a job that did not exist before the caller's session
+        opened it (it holds nothing and no other session was ever in it):
+        ``tierd drop-job`` joins the job it drops, which creates an unknown one."""
         job = self.jobs.get(name)
-        if job is None:
-            raise UnknownKey(f"no job {name!r}")
+        if job is None or (job.opened_by is not None and job.sessions == {job.opened_by}
+                           and self._holds_nothing(job)):
+            raise UnknownKey(f"no job {name!r} (no tensor, no commit and no other client in "
+                             f"it); `tierd status --all` lists the jobs")
+        self._drop(job)
+
+    def _drop(self, job: Job) -> None:
+        name = job.name
         if job.committing:
             raise StateError(f"job {name!r} is being committed; drop it once the commit "
                              f"has returned")
@@ -132,6 +148,7 @@ class Catalog:
         if len({spec.key for spec in specs}) != len(specs):
             raise StateError("a key appears twice in one reserve")
         job = self.jobs[s.job]
+        job.opened_by = None   # it has held a tensor: a known job
         grant = self.admission.check(job, [stored_size(sp.key, job.name, sp.nbytes)
                                            for sp in specs])
         got = self._reserve_slots(job.name, specs)

@@ -152,6 +152,9 @@ class Job:
     manifest: "Manifest | None" = None   # the last commit's manifest
     commit_written: int = 0  # bytes written back by the commit being made
     committing: bool = False  # a manifest of it is being written
+    #: the session whose hello created it, until another joins or it stores a
+    #: tensor: dropping such a job is dropping an unknown one (Catalog.drop_job)
+    opened_by: int | None = None
 
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
