@@ -22,7 +22,8 @@ def _pair(make, daemon, **options):
 
 
 def _param_storage_bytes(model) -> int:
-    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+    """Bytes the compute tensors of the model's parameters hold (0 between uses)."""
+    return sum(tp.storage_bytes for tp in session_of(model).params.values())
 
 
 def test_gpt2_tied_embeddings_match_torch_adamw_bitwise(daemon):
@@ -349,20 +350,20 @@ def test_what_would_write_through_an_empty_storage_raises_instead():
 
 
 def test_a_tierd_optimizer_refuses_what_would_train_wrong():
-    """Its per-parameter state lives in tierd: a state_dict with state is
-    refused (resuming from it would use fresh moments), hyper-parameters
-    load; after detach its step() raises instead of doing nothing."""
+    """Hyper-parameters load as in torch (per-parameter state: tests/optim/
+    test_state_dict.py); after detach its step() and state_dict() raise
+    instead of doing nothing."""
     from tierd.client.store import LocalStore
     model = attach(llama(), client=LocalStore(), device="cpu")
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, opt, batches(1))
     saved = opt.state_dict()
-    with pytest.raises(StateError, match="tierd.commit"):
-        opt.load_state_dict(saved)
     groups = [dict(g, lr=5e-4) for g in saved["param_groups"]]
-    opt.load_state_dict({"state": {}, "param_groups": groups})
+    opt.load_state_dict({"state": saved["state"], "param_groups": groups})
     assert opt.param_groups[0]["lr"] == 5e-4
     detach(model)
+    with pytest.raises(StateError, match="was detached"):
+        opt.state_dict()
     with pytest.raises(StateError, match="was detached"):
         opt.step()
 

@@ -51,6 +51,7 @@ from tierd.client.tiered_param import TieredParam, TieredParameter
 from tierd.errors import CapacityError, StateError
 from tierd.optim.cpu_update import overlapped
 from tierd.optim.fused import FusedUpdates
+from tierd.optim import state_dict as optim_state_dict
 from tierd.optim.state import UnmadeState, check_capacity
 
 
@@ -191,19 +192,28 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._fused.append(fused)
 
     # ------------------------------------------------------------- API
+    def state_dict(self) -> dict:
+        """torch's format, with each parameter's state (moments, step count)
+        read from tierd into new CPU tensors ([Note: optimizer state dicts]
+        in tierd.optim.state_dict). ``tierd.commit`` checkpoints without
+        copying it through this process."""
+        self._check_attached()
+        return optim_state_dict.state_dict(self, super().state_dict())
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Hyper-parameters (``param_groups``) as torch loads them; each
-        parameter's state (moments, step counts) lives in tierd and
-        ``state_dict()`` holds only the step counts, so a non-empty
-        ``state`` is refused (resuming from it would train on fresh moments)."""
-        if state_dict.get("state"):
-            raise StateError(
-                "tierd.optim keeps each parameter's optimizer state (moments, step counts) in "
-                "tierd, and its state_dict() holds only the step counts: loading one would "
-                "resume with fresh moments. Checkpoint with tierd.commit(model, opt, step) and "
-                "resume with tierd.attach(model, job=..., resume=True); to load only the "
-                "hyper-parameters, pass {'state': {}, 'param_groups': ...}")
-        super().load_state_dict(state_dict)
+        """Load what :meth:`state_dict` (or ``torch.optim.AdamW``/``SGD`` of the
+        same model) returned: hyper-parameters as torch loads them, each
+        parameter's state written into tierd. Checked whole first: a dict that
+        does not fit raises StateError and changes nothing."""
+        self._check_attached()
+        optim_state_dict.load_state_dict(self, state_dict, super().load_state_dict)
+
+    def loaded_step(self, entry: dict, name: str) -> float:
+        """The step count of one parameter's entry in a loaded state dict."""
+        if "step" not in entry:
+            raise StateError(f"the state of {name!r} in the state dict has no 'step' (it has "
+                             f"{sorted(entry)}); it is not a {type(self).__name__} state dict")
+        return float(entry["step"])
 
     def _check_attached(self) -> None:
         detached = [tp for tp in self._all() if tp.session.closed]

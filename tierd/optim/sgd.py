@@ -34,6 +34,11 @@ class SGD(StreamedOptimizer):
                          accumulation_steps=accumulation_steps,
                          prefetch_bytes=prefetch_bytes)
 
+    def loaded_step(self, entry: dict, name: str) -> float:
+        """torch's SGD keeps no step count: a loaded momentum buffer has
+        been started (its next update is not the first)."""
+        return float(entry.get("step", 1.0))
+
     def _update(self, group: dict, state: dict, param: torch.Tensor, grad: torch.Tensor,
                 moments: dict[str, torch.Tensor]) -> None:
         lr, momentum = group["lr"], group["momentum"]
