@@ -66,18 +66,6 @@ log = logging.getLogger(__name__)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+=/-]")
 
 
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo in bytes (a large number where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
 _ZEROS = bytes(1 << 20)   # what zero() writes, a MiB at a time
 
 

@@ -72,7 +72,7 @@ STARTED = time.monotonic()
 import torch  # noqa: E402
 
 import tierd  # noqa: E402
-from tierd.backends.hostpool import available_memory  # noqa: E402
+from tierd.backends.memory import available_memory  # noqa: E402
 from tierd.bench import DEFAULT_OUT  # noqa: E402
 from tierd.bench.activations_measure import (  # noqa: E402
     AUTO_STEPS, GiB, PeakMemory, build, host_available, memory_check,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tierd.backends.hostpool import available_memory
+from tierd.backends.memory import available_memory
 from tierd.client.torch_internals import storage_id
 
 #: auto's steps before its warm-up: the profiling step, then the plan's first

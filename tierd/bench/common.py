@@ -117,7 +117,7 @@ class Context:
         """The run's one daemon (started on first need), shared by every section."""
         if self.daemon is None:
             from tierd.client.embedded import start_daemon
-            from tierd.backends.hostpool import available_memory
+            from tierd.backends.memory import available_memory
             pool = min(self.sizes.pool, available_memory() // 2)
             self.daemon = start_daemon(pool=pool, nvme_size=self.sizes.nvme_size,
                                        nvme_dir=self.nvme_dir)

@@ -194,7 +194,7 @@ class TierdRun:
         import torch
 
         import tierd
-        from tierd.backends.hostpool import available_memory
+        from tierd.backends.memory import available_memory
         from tierd.client.embedded import start_daemon
         self.cfg = cfg
         pool = cfg.moved + 8 * cfg.tensor_bytes + 64 * MiB

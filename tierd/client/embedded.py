@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierd.backends.hostpool import available_memory
+from tierd.backends.memory import available_memory
 from tierd.client.capacity import (
     DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, shortfall, unsized_defaults)
 from tierd.client.control import ControlChannel, no_daemon

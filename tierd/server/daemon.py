@@ -21,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from tierd import protocol as P
-from tierd.backends.hostpool import HostPool, available_memory
+from tierd.backends.hostpool import HostPool
 from tierd.backends.manifest import Manifest, ManifestStore
+from tierd.backends.memory import host_memory
 from tierd.backends.nvme import LOCK_FILE, NvmeStore
 from tierd.config import ServeConfig, format_size
 from tierd.errors import (Busy, CapacityError, DaemonUnavailable, InternalError, ProtocolError,
@@ -60,9 +61,11 @@ class Daemon:
         cfg = self.config
         sockets.set_not_dumpable()
         self.fd_limit = sockets.raise_fd_limit()
-        if cfg.pool > available_memory():
+        memory = host_memory()   # the check's figure and its source: tierd.backends.memory
+        log.info("available memory %s: %s", format_size(memory.available), memory.source)
+        if cfg.pool > memory.available:
             raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
-                                f"({format_size(available_memory())}); lower it")
+                                f"({format_size(memory.available)}, {memory.source}); lower it")
         sockets.prepare_socket_dir(cfg.socket)
         sockets.claim_socket_paths(cfg.socket)
         self.nvme = self._open_nvme()
