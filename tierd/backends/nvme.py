@@ -18,7 +18,6 @@ the page cache.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from tierd.backends import recordio
 from tierd.backends.extents import ExtentAllocator, Spans, align_up
+from tierd.backends.ownership import Ownership
 from tierd.errors import CapacityError, IntegrityError, TierIOError
 
 log = logging.getLogger(__name__)
@@ -73,16 +73,22 @@ class NvmeStore:
     >>> off = store.extents.alloc(4096)                 # doctest: +SKIP
     """
 
-    def __init__(self, directory: Path, size: int, failpoints: Failpoints | None = None) -> None:
+    def __init__(self, directory: Path, size: int, failpoints: Failpoints | None = None,
+                 owner: Ownership | None = None) -> None:
         self.directory = Path(directory)
         self.size = align_up(size)
         self.failpoints = failpoints or Failpoints()
-        self._lock_fd = self._lock()
+        # The directory's ownership (given by a daemon that took it first, or
+        # taken here), released with the store: [Note: ownership before
+        # binding] in tierd.backends.ownership
+        self._owner = owner or Ownership.take(
+            self.directory / LOCK_FILE, f"--nvme {self.directory}",
+            "give each daemon its own --nvme directory")
         path = self.directory / DATA_FILE
         try:
             self.fd, self.direct = self._open(path)
         except OSError as exc:
-            os.close(self._lock_fd)
+            self._owner.release()
             raise TierIOError(f"cannot open NVMe file {path}: {exc.strerror}") from None
         self.path = path
         self._preallocate()
@@ -118,19 +124,9 @@ class NvmeStore:
                     os.ftruncate(self.fd, old_size)
             finally:
                 os.close(self.fd)
-                os.close(self._lock_fd)
+                self._owner.release()
             raise CapacityError(f"cannot preallocate {self.size} B of NVMe file {self.path}: "
                                 f"{exc.strerror}; lower --nvme-size or free disk space") from None
-
-    def _lock(self) -> int:
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise CapacityError(f"{self.directory} is in use by another tierd daemon; "
-                                f"give each daemon its own --nvme directory") from None
-        return fd
 
     # ------------------------------------------------------------ raw I/O
     def read_into(self, offset: int, bufs: list) -> None:
@@ -243,4 +239,4 @@ class NvmeStore:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
-        os.close(self._lock_fd)
+        self._owner.release()

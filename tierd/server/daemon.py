@@ -25,6 +25,7 @@ from tierd.backends.hostpool import HostPool
 from tierd.backends.manifest import Manifest, ManifestStore
 from tierd.backends.memory import host_memory
 from tierd.backends.nvme import LOCK_FILE, NvmeStore
+from tierd.backends.ownership import Ownership
 from tierd.config import ServeConfig, format_size
 from tierd.errors import (Busy, CapacityError, DaemonUnavailable, InternalError, ProtocolError,
                           TierdError)
@@ -60,15 +61,37 @@ class Daemon:
         """Check the arguments and take the resources; raises TierdError."""
         cfg = self.config
         sockets.set_not_dumpable()
+        sockets.prepare_socket_dir(cfg.socket)
+        # Owned before anything there is bound or removed: [Note: ownership
+        # before binding] in tierd.backends.ownership. Held until the process ends.
+        self.owner = Ownership.take(lock_path(cfg.socket), f"--socket {cfg.socket}",
+                                    "stop it or pass another --socket")
+        nvme_owner, created = self._own_nvme()
+        try:
+            self._open_resources(nvme_owner)
+        except TierdError:
+            nvme_owner.release()
+            if created:   # leave no directory behind that this start made
+                (cfg.nvme / LOCK_FILE).unlink(missing_ok=True)
+                try:
+                    cfg.nvme.rmdir()
+                except OSError:
+                    pass  # something else appeared there meanwhile: keep it
+            raise
+        log.info("tierd serving at %s: pool %s, NVMe %s in %s (%s)", cfg.socket,
+                 format_size(self.pool.budget), format_size(self.nvme.size), cfg.nvme,
+                 "O_DIRECT" if self.nvme.direct else "buffered I/O")
+
+    def _open_resources(self, nvme_owner: Ownership) -> None:
+        cfg = self.config
         self.fd_limit = sockets.raise_fd_limit()
         memory = host_memory()   # the check's figure and its source: tierd.backends.memory
         log.info("available memory %s: %s", format_size(memory.available), memory.source)
         if cfg.pool > memory.available:
             raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
                                 f"({format_size(memory.available)}, {memory.source}); lower it")
-        sockets.prepare_socket_dir(cfg.socket)
         sockets.claim_socket_paths(cfg.socket)
-        self.nvme = self._open_nvme()
+        self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size, owner=nvme_owner)
         self.manifests = ManifestStore(cfg.nvme)
         # A job's memory is never handed to another job while it holds one
         # tensor in the segment, so a segment as large as a small pool would
@@ -103,12 +126,10 @@ class Daemon:
         self._inodes = {p: sockets.inode_of(p) for p in (cfg.socket, ctl_path(cfg.socket))}
         self.sessions = ControlSessions(listener, cfg, self.catalog, self.pool, self.metrics,
                                         self._spawn)
-        log.info("tierd serving at %s: pool %s, NVMe %s in %s (%s)", cfg.socket,
-                 format_size(self.pool.budget), format_size(self.nvme.size), cfg.nvme,
-                 "O_DIRECT" if self.nvme.direct else "buffered I/O")
 
-    def _open_nvme(self) -> NvmeStore:
-        """The NVMe store; what this call created is removed again if it fails."""
+    def _own_nvme(self) -> tuple[Ownership, bool]:
+        """The NVMe directory, made if missing, and owned (see [Note: ownership
+        before binding] in tierd.backends.ownership); whether this call made it."""
         nvme = self.config.nvme
         created = not nvme.exists()
         try:
@@ -117,16 +138,10 @@ class Daemon:
             raise TierdError(f"--nvme {nvme} cannot be created: {exc.strerror}") from None
         if not os.access(nvme, os.W_OK | os.X_OK):
             raise TierdError(f"--nvme {nvme} is not writable by uid {os.getuid()}")
-        try:
-            return NvmeStore(nvme, self.config.nvme_size)
-        except TierdError:
-            if created:
-                (nvme / LOCK_FILE).unlink(missing_ok=True)
-                try:
-                    nvme.rmdir()
-                except OSError:
-                    pass  # something else appeared there meanwhile: keep it
-            raise
+        # Refused (InUse): the directory is another daemon's, even one this
+        # call made at the same moment as that daemon: nothing here is removed.
+        return Ownership.take(nvme / LOCK_FILE, f"--nvme {nvme}",
+                              "give each daemon its own --nvme directory"), created
 
     async def run(self) -> int:
         """Serve until stopped; 0 after a signal, 1 when an internal error stopped it."""
@@ -166,6 +181,7 @@ class Daemon:
             sockets.remove_if_ours(path, inode)
         self.pool.close()
         self.nvme.close(remove=not self.manifests.any())
+        self.owner.release()
         log.info("tierd stopped")
 
     def _spawn(self, coro, critical: bool = False) -> asyncio.Task:
@@ -413,6 +429,11 @@ class Daemon:
             finally:   # whatever happened, nobody may wait for this transfer for ever
                 self._io.pop(t).set_result(None)
             self._run_started()
+
+
+def lock_path(sock: Path) -> Path:
+    """The lock file beside ``--socket PATH`` whose holder owns both its sockets."""
+    return sock.with_name(sock.name + ".lock")
 
 
 def serve(config: ServeConfig) -> None:
