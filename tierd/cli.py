@@ -170,8 +170,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_uptime(seconds: float) -> str:
+    """``2d 3h``, ``3h 12m``, ``4m 5s``: the two largest units."""
+    s = int(seconds)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m}m"
+    return f"{m}m {s % 60}s" if m else f"{s}s"
+
+
 def print_status(view: dict) -> None:
     size = C.format_size
+    version = view.get("version", "unknown")
+    print(f"tierd {version} up {format_uptime(view.get('uptime_s', 0))}"
+          + (f" (this client is {__version__}: upgrade both together)"
+             if version != __version__ else ""))
     print(f"pool  {size(view['pool_used_bytes']):>10} used of "
           f"{size(view['pool_bytes'])} ({size(view['pool_mapped_bytes'])} mapped)")
     print(f"nvme  {size(view['nvme_used_bytes']):>10} used of "
@@ -235,23 +250,63 @@ def _health_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    """Exit 0 when the daemon answers a stats request within ``--timeout``, else 1."""
+    """Exit 0 when the daemon answers a stats request within ``--timeout`` and
+    runs this client's version, else 1 with the reason on stderr."""
     import asyncio
 
     from tierd.client.connection import aconnect
+    from tierd.client.embedded import resolve_socket
+
+    choice = resolve_socket(args.socket)
 
     async def probe() -> dict:
-        async with await aconnect(args.socket) as c:
+        async with await aconnect(choice.path) as c:
             return await c.stats()
     try:
         stats = asyncio.run(asyncio.wait_for(probe(), args.timeout))
-    except (TierdError, TimeoutError, asyncio.TimeoutError, OSError) as exc:
-        print(f"tierd health: unhealthy: {exc or type(exc).__name__}", file=sys.stderr)
-        return 1
-    print(f"ok: {stats['sessions'] - 1} other sessions, pool "
+    except (TimeoutError, asyncio.TimeoutError):
+        return _unhealthy(f"no reply from the daemon at {choice.path} within {args.timeout:g} s "
+                          f"(it is stopped, hung or overloaded; raise --timeout if it is busy)")
+    except (TierdError, OSError) as exc:
+        return _unhealthy(_why_not(choice.path) or f"{type(exc).__name__}: {exc}")
+    version = stats.get("version", "unknown (older than 0.1.0)")
+    if version != __version__:
+        return _unhealthy(f"wrong version: the daemon at {choice.path} runs tierd {version}, "
+                          f"this client {__version__}; upgrade both together")
+    print(f"ok: tierd {version} up {format_uptime(stats['uptime_s'])}, "
+          f"{stats['sessions'] - 1} other sessions, pool "
           f"{C.format_size(stats['pool_used_bytes'])} of {C.format_size(stats['pool_bytes'])}, "
           f"{stats['io_errors']} I/O errors")
     return 0
+
+
+def _why_not(path: Path) -> str | None:
+    """Why no daemon answered at ``path``, from its control socket file alone;
+    None when something listens there (the probe's own error says the rest)."""
+    import socket
+    ctl = path.with_name(path.name + ".ctl")
+    if not ctl.exists():
+        return (f"no daemon: {ctl} does not exist (none was started with --socket {path}, "
+                "or it stopped)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(ctl))
+    except ConnectionRefusedError:
+        return (f"refused: nothing listens on {ctl} (the daemon died without removing it; "
+                "start it again)")
+    except PermissionError:
+        return f"permission denied on {ctl}: run as the daemon's user (or its group)"
+    except OSError as exc:
+        return f"{ctl}: {exc.strerror or exc}"
+    finally:
+        probe.close()
+    return None
+
+
+def _unhealthy(why: str) -> int:
+    print(f"tierd health: unhealthy: {why}", file=sys.stderr)
+    return 1
 
 
 # ------------------------------------------------------ jobs and archives

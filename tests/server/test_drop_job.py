@@ -21,7 +21,7 @@ def _cli(daemon, *args: str) -> subprocess.CompletedProcess:
 
 def _metric_jobs(url: str) -> set[str]:
     fam = scrape(url)["tierd_job_tensors"]
-    return {s.labels["job"] for s in fam.samples}
+    return {s.labels["tierd_job"] for s in fam.samples}
 
 
 def test_catalog_refuses_to_drop_a_job_only_the_caller_opened(catalog):  # noqa: F811

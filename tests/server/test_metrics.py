@@ -68,8 +68,8 @@ def test_metrics_endpoint_serves_prometheus_text_with_the_named_metrics(metered)
                  direction="to_pool") > 0
     assert value(families, "tierd_evictions", "tierd_evictions_total") > 0
     assert value(families, "tierd_errors", "tierd_errors_total", code="key") >= 1
-    assert value(families, "tierd_job_pool_used_bytes", job="metrics-test") > 0
-    assert value(families, "tierd_job_nvme_used_bytes", job="metrics-test") > 0
+    assert value(families, "tierd_job_pool_used_bytes", tierd_job="metrics-test") > 0
+    assert value(families, "tierd_job_nvme_used_bytes", tierd_job="metrics-test") > 0
     hist = families["tierd_request_duration_seconds"]
     ops = {s.labels["op"] for s in hist.samples}
     assert {"reserve", "publish", "lease"} <= ops, ops
@@ -83,9 +83,9 @@ def test_metrics_follow_the_jobs(metered):
     url = metrics_url(metered)
     with metered.connect(job="short-lived") as c:
         c.put("x", torch.zeros(1024))
-        assert value(scrape(url), "tierd_job_tensors", job="short-lived") == 1
+        assert value(scrape(url), "tierd_job_tensors", tierd_job="short-lived") == 1
         c.delete(["x"])
-        assert value(scrape(url), "tierd_job_tensors", job="short-lived") == 0
+        assert value(scrape(url), "tierd_job_tensors", tierd_job="short-lived") == 0
 
 
 def test_metrics_server_stops_with_the_daemon(metered):

@@ -14,7 +14,10 @@ whether a tensor fits is :mod:`tierd.server.admission`'s.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+
+from tierd import __version__
 
 from tierd.backends.hostpool import HostPool
 from tierd.backends.manifest import Manifest, ManifestStore
@@ -48,6 +51,7 @@ class Catalog:
         self.entries = self.tiers.entries   # (job, key) -> Entry
         self.jobs = self.tiers.jobs
         self.sessions: dict[int, Session] = {}
+        self.started = time.monotonic()   # for stats' uptime
 
     @property
     def stored_bytes(self) -> int:
@@ -322,6 +326,8 @@ class Catalog:
                 row["nvme_used_bytes"] += e.disk.nbytes
         c = self.tiers.counters
         return {
+            "version": __version__,   # the daemon's: clients and probes compare it to theirs
+            "uptime_s": round(time.monotonic() - self.started, 3),
             "pool_bytes": self.pool.budget,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_mapped_bytes": self.pool.mapped_bytes,

@@ -94,9 +94,16 @@ def stats_families(stats: dict) -> list[Metric]:
     """The catalog's figures as gauges (sizes, per job) and counters (traffic)."""
     out: list[Metric] = [GaugeMetricFamily(name, help_, value=stats[key])
                          for name, key, help_ in _GAUGES]
+    build = GaugeMetricFamily("tierd_build_info", "Always 1; the daemon's version in a label.",
+                              labels=["version"])
+    build.add_metric([stats.get("version", "unknown")], 1)
+    out += [build, GaugeMetricFamily("tierd_uptime_seconds", "Seconds since the daemon started.",
+                                     value=stats.get("uptime_s", 0))]
     jobs = sorted(stats["jobs"].items())
     for name, key, help_ in _JOB_GAUGES:
-        family = GaugeMetricFamily(name, help_, labels=["job"])
+        # not "job": Prometheus sets its own job label on every scraped series
+        # (the scrape job), which would rename ours to exported_job
+        family = GaugeMetricFamily(name, help_, labels=["tierd_job"])
         for job, row in jobs:
             family.add_metric([job], row[key])
         out.append(family)
