@@ -62,6 +62,9 @@ def test_sharded_llama_on_meta_equals_from_pretrained(llama_dir):
     want = dict(ref.named_buffers())
     for name, buf in model.named_buffers():
         assert torch.equal(buf, want[name]), name
+    rotary = model.model.rotary_emb
+    if hasattr(rotary, "original_inv_freq"):   # an alias of the buffer (transformers 4.x)
+        assert torch.equal(rotary.original_inv_freq, rotary.inv_freq)
     _train_like_torch(model, ref)
 
 
@@ -71,6 +74,12 @@ def test_gpt2_tied_on_meta_real_daemon(gpt2_dir, daemon):
     attach(model, client=tierd.connect(daemon), weights=gpt2_dir)
     assert model.lm_head.weight is model.transformer.wte.weight   # still tied
     assert_same_weights(model, ref)
+    # non-persistent buffers (transformers 4.x: the bool causal mask "bias" and
+    # "masked_bias") re-created as from_pretrained has them
+    want = dict(ref.named_buffers())
+    assert want.keys() == dict(model.named_buffers()).keys()
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, want[name]), name
     _train_like_torch(model, ref)
     detach(model)   # a meta model comes back as an ordinary CPU model
     assert all(p.device.type == "cpu" for p in model.parameters())

@@ -17,16 +17,22 @@ device (``with torch.device("meta"):``) can be larger than host memory.
 
 [Note: buffers of a meta model]
 Persistent buffers are in the checkpoint and are loaded from it. Non-persistent
-ones (rotary ``inv_freq``) are not: a meta model's are recomputed by the
-model's own ``_init_weights`` (Hugging Face models re-create them there, as
-``from_pretrained`` does) on a NaN-filled CPU tensor; a buffer still holding a
-NaN afterwards, or a model without ``_init_weights``, is an error naming the
-buffers: build such models with the buffers on the CPU (e.g.
-``accelerate.init_empty_weights()``, which puts only parameters on meta).
+ones (rotary ``inv_freq``, GPT-2's ``bias``) are not: a meta model's are
+recomputed by the model's own ``_init_weights`` (transformers 5.x re-creates
+them there, as its ``from_pretrained`` does) on a placeholder CPU tensor
+(NaN-filled where the dtype has NaN); one it neither replaced nor wrote (the
+tensor's version counter is unchanged) is taken from a new
+``type(model)(model.config)`` built with parameters on meta and buffers on
+the CPU (transformers 4.x computes them only in ``__init__``, and its
+``from_pretrained`` never puts buffers on meta). A buffer still unset, or a
+model without ``_init_weights``, is an error naming the buffers: build such
+models with the buffers on the CPU (e.g. ``accelerate.init_empty_weights()``,
+which puts only parameters on meta).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
@@ -256,6 +262,7 @@ class WeightsPlan:
     buffers: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # module, attr, name
     recreate: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # non-persistent, meta
     _undo: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    _aliases: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s value from the checkpoint (its own when not there and
@@ -293,28 +300,73 @@ class WeightsPlan:
                 f"buffers {_listed(names)} are not in checkpoints; build it with buffers on "
                 "the CPU (e.g. accelerate.init_empty_weights(), which puts only parameters "
                 "on meta)")
-        owners = {}
-        for module, attr, _ in self.recreate:
+        owners, placeholders = {}, {}
+        for module, attr, name in self.recreate:
             old = module._buffers[attr]
             self._undo.append((module, attr, old))
-            module._buffers[attr] = torch.full(old.shape, float("nan"), dtype=old.dtype)
+            # NaN where it can be: a wrong read of one shows; set or not is told
+            # by the version counter (a bool buffer has no NaN)
+            fill = float("nan") if old.dtype.is_floating_point else 0
+            placeholders[name] = module._buffers[attr] = torch.full(old.shape, fill,
+                                                                    dtype=old.dtype)
             owners[id(module)] = module
         with torch.no_grad():
             for module in owners.values():
                 init(module)
-        unset = [name for module, attr, name in self.recreate
-                 if module._buffers[attr].is_meta or module._buffers[attr].isnan().any()]
-        if unset:
+
+        def unset():
+            return [(module, attr, name) for module, attr, name in self.recreate
+                    if module._buffers[attr] is placeholders[name]
+                    and placeholders[name]._version == 0]
+        if unset():
+            _rebuilt_buffers(model, unset())
+        if unset():
             raise ValueError(
                 f"{type(model).__name__}._init_weights did not re-create the non-persistent "
-                f"buffers {_listed(unset)} of the meta model; build it with buffers on the "
-                "CPU (e.g. accelerate.init_empty_weights())")
+                f"buffers {_listed([n for _, _, n in unset()])} of the meta model; build it "
+                "with buffers on the CPU (e.g. accelerate.init_empty_weights())")
+        for module, attr, name in self.recreate:   # plain attributes aliasing the old buffer
+            old = next(o for m, a, o in self._undo if m is module and a == attr)
+            for key, value in list(vars(module).items()):
+                if value is old:   # (4.x rotary's original_inv_freq)
+                    self._aliases.append((module, key, old))
+                    object.__setattr__(module, key, module._buffers[attr])
 
     def restore_buffers(self) -> None:
         """Put back the buffers :meth:`load_buffers` replaced (a failed attach)."""
         for module, attr, old in reversed(self._undo):
             module._buffers[attr] = old
+        for module, key, old in self._aliases:
+            object.__setattr__(module, key, old)
         self._undo.clear()
+        self._aliases.clear()
+
+
+def _rebuilt_buffers(model: nn.Module, unset: list[tuple[nn.Module, str, str]]) -> None:
+    """Give ``unset`` non-persistent buffers the values a new ``type(model)(model.config)``
+    computes with parameters on meta and buffers on the CPU (transformers 4.x
+    computes them in ``__init__`` only, where 5.x's ``_init_weights`` re-creates
+    them too: [Note: buffers of a meta model]). Nothing for a model without a config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    try:
+        from transformers.integrations.accelerate import init_empty_weights
+    except ImportError:
+        try:
+            from accelerate import init_empty_weights
+        except ImportError:
+            return
+    try:
+        with init_empty_weights(include_buffers=False):
+            fresh = type(model)(copy.deepcopy(config))
+    except Exception:   # not buildable from its config: the caller names the buffers
+        return
+    built = dict(fresh.named_buffers(remove_duplicate=False))
+    for module, attr, name in unset:
+        value, old = built.get(name), module._buffers[attr]
+        if value is not None and not value.is_meta and value.shape == old.shape:
+            module._buffers[attr] = value.to(old.dtype)
 
 
 def plan_load(model: nn.Module, reader: CheckpointReader, *, strict: bool = True) -> WeightsPlan:
