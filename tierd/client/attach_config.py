@@ -70,6 +70,12 @@ class AttachConfig:
     grad_bucket_bytes: int = 32 << 20
     #: Key prefix in the daemon (a random one when None); must be unique.
     name: str | None = None
+    #: Which modules are units, each fetched before its forward and released
+    #: after as one ([Note: units are the model's blocks] in
+    #: ``tierd.client.registry``): a predicate on a module, or module types.
+    #: None: the children of every outermost ``nn.ModuleList`` or
+    #: ``nn.Sequential`` (a transformer's blocks); the rest is one more unit.
+    unit_modules: object = None
     #: Tier what autograd saves in forward: an :class:`ActivationConfig`, or
     #: its policy alone ("offload", "recompute", "auto"); None leaves
     #: activations alone. See ``tierd.client.activations``.
@@ -107,6 +113,17 @@ class AttachConfig:
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
+        units = self.unit_modules
+        if isinstance(units, type):
+            units = (units,)
+        if isinstance(units, (tuple, list)):
+            if not all(isinstance(u, type) and issubclass(u, torch.nn.Module) for u in units):
+                raise ValueError(f"unit_modules={self.unit_modules!r}: give nn.Module "
+                                 "subclasses, or a predicate taking a module")
+            object.__setattr__(self, "unit_modules", tuple(units))
+        elif units is not None and not callable(units):
+            raise ValueError(f"unit_modules={units!r}: give nn.Module subclasses, a "
+                             "predicate taking a module, or None (the model's blocks)")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))
         if isinstance(self.activations, str):

@@ -55,7 +55,7 @@ from tierd.client.rank_share import RankShare
 from tierd.client.registry import ParamRegistry, Unit, ValueSource
 from tierd.client.releases import PendingReleases
 from tierd.client.store import Store
-from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.client.tiered_param import DeviceParameter, ParamState, TieredParam, tiered_of
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
 from tierd.optim.resident import check_room_to_write_back, device_values, write_kept_weights
@@ -224,13 +224,14 @@ class AttachSession:
         for opt in self.optimizers:
             opt.prefetch()
 
-    def on_grad(self, param: TieredParameter) -> None:
-        """Autograd accumulated a gradient: hand it to a fused optimizer (or the
-        reducer, or the pool), then free the parameter."""
+    def on_grad(self, param: torch.Tensor) -> None:
+        """Autograd accumulated a gradient into ``param`` (either tensor of a
+        parameter: [Note: the two tensors of a parameter]): hand it to a fused
+        optimizer (or the reducer, or the pool), then free the parameter."""
         t0 = time.perf_counter()
         tp = param.tiered
         self.backward.enter()
-        grad, tp.param.grad = tp.param.grad, None
+        grad, param.grad = param.grad, None
         if grad is not None:
             if self.share is not None:
                 self.share.reducer.add(tp, grad)   # delivered to the owner once summed
@@ -345,6 +346,63 @@ class AttachSession:
         return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
                 else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
 
+    def current_values(self, tps: list[TieredParam], *,
+                       to_write: bool = False) -> dict[TieredParam, torch.Tensor]:
+        """The values of ``tps`` as the modules would hold them (compute dtype,
+        on the compute device): the device copy of a resident one, else read
+        from the tiers (``tierd.client.values``). With ``to_write`` each is a
+        copy nothing else holds."""
+        self.settle(write_resident=False)
+        out = {tp: tp.param.detach().clone() if to_write else tp.param.detach()
+               for tp in tps if tp.state is ParamState.DEVICE}
+        rest = [tp for tp in tps if tp not in out]
+        if rest:
+            got = self.read_values(rest)
+            out.update({tp: got[tp].to(tp.param.device, tp.param.dtype) for tp in rest})
+        return out
+
+    def write_values(self, values: dict[TieredParam, torch.Tensor]) -> None:
+        """Make ``values`` the parameters' values (as ``param.copy_(value)``
+        would in torch): the stored compute copies and fp32 masters, the
+        device copy of a resident one, and a resident optimizer's master."""
+        if self.share is not None:
+            raise StateError(
+                "writing an attached parameter's values under torch.distributed: every "
+                "rank reads the node's one copy, so no rank may change it alone; set "
+                "values before tierd.attach (or with attach(model, weights=PATH))")
+        for tp, value in values.items():
+            if tuple(value.shape) != tuple(tp.param.shape):
+                raise ValueError(f"a value of shape {tuple(value.shape)} for {tp.name!r}, "
+                                 f"whose shape is {tuple(tp.param.shape)}")
+        self.settle()   # the store holds every value; nothing in flight
+        stored = {}
+        for tp, value in values.items():
+            value = value.detach()
+            stored[tp.key] = value.to("cpu", tp.param.dtype)
+            if tp.has_master and tp.master_made:
+                stored[tp.master_key] = value.to("cpu", torch.float32)
+        pending = list(stored)
+        while pending:   # a lease's worth at a time
+            keys, nbytes = [], 0
+            while pending and (not keys or nbytes + stored[pending[0]].nbytes <= self.lease_cap):
+                nbytes += stored[pending[0]].nbytes
+                keys.append(pending.pop(0))
+            self.leases.acquire(keys)
+            try:
+                views = self.leases.views(keys)
+                for key in keys:
+                    views[key].copy_(stored[key])
+            finally:
+                self.leases.release(keys, written=True)
+        masters = device_values(self, list(values))
+        with torch.no_grad():
+            for tp, value in values.items():
+                if tp.state is ParamState.DEVICE:
+                    tp.param.copy_(value)
+                if tp in masters:
+                    masters[tp].copy_(value)
+                tp.stale_in_store = False
+
     def gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated fp32 gradients by parameter name (for inspection)."""
         self.grads.flush()
@@ -354,8 +412,8 @@ class AttachSession:
 
     def fill_state_dict(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
         """Replace ``module``'s empty parameter entries with their stored values."""
-        wanted = {prefix + attr: p.tiered for attr, p in module._parameters.items()
-                  if isinstance(p, TieredParameter) and prefix + attr in state_dict}
+        wanted = {prefix + attr: tiered_of(p) for attr, p in module._parameters.items()
+                  if tiered_of(p) is not None and prefix + attr in state_dict}
         if not wanted:
             return
         values = self.read_values(list(dict.fromkeys(wanted.values())))

@@ -224,7 +224,8 @@ class GradViews:
         for tp in dict.fromkeys([*pooled, *self._kept, *consumed]):
             if tp.grad_in_pool or tp in consumed:
                 view = PoolGrad(tp, consumed=not tp.grad_in_pool)
-                tp.param.grad = view
+                view.holder = tp.between_uses   # the tensor the model shows now
+                view.holder.grad = view
                 self._shown[tp] = view
         self._kept.clear()
 
@@ -241,7 +242,7 @@ class GradViews:
                     f"the gradient of {tp.name!r} was changed in place, then a backward "
                     "began with no forward in between; tierd applies such changes at "
                     "step() or at the next forward: call opt.step() first")
-            tp.param.grad = None
+            view.holder.grad = None
             self._kept[tp] = view.consumed
         self._shown.clear()
 
@@ -256,9 +257,9 @@ class GradViews:
     def sync(self) -> None:
         """Forget the gradients whose view the user removed (``p.grad = None``)."""
         for tp, view in list(self._shown.items()):
-            if view.zeroed and tp.param.grad is view:
-                tp.param.grad = None   # [Note: gradients users touch]: consumed, zeroed
-            if tp.param.grad is not view:
+            if view.zeroed and view.holder.grad is view:
+                view.holder.grad = None   # [Note: gradients users touch]: consumed, zeroed
+            if view.holder.grad is not view:
                 tp.grad_in_pool = False
                 tp.grad_norm = None
                 del self._shown[tp]
@@ -276,8 +277,8 @@ class GradViews:
         """``zero_grad``: no view, no gradient kept."""
         for tp in tps:
             view = self._shown.pop(tp, None)
-            if view is not None and tp.param.grad is view:
-                tp.param.grad = None
+            if view is not None and view.holder.grad is view:
+                view.holder.grad = None
             self._kept.pop(tp, None)
 
     def has_gradient(self, tps) -> bool:

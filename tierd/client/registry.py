@@ -1,10 +1,25 @@
 """The parameter registry of one attached model: its TieredParams and units.
 
-At attach every parameter is replaced by an empty :class:`TieredParameter`
-whose bytes are in the store, and the *units* are built (see [Note: units and
-when parameters are resident] in ``tierd.client.attached``); at detach the
-ordinary parameters are put back. The registry owns the name -> TieredParam
-maps, the units and the module -> unit map; nothing else writes them.
+At attach every parameter is replaced by a :class:`TieredParam` whose bytes
+are in the store, and the *units* are built; at detach the ordinary
+parameters are put back. The registry owns the name -> TieredParam maps, the
+units, the module -> unit map, and which of a parameter's two tensors each
+module holds ([Note: the two tensors of a parameter] in
+``tierd.client.tiered_param``); nothing else writes them.
+
+[Note: units are the model's blocks]
+A unit is fetched before its forward and released after it as one. The
+units are the model's repeated blocks (the children of every outermost
+``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers), or the
+modules ``AttachConfig.unit_modules`` picks, and one more for the
+parameters of every module outside them (embeddings, final norm, head),
+fetched for the whole root forward. Hooks sit on a unit's module only, so a
+block's forward runs with plain parameters and no tierd code inside it (what
+``torch.compile`` of a block or of the model sees), and a module that reads
+a child's parameters without calling the child (``nn.MultiheadAttention``'s
+``out_proj``) finds them on the device. A tied parameter held in two units
+belongs to the first; the mover counts holds, so neither frees it under the
+other.
 
 [Note: masters made when first needed]
 Below fp32 compute a trainable parameter has an fp32 master. When the value
@@ -33,7 +48,8 @@ from torch import nn
 
 from tierd.client.keys import ModelKeys
 from tierd.client.store import Store
-from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+from tierd.client.tiered_param import (MOVED_ATTR, DeviceParameter, ParamState, TieredParam,
+                                       tiered_of)
 from tierd.client.torch_internals import weak_hook
 
 #: Gives a parameter's value to store: a tensor on any device whose values,
@@ -51,7 +67,8 @@ def _own_value(param: nn.Parameter) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Unit:
-    """A module that directly owns parameters; fetched and freed as one batch."""
+    """A block of the model (or the rest of it), fetched and freed as one
+    batch ([Note: units are the model's blocks])."""
 
     index: int
     name: str
@@ -85,6 +102,29 @@ def expected_keys(model: nn.Module, keys: ModelKeys, compute_dtype: torch.dtype,
     return out
 
 
+def unit_roots(model: nn.Module, unit_modules=None) -> list[nn.Module]:
+    """The modules that are units besides the rest ([Note: units are the
+    model's blocks]), outermost only, in module order."""
+    def picked(module: nn.Module, parent: nn.Module | None) -> bool:
+        if unit_modules is None:
+            return isinstance(parent, (nn.ModuleList, nn.Sequential))
+        if isinstance(unit_modules, tuple):
+            return isinstance(module, unit_modules)
+        return bool(unit_modules(module))
+
+    roots: list[nn.Module] = []
+
+    def visit(module: nn.Module, parent: nn.Module | None) -> None:
+        if module is not model and picked(module, parent):
+            roots.append(module)
+            return
+        for child in module.children():
+            visit(child, module)
+
+    visit(model, None)
+    return list(dict.fromkeys(roots))
+
+
 class ParamRegistry:
     """Every managed parameter of one model, by name, and its units.
 
@@ -110,6 +150,10 @@ class ParamRegistry:
         self.buffer_devices: dict[tuple[int, str], torch.device] = {}
         # every parameter of each unit, resident ones included (by unit index)
         self._members: list[tuple[TieredParam, ...]] = []
+        # (module, attribute, param) of every parameter each unit's modules hold
+        self._unit_holders: list[list[tuple[nn.Module, str, TieredParam]]] = []
+        self.unit_modules: list[nn.Module] = []   # the module of each unit, by index
+        self._names = {id(m): name or "<root>" for name, m in model.named_modules()}
         self._take(session, store, stored, on_grad, source)
 
     # ------------------------------------------------------------- attach
@@ -128,7 +172,7 @@ class ParamRegistry:
                 dtypes: dict[str, torch.dtype] = {}     # key -> dtype it is stored in
                 first = len(taken)
                 for param in list(module._parameters.values()):
-                    if param is None or isinstance(param, TieredParameter):
+                    if param is None or tiered_of(param) is not None:
                         continue   # replaced already through a tied holder
                     hs = holders[id(param)]
                     tp = self._make(session, param, hs[0][2], (uploads, dtypes), stored,
@@ -137,7 +181,7 @@ class ParamRegistry:
                     if tp.resident and tp.key in stored:
                         resumed.append(tp)
                     for holder, attr, qual in hs:
-                        holder._parameters[attr] = tp.param
+                        holder._parameters[attr] = tp.between_uses
                         self.aliases[qual] = tp
                     self.params[tp.name] = tp
                 if uploads:
@@ -146,9 +190,9 @@ class ParamRegistry:
                     put.extend(pending)
                     pending = []
                 if source is None:   # the caller's old Parameters keep no bytes alive
-                    self._empty([p for p, _ in taken[first:]])
+                    self._empty(taken[first:])
             if source is not None:   # with a checkpoint, kept until nothing can fail
-                self._empty([p for p, _ in taken])
+                self._empty(taken)
             if resumed:
                 values = store.get_many([tp.key for tp in resumed])
                 with torch.no_grad():
@@ -163,11 +207,13 @@ class ParamRegistry:
                 if buf is not None:
                     self.buffer_devices[(id(module), name)] = buf.device
                     module._buffers[name] = buf.to(session.device)
-        self._build_units()
+        self._build_units(session.config.unit_modules)
 
     @staticmethod
-    def _empty(params: list[nn.Parameter]) -> None:
-        for param in params:
+    def _empty(taken: list[tuple[nn.Parameter, TieredParam]]) -> None:
+        for param, tp in taken:
+            # an optimizer built before attach holds these: its step() is refused
+            param.__dict__[MOVED_ATTR] = tp.name
             if param.numel() and not param.is_meta:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
@@ -183,6 +229,7 @@ class ParamRegistry:
                 for p, tp in emptied:
                     p.data = got[tp.value_key].to(tp.orig_dtype).to(tp.orig_device)
         for param, _ in taken:
+            param.__dict__.pop(MOVED_ATTR, None)
             for holder, attr, _ in holders[id(param)]:
                 holder._parameters[attr] = param
         self.params.clear()
@@ -201,7 +248,7 @@ class ParamRegistry:
         nbytes = param.numel() * param.element_size()
         resident = nbytes < cfg.resident_below_bytes
         data = torch.empty(param.shape, dtype=dtype, device=session.device)
-        new = TieredParameter(data, requires_grad=param.requires_grad)
+        new = DeviceParameter(data, requires_grad=param.requires_grad)
         # a meta model's parameters come back (detach) on the CPU
         orig_device = torch.device("cpu") if param.is_meta else param.device
         tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=param.dtype,
@@ -221,7 +268,9 @@ class ParamRegistry:
             else:
                 values[tp.master_key], dtypes[tp.master_key] = value, torch.float32
         if new.requires_grad and on_grad is not None:
-            new.register_post_accumulate_grad_hook(weak_hook(on_grad))
+            # outside too: a submodule called on its own runs on it
+            for tensor in (new, tp.outside):
+                tensor.register_post_accumulate_grad_hook(weak_hook(on_grad))
         if resident:
             if value is not None:
                 with torch.no_grad():
@@ -230,37 +279,37 @@ class ParamRegistry:
             new.untyped_storage().resize_(0)
         return tp
 
-    def _build_units(self) -> None:
-        for mod_name, module in self.model.named_modules():
-            tps = tuple(dict.fromkeys(p.tiered for p in module._parameters.values()
-                                      if p is not None and not p.tiered.resident))
-            if tps:
-                unit = Unit(index=len(self.units), name=mod_name or "<root>", params=tps,
-                            nbytes=sum(tp.nbytes for tp in tps))
-                self.units.append(unit)
-                self._members.append(tps)
-                self.unit_of[id(module)] = unit
-
-    # ------------------------------------------------------------- changes
-    def fold_into(self, module: nn.Module, name: str, tps: list[TieredParam]) -> Unit:
-        """Make ``tps`` part of ``module``'s unit (a new unit if it has none) and
-        return that unit; see [Note: parameters read without a call] in hooks.py.
-        The unit keeps its index, so the planner's trace stays valid; its byte
-        count changes, so the planner is rebuilt before it follows a trace."""
-        old = self.unit_of.get(id(module))
-        if old is None:
-            unit = Unit(index=len(self.units), name=name, params=tuple(tps),
-                        nbytes=sum(tp.nbytes for tp in tps))
+    def _build_units(self, unit_modules) -> None:
+        """[Note: units are the model's blocks]: the rest first, then the
+        blocks in module order, each with the (module, attribute, param)
+        holders of its modules."""
+        blocks = unit_roots(self.model, unit_modules)
+        inside = {id(m) for b in blocks for m in b.modules()}
+        rest = [m for m in self.model.modules() if id(m) not in inside]
+        taken: set[TieredParam] = set()
+        for root, modules in [(self.model, rest)] + [(b, list(b.modules())) for b in blocks]:
+            holders = [(m, attr, p.tiered) for m in modules
+                       for attr, p in m._parameters.items() if p is not None]
+            members = tuple(dict.fromkeys(tp for _, _, tp in holders if tp not in taken))
+            taken.update(members)
+            if not members:
+                continue
+            params = tuple(tp for tp in members if not tp.resident)
+            unit = Unit(index=len(self.units), name=self._names[id(root)], params=params,
+                        nbytes=sum(tp.nbytes for tp in params))
             self.units.append(unit)
-            self._members.append(tuple(tps))
-        else:
-            added = tuple(tp for tp in dict.fromkeys(tps) if tp not in old.params)
-            unit = Unit(index=old.index, name=old.name, params=old.params + added,
-                        nbytes=old.nbytes + sum(tp.nbytes for tp in added))
-            self.units[old.index] = unit
-            self._members[old.index] = tuple(dict.fromkeys(self._members[old.index] + added))
-        self.unit_of[id(module)] = unit
-        return unit
+            self._members.append(members)
+            self._unit_holders.append(holders)
+            self.unit_of[id(root)] = unit
+            self.unit_modules.append(root)
+
+    def install(self, unit: Unit, *, running: bool) -> None:
+        """Put into ``unit``'s modules the compute tensors of its streamed
+        parameters (``running``: its forward begins) or their tensors for
+        between uses ([Note: the two tensors of a parameter])."""
+        for module, attr, tp in self._unit_holders[unit.index]:
+            if not tp.resident:
+                module._parameters[attr] = tp.param if running else tp.outside
 
     def members(self, unit: Unit) -> tuple[TieredParam, ...]:
         """Every parameter of ``unit``, resident ones included."""
@@ -277,6 +326,10 @@ class ParamRegistry:
             else:
                 tp.make_streamed()
         changed = set(tps)
+        for holders in self._unit_holders:
+            for module, attr, tp in holders:
+                if tp in changed:
+                    module._parameters[attr] = tp.between_uses
         for mid, unit in list(self.unit_of.items()):
             members = self._members[unit.index]
             if not changed.intersection(members):
@@ -303,11 +356,12 @@ class ParamRegistry:
             else:
                 param.data = value
                 param.requires_grad_(tp.param.requires_grad)
+                param.__dict__.pop(MOVED_ATTR, None)
             fresh[tp] = param
         for module in self.model.modules():
             for attr, param in module._parameters.items():
-                if isinstance(param, TieredParameter) and param.tiered in fresh:
-                    module._parameters[attr] = fresh[param.tiered]
+                if tiered_of(param) in fresh:
+                    module._parameters[attr] = fresh[tiered_of(param)]
             for name, buf in module._buffers.items():
                 device = self.buffer_devices.get((id(module), name))
                 if buf is not None and device is not None:

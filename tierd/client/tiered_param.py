@@ -1,12 +1,27 @@
 """One managed parameter: where its bytes are, and the only ways that may change.
 
-A :class:`TieredParam` wraps the :class:`TieredParameter` that the model's
-modules hold. The parameter object itself never changes identity (autograd,
-optimizers and tied modules keep pointing at it); only its *storage* is
-allocated and freed. Its shape, stride and dtype stay intact while the storage
-is empty, so autograd metadata checks keep working and any stray read of an
-evicted parameter fails loudly ("data is not allocated") instead of reading
-garbage.
+A :class:`TieredParam` has two tensors, as an FSDP2 parameter has a sharded
+and an unsharded one ([Note: the two tensors of a parameter]):
+
+- ``param``, a :class:`DeviceParameter`: a plain parameter on the compute
+  device, what a unit's modules hold while the unit runs (and for good while
+  it is resident). Its identity never changes (autograd, hooks and compiled
+  code keep pointing at it); only its *storage* is allocated and freed.
+- ``outside``, a :class:`TieredParameter`: what the modules hold between
+  uses. It has no storage: any op on it reads the true value from the
+  tiers, and an in-place op writes the new value into them.
+
+[Note: the two tensors of a parameter]
+Between uses the bytes of a streamed parameter are in the daemon, so the
+tensor a module holds then cannot be the compute tensor with an empty
+storage: any read of it (an EMA, a logged norm, ``print``) would read freed
+memory and crash the process. So a unit's pre-forward puts ``param`` into
+its modules (``module._parameters[name]``) and its post-forward puts
+``outside`` back (FSDP2: ``to_unsharded()`` / ``to_sharded()``). Compiled
+code and autograd only ever see ``param``; users between steps see
+``outside``, whose ops go through ``__torch_dispatch__`` to the values
+(``tierd.client.values``). A resident parameter's modules hold ``param`` for
+good: its unit needs no hook, and its values are on the device anyway.
 
 [Note: why resize the storage instead of swapping ``.data``]
 Autograd saves parameters (or views of them, e.g. ``weight.t()``) for the
@@ -49,19 +64,26 @@ class ParamState(enum.Enum):
     DEVICE = "device"
 
 
-class TieredParameter(nn.Parameter):
-    """The ``nn.Parameter`` an attached module holds; ``tiered`` is its manager.
+#: Set on a Parameter that attach replaced (the caller's old object, emptied):
+#: the name of the parameter that took its place.
+MOVED_ATTR = "_tierd_attached_as"
 
-    It behaves as an ordinary parameter (``isinstance(p, nn.Parameter)``, it
-    receives ``.grad`` from autograd, optimizers may hold it), but between uses
-    its storage is empty. ``tierd.optim`` finds the bytes through ``tiered``.
 
-    Example:
-        >>> import torch, tierd
-        >>> from tierd.client.tiered_param import TieredParameter
-        >>> model = tierd.attach(torch.nn.Linear(4, 4))   # doctest: +SKIP
-        >>> isinstance(model.weight, TieredParameter)     # doctest: +SKIP
-        True
+def _refuse_data_assignment(name: str) -> StateError:
+    return StateError(
+        f"assigning .data of {name!r} while it is attached: its values live "
+        "in tierd and the assignment would be lost. Set values before tierd.attach (or "
+        "with attach(model, weights=PATH)), copy them in with p.data.copy_(value) or "
+        "model.load_state_dict(...), or tierd.detach(model) first")
+
+
+class DeviceParameter(nn.Parameter):
+    """The compute tensor of a parameter: what a unit's modules hold while it
+    runs ([Note: the two tensors of a parameter]); ``tiered`` is its manager.
+
+    An ordinary parameter on the compute device (autograd accumulates its
+    ``.grad``); between uses its storage is empty, and the modules hold the
+    parameter's :class:`TieredParameter` instead.
     """
 
     tiered: "TieredParam"
@@ -74,17 +96,89 @@ class TieredParameter(nn.Parameter):
     def data(self, value: torch.Tensor) -> None:
         if value is self:   # module.to() where nothing changes (a Trainer moving the model)
             return
-        raise StateError(
-            f"assigning .data of {self.tiered.name!r} while it is attached: its values live "
-            "in tierd and the assignment would be lost. Set values before tierd.attach (or "
-            "with attach(model, weights=PATH)), or tierd.detach(model) first")
+        raise _refuse_data_assignment(self.tiered.name)
 
     def __repr__(self) -> str:
         if self.untyped_storage().nbytes() or not self.numel():
             return super().__repr__()
-        return (f"TieredParameter({self.tiered.name!r}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}: in tierd between uses; read it with "
-                "model.state_dict())")
+        return (f"DeviceParameter({self.tiered.name!r}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}: freed between uses)")
+
+
+_aten = torch.ops.aten
+#: Tensor methods that hand the bytes to something torch does not dispatch
+#: (numpy, Python lists): they get the value read from the tiers.
+_READ_OUT = frozenset({torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.__array__,
+                       torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__})
+
+
+class TieredParameter(torch.Tensor):
+    """A parameter of an attached model between uses (``isinstance(p,
+    nn.Parameter)`` holds): a tensor with no storage of its own whose every
+    op reads the true value from tierd's tiers, and whose in-place ops write
+    the new value into them ([Note: the two tensors of a parameter]).
+
+    ``detach()`` and ``.data`` give another view of the same parameter (not
+    a parameter), so ``p.data.copy_(v)`` writes too.
+
+    Example:
+        >>> import torch, tierd
+        >>> model = tierd.attach(torch.nn.Linear(4, 4))   # doctest: +SKIP
+        >>> model.weight.sum()                            # read from the tiers  # doctest: +SKIP
+        >>> ema.lerp_(model.weight, 0.01)                 # doctest: +SKIP
+        >>> model.weight.data.mul_(0.5)                   # written into the tiers  # doctest: +SKIP
+    """
+
+    tiered: "TieredParam"
+
+    @staticmethod
+    def __new__(cls, tp: "TieredParam", *, parameter: bool) -> "TieredParameter":
+        like = tp.param
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device,
+            requires_grad=parameter and like.requires_grad)
+        view.tiered = tp
+        if parameter:
+            view._is_param = True   # what nn.Parameter(subclass) sets: isinstance works
+        return view
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        from tierd.client.values import read_now
+        return (f"TieredParameter({self.tiered.name!r}, in tierd between uses):\n"
+                f"{read_now([self])[0]!r}")
+
+    @property
+    def data(self) -> torch.Tensor:
+        return TieredParameter(self.tiered, parameter=False)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value is self:
+            return
+        raise _refuse_data_assignment(self.tiered.name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READ_OUT:
+            from tierd.client.values import read_now
+            return func(read_now([args[0]])[0], *args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from tierd.client.values import run_op
+        if func in (_aten.detach.default, _aten.alias.default):
+            return TieredParameter(args[0].tiered, parameter=False)
+        return run_op(func, args, kwargs or {})
+
+
+def tiered_of(tensor) -> "TieredParam | None":
+    """The TieredParam behind either tensor of an attached parameter, else None."""
+    if isinstance(tensor, (DeviceParameter, TieredParameter)):
+        return tensor.tiered
+    return None
 
 
 class TieredParam:
@@ -97,7 +191,7 @@ class TieredParam:
     accumulated across backwards (created when first written to the pool).
     """
 
-    def __init__(self, *, name: str, keys: ModelKeys, param: TieredParameter,
+    def __init__(self, *, name: str, keys: ModelKeys, param: DeviceParameter,
                  orig_dtype: torch.dtype, orig_device: torch.device,
                  resident: bool, session) -> None:
         self.name = name
@@ -129,6 +223,13 @@ class TieredParam:
         self._inflight: InflightCopy | None = None
         self.state = ParamState.DEVICE if resident else ParamState.HOST
         param.tiered = self
+        self.outside = TieredParameter(self, parameter=True)
+
+    @property
+    def between_uses(self) -> torch.Tensor:
+        """The tensor the modules hold between uses: ``param`` when resident,
+        else ``outside`` ([Note: the two tensors of a parameter])."""
+        return self.param if self.resident else self.outside
 
     @property
     def value_key(self) -> str:

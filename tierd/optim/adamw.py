@@ -79,7 +79,7 @@ class AdamW(StreamedOptimizer):
         ``torch.optim.AdamW(fused=True)``, within float rounding of the rest."""
         step = None
         for tp in tps:
-            state = self.state[tp.param]
+            state = self.state[tp.outside]
             state["step"] = state.get("step", 0.0) + 1.0
             step = state["step"]
         lr, (beta1, beta2) = group["lr"], group["betas"]

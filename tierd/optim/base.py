@@ -47,7 +47,7 @@ import torch
 
 from tierd.client.grads import free_grads, unused_grads
 from tierd.client.grad_view import replay
-from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.client.tiered_param import TieredParam, TieredParameter, tiered_of
 from tierd.errors import CapacityError, StateError
 from tierd.optim.cpu_update import overlapped
 from tierd.optim.fused import FusedUpdates
@@ -83,6 +83,22 @@ def _unregister(f: FusedUpdates) -> None:
     f.settle()
     f.session.optimizers.remove(f)
     f.opt._fused.remove(f)
+
+
+def _between_uses(params) -> list:
+    """``params`` (tensors, or param groups) with each attached parameter as
+    its TieredParameter, whichever of its two tensors the model showed
+    ([Note: the two tensors of a parameter] in tierd.client.tiered_param):
+    the optimizer's groups and state are keyed by it."""
+    def one(p):
+        tp = tiered_of(p)
+        return p if tp is None else tp.outside
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=[one(p) for p in (
+            [g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])])
+            for g in params]
+    return [one(p) for p in params]
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
@@ -125,7 +141,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
                  block_bytes: int = 64 << 20, placement: str | None = None,
                  fused: bool | None = None, accumulation_steps: int | None = None,
                  prefetch_bytes: int | None = None) -> None:
-        super().__init__(params, defaults)
+        super().__init__(_between_uses(params), defaults)
         for group in self.param_groups:
             for p in group["params"]:
                 if not isinstance(p, TieredParameter):
@@ -173,7 +189,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def step_counts(self, session) -> dict[str, torch.Tensor]:
         """Every parameter's step count of ``session`` as tensors to store at a commit."""
         return {session.keys.step_count(tp.name):
-                torch.tensor(self.state[tp.param].get("step", 0.0), dtype=torch.float64)
+                torch.tensor(self.state[tp.outside].get("step", 0.0), dtype=torch.float64)
                 for tp in self._owned() if tp.session is session}
 
     def has_unfinished_step(self) -> bool:
@@ -347,7 +363,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def update_param(self, group: dict, tp: TieredParam, param: torch.Tensor,
                      grad: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
         """One step of ``tp``: ``param`` (fp32 master) and ``moments`` in place."""
-        state = self.state[tp.param]
+        state = self.state[tp.outside]
         state["step"] = state.get("step", 0.0) + 1.0
         self._update(group, state, param, grad, moments)
 

@@ -258,7 +258,7 @@ class HostUpdates:
         grads_in, copy = self._grads_out(items, views)
         by_step: dict[float, list[TieredParam]] = {}
         for tp, _ in items:
-            by_step.setdefault(opt.state[tp.param].get("step", 0.0), []).append(tp)
+            by_step.setdefault(opt.state[tp.outside].get("step", 0.0), []).append(tp)
         batches = tuple(
             (tps, [views[tp.master_key] for tp in tps], [views[tp.grad_key] for tp in tps],
              {n: [views[opt.state_key(tp, n)] for tp in tps] for n in opt.state_names})

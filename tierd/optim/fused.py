@@ -106,17 +106,21 @@ class FusedUpdates:
         states = len(self.opt.state_names)
         units = [u.params for u in self.session.units] + [
             tuple(tp for tp in group_of if tp.resident)]
+        # a unit is a whole block: its state goes in pieces of at most a lease's worth
+        most = min(self.opt.block_bytes, self.session.lease_cap)
         for params in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
                 tps = [tp for tp in params
                        if group_of.get(tp) == gi and tp not in self.bucket_of]
-                if not tps:
-                    continue
-                b = Bucket(len(self.buckets), groups[gi][0], tps,
-                           sum(tp.param.numel() * 4 * (1 + states) for tp in tps))
-                self.buckets.append(b)
-                for tp in tps:
-                    self.bucket_of[tp] = b
+                while tps:
+                    piece, nbytes = [], 0
+                    while tps and (not piece or nbytes + _state_bytes(tps[0], states) <= most):
+                        nbytes += _state_bytes(tps[0], states)
+                        piece.append(tps.pop(0))
+                    b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes)
+                    self.buckets.append(b)
+                    for tp in piece:
+                        self.bucket_of[tp] = b
 
     # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
@@ -419,7 +423,7 @@ class FusedUpdates:
                 grad = pooled if grad is None else pooled.add_(grad)
             if grad is None:
                 continue   # no gradient this window: torch skips the parameter
-            step = opt.state[tp.param].get("step", 0.0)
+            step = opt.state[tp.outside].get("step", 0.0)
             by_step.setdefault(step, []).append((tp, grad))
         for items in by_step.values():
             tps = [tp for tp, _ in items]
@@ -493,3 +497,8 @@ class FusedUpdates:
                     b.reserved = None
                 self._fetched_bytes -= b.nbytes
                 b.to_host()
+
+
+def _state_bytes(tp: TieredParam, states: int) -> int:
+    """Bytes of ``tp``'s fp32 master and optimizer states (a bucket's share)."""
+    return tp.param.numel() * 4 * (1 + states)

@@ -110,7 +110,7 @@ def _covering(session, tp: TieredParam) -> FusedUpdates | None:
     """The (owner's kind of) fused updates whose optimizer has ``tp``."""
     for f in session.optimizers:
         if not isinstance(f, ReplicaUpdates) and any(
-                p is tp.param for g in f.opt.param_groups for p in g["params"]):
+                p is tp.outside for g in f.opt.param_groups for p in g["params"]):
             return f
     return None
 
@@ -151,7 +151,7 @@ def replicate(session, tps: list[TieredParam]) -> list[ReplicaUpdates]:
             values[k] = piece.reshape(tp.param.shape).to(session.device, copy=True)
         for tp, f, step in zip(bucket, covering, pieces[len(parts):]):
             if step.item() > 0:   # a parameter that never stepped has no count, as in torch
-                f.opt.state[tp.param]["step"] = step.item()
+                f.opt.state[tp.outside]["step"] = step.item()
         for f in dict.fromkeys(covering):
             units.setdefault(f, []).append([tp for tp, c in zip(bucket, covering) if c is f])
     replicas = []
@@ -172,7 +172,7 @@ def _from_owner(session, bucket, covering, parts) -> torch.Tensor:
     ranks = share.ranks
     if share.owns(bucket[0]):   # its state is in the pool: the plan settled first
         stored = session.read([k for _, k in parts])
-        steps = [torch.tensor([float(f.opt.state[tp.param].get("step", 0.0))])
+        steps = [torch.tensor([float(f.opt.state[tp.outside].get("step", 0.0))])
                  for tp, f in zip(bucket, covering)]
         flat = torch.cat([stored[k].reshape(-1) for _, k in parts] + steps)
     else:
@@ -190,4 +190,4 @@ def drop_replicas(session, replicas: list[ReplicaUpdates]) -> None:
         session.optimizers.remove(r)
         r.opt._fused.remove(r)
         for tp in r.bucket_of:
-            r.opt.state.pop(tp.param, None)
+            r.opt.state.pop(tp.outside, None)

@@ -112,7 +112,7 @@ class UnmadeState:
         counts = session.client.get_many(stored)
         for tp, k in keys.items():
             if k in counts and float(counts[k]) > 0:
-                self.opt.state[tp.param]["step"] = float(counts[k])
+                self.opt.state[tp.outside]["step"] = float(counts[k])
 
     def values(self, tps: list[TieredParam], device: torch.device, *,
                moments: bool = True) -> dict[str, torch.Tensor]:

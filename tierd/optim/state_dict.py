@@ -134,7 +134,7 @@ def load_state_dict(opt, loaded: dict, load_groups) -> None:
     load_groups({"state": {}, "param_groups": loaded["param_groups"]})
     owned = opt._owned()
     for tp, (step, _) in state.items():
-        opt.state[tp.param]["step"] = step
+        opt.state[tp.outside]["step"] = step
     for session in opt._by_session(owned):
         session.settle()
         for f in opt._fused:
