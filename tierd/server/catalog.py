@@ -103,11 +103,8 @@ class Catalog:
             self.tiers.give_up_reserved(spec, slot)
         job = self.jobs[s.job]
         job.sessions.discard(sid)
-        if not job.sessions and (job.ephemeral or self._holds_nothing(job)):
-            self._drop(job)   # a named job with no tensor and no commit is only a name
-
-    def _holds_nothing(self, job: Job) -> bool:
-        return job.manifest is None and not job.committing and not self.tiers.job_entries(job.name)
+        if not job.sessions and (job.ephemeral or self.tiers.holds_nothing(job)):
+            self.drop_job(job.name)   # a named job with no tensor and no commit is only a name
 
     def drop_job(self, name: str) -> None:
         """Delete every tensor of the job; forget the job once no session is in it.
@@ -117,13 +114,9 @@ class Catalog:
         ``tierd drop-job`` joins the job it drops, which creates an unknown one."""
         job = self.jobs.get(name)
         if job is None or (job.opened_by is not None and job.sessions == {job.opened_by}
-                           and self._holds_nothing(job)):
+                           and self.tiers.holds_nothing(job)):
             raise UnknownKey(f"no job {name!r} (no tensor, no commit and no other client in "
                              f"it); `tierd status --all` lists the jobs")
-        self._drop(job)
-
-    def _drop(self, job: Job) -> None:
-        name = job.name
         if job.committing:
             raise StateError(f"job {name!r} is being committed; drop it once the commit "
                              f"has returned")

@@ -46,6 +46,10 @@ class Tiers:
     def job_entries(self, job: str) -> list[Entry]:
         return [e for (j, _), e in self.entries.items() if j == job]
 
+    def holds_nothing(self, job: Job) -> bool:
+        """No tensor, no commit and none being made: the job is only its name."""
+        return job.manifest is None and not job.committing and not self.job_entries(job.name)
+
     # ------------------------------------------------- slots and extents
     def _free_slot(self, slot: PoolSlot) -> None:
         if slot.segment.id in self.pool.segments:   # a dropped job's segment is gone
