@@ -309,6 +309,33 @@ def _unhealthy(why: str) -> int:
     return 1
 
 
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    _socket_argument(p)
+    p.add_argument("--nvme", type=Path, help="the NVMe directory to test O_DIRECT on (default "
+                                             "$TIERD_NVME, else `nvme` of the config file)")
+    p.add_argument("--daemon-only", action="store_true",
+                   help="skip the torch/CUDA checks (never imports torch)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Print one verdict per check; exit 1 when any check FAILs."""
+    from tierd import doctor
+    nvme = args.nvme
+    if nvme is None:
+        try:
+            nvme = C.resolve({}, os.environ, config_path(args)).nvme
+        except (TypeError, ValueError):
+            nvme = None   # a broken config is serve's to report; test nothing here
+    checks = doctor.report(args.socket, nvme, daemon_only=args.daemon_only)
+    if args.json:
+        print(json.dumps(doctor.as_json(checks), indent=2))
+    else:
+        for c in checks:
+            print(doctor.format_check(c))
+    return 1 if any(c.verdict == doctor.FAIL for c in checks) else 0
+
+
 # ------------------------------------------------------ jobs and archives
 def _drop_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="the job's name")
@@ -390,6 +417,8 @@ COMMANDS: tuple[Command, ...] = (
             _top_arguments, cmd_top),
     Command("health", "exit 0 if the daemon answers, 1 if not (for probes)",
             _health_arguments, cmd_health),
+    Command("doctor", "check this node for tierd: versions, socket, limits, CUDA",
+            _doctor_arguments, cmd_doctor),
     Command("drop-job", "delete every tensor and the commit of a named job",
             _drop_job_arguments, cmd_drop_job),
     Command("export", "write a job's last commit as a .safetensors file",

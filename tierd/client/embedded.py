@@ -130,8 +130,8 @@ def resolve_socket(socket_path: str | Path | None = None) -> SocketChoice:
     if os.environ.get("TIERD_SOCKET"):
         return SocketChoice(Path(os.environ["TIERD_SOCKET"]), "set by $TIERD_SOCKET", True)
     where = "$XDG_RUNTIME_DIR" if os.environ.get("XDG_RUNTIME_DIR") else "/tmp/tierd-$UID"
-    return SocketChoice(default_socket_path(), f"the default path (under {where}; "
-                        "no --socket or $TIERD_SOCKET)", False)
+    return SocketChoice(default_socket_path(), f"the default path under {where}, as no "
+                        "--socket or $TIERD_SOCKET is set", False)
 
 
 def node_socket(socket_path: str | Path | None = None) -> Path | None:
