@@ -185,6 +185,43 @@ def default_socket_path() -> Path:
     return Path(f"/tmp/tierd-{os.getuid()}") / "tierd.sock"
 
 
+#: seconds a client waits for a reply before it checks what of the daemon is
+#: still there (see :func:`default_request_timeout`)
+REQUEST_TIMEOUT = 60.0
+
+
+def default_request_timeout() -> float:
+    """Seconds a client request waits for its reply before the client checks
+    the daemon: ``$TIERD_REQUEST_TIMEOUT``, else 60. A request is never failed
+    for being slow: when the bound passes, the client asks the daemon over its
+    control socket and checks the data socket, raises DaemonUnavailable naming
+    what was lost, and waits another bound while both are there (a commit or
+    an eviction may take longer). ``connect(request_timeout=...)`` overrides it.
+
+    >>> default_request_timeout()   # TIERD_REQUEST_TIMEOUT=120   # doctest: +SKIP
+    120.0
+    """
+    text = os.environ.get("TIERD_REQUEST_TIMEOUT")
+    if not text:
+        return REQUEST_TIMEOUT
+    return check_request_timeout(_parse_float_or_none(text), "TIERD_REQUEST_TIMEOUT", text)
+
+
+def check_request_timeout(value: float | None, where: str, given: object) -> float:
+    """``value`` if it is a positive number of seconds, else a ValueError naming ``where``."""
+    if value is None or not value > 0 or value == float("inf"):
+        raise ValueError(f"{where}={given!r}: the request timeout is a positive number of "
+                         f"seconds (default {REQUEST_TIMEOUT:g})")
+    return float(value)
+
+
+def _parse_float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -52,7 +52,7 @@ def _race(tmp: Path, seed: int, same_socket: bool) -> None:
             assert not nvmes[loser].exists()   # it touched nothing
         else:
             assert not socks[loser].exists() and not socks[loser].with_suffix(".sock.ctl").exists()
-        with tierd.connect(socks[winner]) as c:
+        with tierd.connect(socks[winner], request_timeout=20) as c:
             c.put("a", torch.arange(4.0))
             assert torch.equal(c.get("a"), torch.arange(4.0))
         assert procs[winner].poll() is None

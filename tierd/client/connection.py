@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -26,11 +27,13 @@ import zmq.asyncio
 from tierd import protocol as P
 from tierd.client.control import ControlChannel, dtype_name
 from tierd.client.store import Leased
-from tierd.config import default_socket_path
+from tierd.config import check_request_timeout, default_request_timeout, default_socket_path
 from tierd.errors import DaemonUnavailable, TierdError, from_wire
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("tierd.client")
 
 POLL_MS = 10
 #: a CUDA value stored in another dtype is converted on its GPU this many
@@ -227,6 +230,25 @@ def _one_of(proc: Generator, key: str) -> Generator:
     return (yield from proc)[key]
 
 
+def _bound(request_timeout: float | None) -> float:
+    if request_timeout is None:
+        return default_request_timeout()
+    return check_request_timeout(request_timeout, "request_timeout", request_timeout)
+
+
+def _overdue(control: ControlChannel, path: Path, waited: float) -> None:
+    """A reply is ``waited`` seconds overdue: raise DaemonUnavailable naming
+    what was lost, or log and return while the daemon and its sockets are there
+    (the request is slow, not lost: a commit, an eviction)."""
+    lost = control.lost()
+    if lost is not None:
+        raise DaemonUnavailable(
+            f"no reply from the tierd daemon at {path} within {waited:.3g} s: {lost}; "
+            f"restart the daemon and connect again")
+    log.warning("no reply from the tierd daemon at %s for %.3g s; it answers and both its "
+                "sockets are in place: still waiting", path, waited)
+
+
 def _shut(sock, zctx, control) -> None:
     sock.close(linger=0)
     zctx.term()
@@ -254,8 +276,11 @@ class Client(_StoreCalls):
     tensor([0., 0., 0., 0.])
     """
 
-    def __init__(self, socket_path: str | Path | None = None, job: str | None = None) -> None:
+    def __init__(self, socket_path: str | Path | None = None, job: str | None = None,
+                 request_timeout: float | None = None) -> None:
         self.path = Path(socket_path) if socket_path else default_socket_path()
+        #: seconds a reply may take before the daemon is checked ([Note: overdue replies])
+        self.request_timeout = _bound(request_timeout)
         self.control = ControlChannel(self.path, job)
         self.job = self.control.job
         self._zctx = zmq.Context()
@@ -268,6 +293,7 @@ class Client(_StoreCalls):
         self._replies: dict[int, Any] = {}
         self._discard: set[int] = set()
         self._closed = False
+        self._lost: DaemonUnavailable | None = None   # set once: every later request fails
         # run by close(), or when a client never closed is collected (a model
         # dropped without detach): its socket goes before the context, whose
         # collection would otherwise wait for the socket forever
@@ -277,13 +303,23 @@ class Client(_StoreCalls):
     def _submit(self, req: P.Request, convert=lambda r: r) -> Pending:
         if self._closed:
             raise TierdError("this client is closed")
+        if self._lost is not None:
+            raise self._lost
         with self._lock:
             rid = next(self._ids)
             self._sock.send(P.encode_request(rid, req))
         return Pending(self, rid, convert)
 
     def _wait(self, rid: int, timeout: float | None) -> Any:
+        # [Note: overdue replies] A reply that does not come within
+        # request_timeout is not waited for blindly: the client asks the daemon
+        # over the control socket and checks the data socket, and raises
+        # DaemonUnavailable if either is lost (a data socket removed while the
+        # daemon runs takes every request sent to it, with no error). The clock
+        # is read only on the poll's idle turns, so a request answered within
+        # POLL_MS costs nothing more.
         deadline = None if timeout is None else time.monotonic() + timeout
+        quiet_since = None
         while True:
             with self._lock:
                 if rid in self._replies:
@@ -293,8 +329,19 @@ class Client(_StoreCalls):
                     continue
             if not self.control.alive():
                 raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise TimeoutError(f"no reply from tierd within {timeout} s")
+            if quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= self.request_timeout:
+                try:
+                    _overdue(self.control, self.path, now - quiet_since)
+                except DaemonUnavailable as exc:
+                    self._lost = exc
+                    self._forget(rid)
+                    raise
+                quiet_since = time.monotonic()
 
     def _drain(self) -> None:
         while True:
@@ -388,9 +435,11 @@ class AsyncClient(_StoreCalls):
     >>> await c.put("kv/0", torch.ones(2))       # doctest: +SKIP
     """
 
-    def __init__(self, control: ControlChannel) -> None:
+    def __init__(self, control: ControlChannel, request_timeout: float | None = None) -> None:
         self.control = control
         self.path = control.path
+        #: seconds a reply may take before the daemon is checked ([Note: overdue replies])
+        self.request_timeout = _bound(request_timeout)
         self.job = control.job
         self._zctx = zmq.asyncio.Context()
         self._sock = self._zctx.socket(zmq.DEALER)
@@ -399,16 +448,18 @@ class AsyncClient(_StoreCalls):
         self._sock.connect(f"ipc://{self.path}")
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future] = {}
+        self._lost: DaemonUnavailable | None = None   # set once: every later request fails
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read_replies())
         self._reader.add_done_callback(self._reader_done)
         self._loop.add_reader(control.ctl.fileno(), self._check_daemon)
 
     @classmethod
-    async def connect(cls, socket_path: str | Path | None = None,
-                      job: str | None = None) -> "AsyncClient":
+    async def connect(cls, socket_path: str | Path | None = None, job: str | None = None,
+                      request_timeout: float | None = None) -> "AsyncClient":
         path = Path(socket_path) if socket_path else default_socket_path()
-        return cls(await asyncio.to_thread(ControlChannel, path, job))
+        bound = _bound(request_timeout)   # a bad value fails before connecting
+        return cls(await asyncio.to_thread(ControlChannel, path, job), bound)
 
     async def _read_replies(self) -> None:
         while True:
@@ -435,10 +486,25 @@ class AsyncClient(_StoreCalls):
     async def _call(self, req: P.Request) -> Any:
         if self.control.dead:
             raise DaemonUnavailable(f"the tierd daemon at {self.path} went away")
+        if self._lost is not None:
+            raise self._lost
         rid = next(self._ids)
         fut = self._futures[rid] = self._loop.create_future()
         await self._sock.send(P.encode_request(rid, req))
-        return _check(await fut)
+        waited = 0.0
+        while True:   # [Note: overdue replies]
+            done, _ = await asyncio.wait((fut,), timeout=self.request_timeout)
+            if done:
+                return _check(fut.result())
+            waited += self.request_timeout
+            try:
+                await asyncio.to_thread(_overdue, self.control, self.path, waited)
+            except DaemonUnavailable as exc:
+                self._lost = exc
+                self._futures.pop(rid, None)
+                fut.cancel()
+                self._fail_all(exc)
+                raise
 
     async def _run(self, proc: Generator) -> Any:
         try:
@@ -470,13 +536,21 @@ class AsyncClient(_StoreCalls):
         await self.close()
 
 
-def connect(socket_path: str | Path | None = None, job: str | None = None) -> Client:
+def connect(socket_path: str | Path | None = None, job: str | None = None,
+            request_timeout: float | None = None) -> Client:
     """Connect to the node's daemon (``$TIERD_SOCKET`` or the default path).
+
+    ``request_timeout``: seconds a reply may take before the client checks
+    the daemon and raises DaemonUnavailable if it or its data socket was lost
+    (default ``$TIERD_REQUEST_TIMEOUT``, else 60; see
+    :func:`tierd.config.default_request_timeout`).
 
     >>> c = tierd.connect()        # doctest: +SKIP
     """
-    return Client(socket_path, job)
+    return Client(socket_path, job, request_timeout)
 
 
-async def aconnect(socket_path: str | Path | None = None, job: str | None = None) -> AsyncClient:
-    return await AsyncClient.connect(socket_path, job)
+async def aconnect(socket_path: str | Path | None = None, job: str | None = None,
+                   request_timeout: float | None = None) -> AsyncClient:
+    """The asyncio :func:`connect`."""
+    return await AsyncClient.connect(socket_path, job, request_timeout)

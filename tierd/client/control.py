@@ -13,6 +13,7 @@ import mmap
 import os
 import select
 import socket
+import stat
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -72,6 +73,46 @@ def not_tierd(path: Path, why: str) -> DaemonUnavailable:
                              f"or TIERD_SOCKET at tierd's")
 
 
+def data_socket_problem(path: Path) -> str | None:
+    """What is wrong with the data (ZeroMQ) socket at ``path``, in words, or
+    None when something listens there. A bare connect, closed at once: the
+    daemon's ZeroMQ drops it as a peer that never spoke."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"its data socket {path} is gone (removed while the daemon runs)"
+    except OSError as exc:
+        return f"its data socket {path} cannot be checked ({exc.strerror})"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"its data socket {path} was replaced by a file that is not a socket"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(CONNECT_TIMEOUT)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        return (f"nobody listens on its data socket {path} ({exc.strerror or exc}: a "
+                f"stale socket file replaced the daemon's)")
+    finally:
+        probe.close()
+    return None
+
+
+def check_sockets(path: Path) -> None:
+    """Raise DaemonUnavailable naming the socket that fails, for probes such
+    as ``tierd health``: the control socket (``PATH.ctl``: no daemon, or it
+    does not answer) or the data socket (``PATH``: gone, or nobody listens).
+
+    >>> check_sockets(Path("/run/tierd/tierd.sock"))   # doctest: +SKIP
+    """
+    channel = ControlChannel(Path(path), None)
+    try:
+        lost = channel.lost()
+    finally:
+        channel.close()
+    if lost is not None:
+        raise DaemonUnavailable(f"the tierd daemon at {path}: {lost}; restart it")
+
+
 class ControlChannel:
     """The control socket and the pool segments mapped through it."""
 
@@ -126,6 +167,18 @@ class ControlChannel:
             data += more
         return P.decode_ctl(data[P.CTL_HEADER.size:]), fds
 
+    def lost(self) -> str | None:
+        """What of the daemon is lost, in words, or None while it answers on its
+        control socket and someone listens on its data socket. Makes one round
+        trip on the control socket: for when a reply is overdue, not hot paths."""
+        if not self.alive():
+            return "the daemon went away (its control socket closed)"
+        try:
+            self.map([], ask=True)
+        except TierdError as exc:
+            return f"the daemon does not answer on its control socket ({exc})"
+        return data_socket_problem(self.path)
+
     def alive(self) -> bool:
         """False once the daemon has gone (its end of the control socket closed)."""
         if self.dead:
@@ -161,12 +214,16 @@ class ControlChannel:
         raw = self.views[p.segment][p.offset:p.offset + p.nbytes]
         return raw.view(torch_dtypes()[p.dtype]).view(p.shape)
 
-    def map(self, ids: list[int]) -> None:
+    def map(self, ids: list[int], ask: bool = False) -> None:
+        """Map the segments ``ids`` not mapped yet; with ``ask``, ask the daemon
+        even when that is none (a round trip that shows it answers)."""
         new, gone = [], []
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
-            for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE):
-                got, dropped = self._map_batch(want[start:start + P.MAX_SEGMENTS_PER_MESSAGE])
+            batches = [want[start:start + P.MAX_SEGMENTS_PER_MESSAGE]
+                       for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE)]
+            for batch in batches or ([[]] if ask else []):
+                got, dropped = self._map_batch(batch)
                 new += got
                 gone += [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
             missing = set(want) - self.views.keys()
