@@ -47,7 +47,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
         Path(exe).write_text("#!/bin/sh\nexit 0\n")
         Path(exe).chmod(0o755)
     unit = tmp_path / "tierd.service"
-    unit.write_text(UNIT.read_text().replace("/usr/local/bin/tierd", exe))
+    unit.write_text(UNIT.read_text().replace("/opt/tierd/bin/tierd", exe))
     proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                           text=True, timeout=60)
     complaints = [line for line in proc.stderr.splitlines() if "tierd.service" in line]
