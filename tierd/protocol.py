@@ -486,8 +486,12 @@ def decode_hello(msg: dict) -> str | None:
 def decode_segments(msg: dict) -> list[int]:
     """The segment ids a control message asks for (distinct, in order)."""
     ids = msg.get("segments")
-    if type(ids) is not list or not all(type(i) is int and 0 < i < 1 << 62 for i in ids):
+    if type(ids) is not list:
         raise ProtocolError("expected {'segments': [segment ids]}")
+    bad = [i for i in ids if not (type(i) is int and 0 < i < 1 << 62)]
+    if bad:
+        raise ProtocolError(f"segment ids are positive integers (from 1, below 2**62); got "
+                            f"{bad[:5]!r}: ask only for ids that placements name")
     if len(ids) > MAX_SEGMENTS_PER_MESSAGE:
         raise ProtocolError(f"{len(ids)} segments asked in one message; the kernel passes at "
                             f"most {MAX_SEGMENTS_PER_MESSAGE} descriptors at once: ask in batches")

@@ -47,8 +47,8 @@ def test_a_refused_reserve_keeps_no_slot_and_no_accounting(catalog):
     before = (catalog.pool.used_bytes, catalog.stored_bytes, catalog.admission.largest,
               catalog.jobs["job"].largest, catalog.jobs["job"].stored_bytes)
     # Larger than the pool, smaller than half of pool + NVMe: admission alone
-    # would let it in; the pool refuses it after the first spec got a slot.
-    with pytest.raises(CapacityError, match="can never fit in the pool"):
+    # would let it in; the reserve refuses it, the first spec's slot included.
+    with pytest.raises(CapacityError, match="larger than the pool .*it can never be stored"):
         settle(catalog, catalog.reserve, s, (spec("b", MiB), spec("big", 12 * MiB)))
     after = (catalog.pool.used_bytes, catalog.stored_bytes, catalog.admission.largest,
              catalog.jobs["job"].largest, catalog.jobs["job"].stored_bytes)
@@ -59,7 +59,7 @@ def test_as_many_tensors_fit_after_a_refused_put(catalog):
     s = catalog.open_session(1, "job", pid=10, uid=0)
     fitted = fill(catalog, s, "k")
     catalog.delete(s, tuple(f"k{i}" for i in range(fitted)))
-    with pytest.raises(CapacityError, match="can never fit in the pool"):
+    with pytest.raises(CapacityError, match="larger than the pool .*it can never be stored"):
         put(catalog, s, "big", 12 * MiB, 0)
     assert fill(catalog, s, "m") == fitted
 
@@ -80,7 +80,7 @@ def test_daemon_fits_as_many_tensors_after_a_put_larger_than_the_pool(daemon_fac
         fitted = count("k")
         assert fitted > 4                             # the pool spilled to NVMe
         c.delete([f"k{i}" for i in range(fitted)])
-        with pytest.raises(CapacityError, match="can never fit in the pool"):
+        with pytest.raises(CapacityError, match="larger than the pool .*it can never be stored"):
             c.put("big", torch.ones(5 * MiB // 4))   # 5 MiB: above the pool, under half
         assert count("m") == fitted
         assert torch.equal(c.get(f"m{fitted - 1}"), one)

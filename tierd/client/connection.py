@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from tierd import protocol as P
 from tierd.client.control import ControlChannel, dtype_name
-from tierd.client.store import Leased
+from tierd.client.store import Leased, check_dense
 from tierd.config import check_request_timeout, default_request_timeout, default_socket_path
 from tierd.errors import DaemonUnavailable, TierdError, from_wire
 
@@ -49,6 +49,7 @@ def _specs(like: Mapping[str, torch.Tensor],
            dtypes: Mapping[str, torch.dtype] | None = None) -> tuple[P.TensorSpec, ...]:
     """Reserve specs for tensors shaped like the values of ``like``, in
     ``dtypes[key]`` where given (else the value's dtype)."""
+    check_dense(like, values=False)
     specs = []
     for k, t in like.items():
         dtype = t.dtype if dtypes is None else dtypes.get(k, t.dtype)
@@ -107,6 +108,7 @@ class _StoreCalls:
 
     def _put(self, items: Mapping[str, torch.Tensor],
              dtypes: Mapping[str, torch.dtype] | None = None) -> Generator:
+        check_dense(items)
         tensors = [t.detach() for t in items.values()]
         placed = yield P.Reserve(_specs(items, dtypes))
         try:

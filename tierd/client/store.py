@@ -158,6 +158,7 @@ class _Table:
                 e.readers -= 1
 
     def reserve(self, like: dict[str, torch.Tensor]) -> list[Leased]:
+        check_dense(like, values=False)
         need = sum(_nbytes(t) for t in like.values())
         if self.used_bytes + need > self.pool_bytes:
             raise CapacityError(f"the local store holds {self.used_bytes} of "
@@ -265,6 +266,7 @@ class LocalStore:
     def put_many(self, items: Mapping[str, torch.Tensor],
                  dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         import torch
+        check_dense(items)
         dtypes = dtypes or {}
         like = {k: torch.empty(t.shape, dtype=dtypes[k], device="meta") if k in dtypes else t
                 for k, t in items.items()}
@@ -278,6 +280,7 @@ class LocalStore:
 
     def put_zeros(self, like: Mapping[str, torch.Tensor]) -> None:
         import torch
+        check_dense(like, values=False)
         self.put_many({k: torch.zeros(t.shape, dtype=t.dtype) for k, t in like.items()})
 
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -346,6 +349,33 @@ class LocalStore:
 
     def close(self) -> None:
         self._closed = True
+
+
+def check_dense(items: Mapping[str, torch.Tensor], values: bool = True) -> None:
+    """Refuse what a store cannot hold, before anything is reserved: a store
+    keeps a key's bytes as one dense (strided) buffer, so a sparse, nested or
+    otherwise laid-out tensor has no such bytes; with ``values`` (put, not
+    put_zeros or reserve, which read only shape and dtype) a meta tensor,
+    which has no data, is refused too. TierdError naming the key and the fix.
+
+    >>> import torch
+    >>> check_dense({"w": torch.ones(2, 2).to_sparse()})
+    Traceback (most recent call last):
+    ...
+    tierd.errors.TierdError: 'w': a sparse_coo tensor cannot be stored: dense tensors only; store t.to_dense() (or its indices and values as two tensors)
+    """
+    import torch
+    for key, t in items.items():
+        if t.is_nested:
+            raise TierdError(f"{key!r}: a nested tensor cannot be stored: dense tensors only; "
+                             f"store each of t.unbind() under its own key")
+        if t.layout is not torch.strided:
+            layout = str(t.layout).removeprefix("torch.")
+            raise TierdError(f"{key!r}: a {layout} tensor cannot be stored: dense tensors only; "
+                             f"store t.to_dense() (or its indices and values as two tensors)")
+        if values and t.is_meta:
+            raise TierdError(f"{key!r}: a meta tensor has no values to store: dense tensors "
+                             f"only; give a tensor with data, or put_zeros() for its shape")
 
 
 def _nbytes(t: torch.Tensor) -> int:

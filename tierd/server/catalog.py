@@ -142,6 +142,10 @@ class Catalog:
             if spec.key in s.reserved:
                 raise StateError(f"{spec.key}: already reserved by this client; "
                                  f"publish or abort it first")
+            if spec.nbytes > self.pool.budget:   # every tensor passes through the pool
+                raise CapacityError(f"{spec.key}: a tensor of {spec.nbytes} B is larger than "
+                                    f"the pool ({self.pool.budget} B); it can never be stored: "
+                                    f"split it, or start the daemon with a larger --pool")
         if len({spec.key for spec in specs}) != len(specs):
             raise StateError("a key appears twice in one reserve")
         job = self.jobs[s.job]
