@@ -29,10 +29,13 @@ the store], [Note: kept weights are written when the store is read] in
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from tierd.client.attached import session_of
+from tierd.client.embedded import is_embedded
 from tierd.errors import StateError, TierdError
 
 
@@ -48,9 +51,14 @@ def resumable_keys(client, prefix: str, expected: list[str]) -> frozenset[str]:
             "(tierd.attach(model, job='run1', ...) or tierd.connect(job='run1'))")
     tags = client.commits()
     if not tags:
+        hint = ""
+        if _on_embedded(client):
+            hint = (f"; this process started its own embedded daemon, which had no {client.job!r} "
+                    f"before: {NOT_DURABLE}")
         raise StateError(
             f"job {client.job!r} has no commit to resume from; attach with resume=False "
-            "(and the same name=) for the first run and call tierd.commit(model, opt, step)")
+            "(and the same name=) for the first run and call tierd.commit(model, opt, step)"
+            + hint)
     existing = frozenset(client.keys(prefix + "/"))
     missing = [k for k in expected if k not in existing]
     if missing:
@@ -103,11 +111,31 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
     held = session.leases.end_holds()
     try:
         if ranks is None:
-            return session.client.commit(f"step-{step}")
-        return _commit_node(session, ranks, f"step-{step}")
+            info = session.client.commit(f"step-{step}")
+        else:
+            info = _commit_node(session, ranks, f"step-{step}")
     finally:
         if held and not session.leases.hold(held):
             session.held_bytes = 0   # no room to hold again: leased per use from now on
+    if _on_embedded(session.client):
+        # a constant text: Python's warnings show it once per calling line
+        warnings.warn(f"tierd.commit on the embedded daemon: {NOT_DURABLE}", UserWarning,
+                      stacklevel=2)
+    return info
+
+
+#: why a commit on the embedded daemon does not outlive the process, and the fix
+NOT_DURABLE = (
+    "the embedded daemon (started by attach when no daemon answered) deletes its state, "
+    "commits too, when the process that started it exits, so a later process cannot resume "
+    "from them. To keep commits across processes, run a daemon of your own, `tierd serve "
+    "--nvme DIR` (its socket: $TIERD_SOCKET or the default path, which attach finds), for "
+    "the first run and the resumed one")
+
+
+def _on_embedded(client) -> bool:
+    path = getattr(client, "path", None)
+    return path is not None and is_embedded(path)
 
 
 def _commit_node(session, ranks, tag: str) -> dict:

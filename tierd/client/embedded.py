@@ -273,3 +273,10 @@ def room_problem(client, need: StoreNeed, what: str, *, attaching: bool = True) 
         return shortfall(need, room, what=what, daemon="the embedded daemon",
                          sizing=running.sizing, attaching=attaching)
     return shortfall(need, room, what=what, daemon=f"the daemon at {path or 'this store'}")
+
+
+def is_embedded(socket: str | Path) -> bool:
+    """``socket`` is this process's embedded daemon, whose state (commits
+    too) is deleted when this process exits."""
+    d = _EMBEDDED.running()
+    return d is not None and Path(socket) == d.socket
