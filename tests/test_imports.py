@@ -10,8 +10,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tierd"
-MAX_LINES = 500
-MAX_METHODS = 25
+# Smell detectors, not quotas (STYLE.md 9): a module a bit over 500 lines or
+# a class a bit over 25 methods is fine when it is one concept; these limits
+# catch the ones that grew into several.
+MAX_LINES = 800
+MAX_METHODS = 40
 
 # Known back edges (importer, imported) left out of the graph: none. Add one
 # only with a comment saying why and when it goes.

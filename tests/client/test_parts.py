@@ -15,7 +15,7 @@ from tierd.client.attach import attach, detach, session_of
 from tierd.client.copy_stream import CopyStream
 from tierd.client.keys import ModelKeys
 from tierd.client.store import LocalStore
-from tierd.client.tiered_param import ParamState, TieredParam, TieredParameter
+from tierd.client.tiered_param import ParamState, DeviceParameter, TieredParam
 from tierd.errors import CapacityError, StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 
@@ -31,12 +31,12 @@ def _mlp(seed: int = 0, width: int = 16, depth: int = 4) -> nn.Sequential:
 
 
 def _storage_bytes(model: nn.Module) -> int:
-    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+    return sum(tp.storage_bytes for tp in session_of(model).params.values())
 
 
 # ------------------------------------------------------------------ TieredParam
 def test_tiered_param_moves_host_device_host_and_refuses_illegal_moves():
-    param = TieredParameter(torch.empty(3), requires_grad=True)
+    param = DeviceParameter(torch.empty(3), requires_grad=True)
     tp = TieredParam(name="w", keys=ModelKeys("m"), param=param, orig_dtype=torch.float32,
                      orig_device=CPU, resident=False, session=None)
     param.untyped_storage().resize_(0)
@@ -55,7 +55,7 @@ def test_tiered_param_moves_host_device_host_and_refuses_illegal_moves():
 
 
 def test_bf16_param_has_a_separate_fp32_master_key():
-    param = TieredParameter(torch.empty(2, dtype=torch.bfloat16), requires_grad=True)
+    param = DeviceParameter(torch.empty(2, dtype=torch.bfloat16), requires_grad=True)
     tp = TieredParam(name="w", keys=ModelKeys("m"), param=param, orig_dtype=torch.float32,
                      orig_device=CPU, resident=False, session=None)
     assert tp.has_master and tp.master_key == "m/master/w" and tp.nbytes == 4

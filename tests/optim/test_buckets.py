@@ -9,14 +9,14 @@ import torch
 from tierd.client.keys import ModelKeys
 from tierd.client.releases import PendingReleases, ReleaseKind
 from tierd.client.copy_stream import InflightCopy
-from tierd.client.tiered_param import TieredParam, TieredParameter
+from tierd.client.tiered_param import DeviceParameter, TieredParam
 from tierd.errors import StateError
 from tierd.optim.buckets import Bucket, BucketState, update_window
 
 
 def _param(numel: int = 2, dtype=torch.float32) -> TieredParam:
     return TieredParam(name="h.0.weight", keys=ModelKeys("m"),
-                       param=TieredParameter(torch.empty(numel, dtype=dtype)),
+                       param=DeviceParameter(torch.empty(numel, dtype=dtype)),
                        orig_dtype=torch.float32, orig_device=torch.device("cpu"),
                        resident=False, session=None)
 

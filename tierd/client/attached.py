@@ -272,6 +272,7 @@ class AttachSession:
         ``synchronize`` also every copy landed (before the host reads the pool)
         and no value kept for the next step; resident optimizer state is
         written to the pool unless ``write_resident`` is False."""
+        self._take_device_writes()
         if synchronize and write_resident:
             check_room_to_write_back(self)   # nothing written if it cannot all be
         self.grads.flush()
@@ -287,6 +288,16 @@ class AttachSession:
             self.counters.wait_seconds += time.perf_counter() - t0
         else:
             self.releases.drain()
+
+    def _take_device_writes(self) -> None:
+        """A user's in-place writes to resident parameters, into every copy
+        ([Note: writes to a resident parameter] in tierd.client.tiered_param)."""
+        changed = {tp: tp.param.detach() for tp in self.params.values()
+                   if tp.resident and tp.param._version != tp.seen_version}
+        if changed:
+            for tp in changed:
+                tp.seen_version = tp.param._version
+            self.write_values(changed)
 
     def keep_new_value(self, tp: TieredParam, value: torch.Tensor) -> None:
         """See :meth:`Mover.keep_new_value`."""
@@ -398,7 +409,7 @@ class AttachSession:
         with torch.no_grad():
             for tp, value in values.items():
                 if tp.state is ParamState.DEVICE:
-                    tp.param.copy_(value)
+                    tp.compute.copy_(value)
                 if tp in masters:
                     masters[tp].copy_(value)
                 tp.stale_in_store = False
@@ -423,7 +434,7 @@ class AttachSession:
     def refresh_resident(self, tp: TieredParam, value: torch.Tensor) -> None:
         """The optimizer changed a resident parameter: update its device copy."""
         with torch.no_grad():
-            tp.param.data.copy_(value)
+            tp.compute.copy_(value)
 
     # ------------------------------------------------------------- detach
     def close(self) -> None:

@@ -251,7 +251,7 @@ class Mover:
             return
         with torch.no_grad():
             if tp.state is ParamState.DEVICE:   # still here from its backward
-                tp.param.data.copy_(value)
+                tp.compute.copy_(value)
             elif self._device_bytes + tp.nbytes <= budget:
                 tp.adopt(value)
                 self._device_bytes += tp.nbytes

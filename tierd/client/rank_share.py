@@ -126,7 +126,7 @@ class RankShare:
             values = self._store.get_many([tp.key for tp in stale])
             with torch.no_grad():
                 for tp in stale:
-                    tp.param.data.copy_(values[tp.key])
+                    tp.compute.copy_(values[tp.key])
 
     def sync(self, settle: Callable[[], None], what: str) -> None:
         """Once every rank of the node is here, each reads what the others

@@ -197,7 +197,7 @@ class ParamRegistry:
                 values = store.get_many([tp.key for tp in resumed])
                 with torch.no_grad():
                     for tp in resumed:
-                        tp.param.data.copy_(values[tp.key])
+                        tp.compute.copy_(values[tp.key])
         except BaseException:
             self._undo(store, holders, taken, put, pending)
             raise
@@ -274,7 +274,7 @@ class ParamRegistry:
         if resident:
             if value is not None:
                 with torch.no_grad():
-                    new.data.copy_(value)
+                    tp.compute.copy_(value)
         else:
             new.untyped_storage().resize_(0)
         return tp

@@ -23,6 +23,17 @@ code and autograd only ever see ``param``; users between steps see
 (``tierd.client.values``). A resident parameter's modules hold ``param`` for
 good: its unit needs no hook, and its values are on the device anyway.
 
+[Note: writes to a resident parameter]
+A resident parameter's modules hold ``param`` itself, a plain tensor, so a
+user's in-place op on it (``p.mul_(0.5)`` under no_grad) changes the device
+copy only. tierd's own writes go through ``compute`` (``.data``: a version
+counter of its own), so ``param._version`` moves only for a user's write;
+:meth:`AttachSession.settle` compares it with ``seen_version`` and writes a
+changed value into the store (and the fp32 master) before anything reads or
+updates it. ``p.data`` of a resident parameter is its TieredParameter view
+(``.data`` has a version counter of its own, so a write through it would go
+unseen): the write goes to every copy at once.
+
 [Note: why resize the storage instead of swapping ``.data``]
 Autograd saves parameters (or views of them, e.g. ``weight.t()``) for the
 backward pass. Those saved tensors share the parameter's ``StorageImpl``.
@@ -42,6 +53,7 @@ import torch
 from torch import nn
 
 from tierd.client.keys import ModelKeys
+from tierd.client.values import TieredParameter, refuse_data_assignment
 from tierd.errors import StateError
 
 if TYPE_CHECKING:
@@ -69,14 +81,6 @@ class ParamState(enum.Enum):
 MOVED_ATTR = "_tierd_attached_as"
 
 
-def _refuse_data_assignment(name: str) -> StateError:
-    return StateError(
-        f"assigning .data of {name!r} while it is attached: its values live "
-        "in tierd and the assignment would be lost. Set values before tierd.attach (or "
-        "with attach(model, weights=PATH)), copy them in with p.data.copy_(value) or "
-        "model.load_state_dict(...), or tierd.detach(model) first")
-
-
 class DeviceParameter(nn.Parameter):
     """The compute tensor of a parameter: what a unit's modules hold while it
     runs ([Note: the two tensors of a parameter]); ``tiered`` is its manager.
@@ -90,88 +94,23 @@ class DeviceParameter(nn.Parameter):
 
     @property
     def data(self) -> torch.Tensor:
+        # a resident one is what the model shows: writes through .data must
+        # reach the store too ([Note: writes to a resident parameter])
+        if self.tiered.resident:
+            return TieredParameter(self.tiered, parameter=False)
         return torch.Tensor.data.__get__(self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         if value is self:   # module.to() where nothing changes (a Trainer moving the model)
             return
-        raise _refuse_data_assignment(self.tiered.name)
+        raise refuse_data_assignment(self.tiered.name)
 
     def __repr__(self) -> str:
         if self.untyped_storage().nbytes() or not self.numel():
             return super().__repr__()
         return (f"DeviceParameter({self.tiered.name!r}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}: freed between uses)")
-
-
-_aten = torch.ops.aten
-#: Tensor methods that hand the bytes to something torch does not dispatch
-#: (numpy, Python lists): they get the value read from the tiers.
-_READ_OUT = frozenset({torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.__array__,
-                       torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__})
-
-
-class TieredParameter(torch.Tensor):
-    """A parameter of an attached model between uses (``isinstance(p,
-    nn.Parameter)`` holds): a tensor with no storage of its own whose every
-    op reads the true value from tierd's tiers, and whose in-place ops write
-    the new value into them ([Note: the two tensors of a parameter]).
-
-    ``detach()`` and ``.data`` give another view of the same parameter (not
-    a parameter), so ``p.data.copy_(v)`` writes too.
-
-    Example:
-        >>> import torch, tierd
-        >>> model = tierd.attach(torch.nn.Linear(4, 4))   # doctest: +SKIP
-        >>> model.weight.sum()                            # read from the tiers  # doctest: +SKIP
-        >>> ema.lerp_(model.weight, 0.01)                 # doctest: +SKIP
-        >>> model.weight.data.mul_(0.5)                   # written into the tiers  # doctest: +SKIP
-    """
-
-    tiered: "TieredParam"
-
-    @staticmethod
-    def __new__(cls, tp: "TieredParam", *, parameter: bool) -> "TieredParameter":
-        like = tp.param
-        view = torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device,
-            requires_grad=parameter and like.requires_grad)
-        view.tiered = tp
-        if parameter:
-            view._is_param = True   # what nn.Parameter(subclass) sets: isinstance works
-        return view
-
-    def __repr__(self, *, tensor_contents=None) -> str:
-        from tierd.client.values import read_now
-        return (f"TieredParameter({self.tiered.name!r}, in tierd between uses):\n"
-                f"{read_now([self])[0]!r}")
-
-    @property
-    def data(self) -> torch.Tensor:
-        return TieredParameter(self.tiered, parameter=False)
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        if value is self:
-            return
-        raise _refuse_data_assignment(self.tiered.name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _READ_OUT:
-            from tierd.client.values import read_now
-            return func(read_now([args[0]])[0], *args[1:], **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from tierd.client.values import run_op
-        if func in (_aten.detach.default, _aten.alias.default):
-            return TieredParameter(args[0].tiered, parameter=False)
-        return run_op(func, args, kwargs or {})
 
 
 def tiered_of(tensor) -> "TieredParam | None":
@@ -224,6 +163,15 @@ class TieredParam:
         self.state = ParamState.DEVICE if resident else ParamState.HOST
         param.tiered = self
         self.outside = TieredParameter(self, parameter=True)
+        # param's version counter when tierd last knew its values were stored
+        self.seen_version = param._version
+
+    @property
+    def compute(self) -> torch.Tensor:
+        """``param``'s storage as a tensor of its own (``.data``): what tierd
+        copies values into and out of, unseen by autograd and by
+        ``seen_version`` ([Note: writes to a resident parameter])."""
+        return torch.Tensor.data.__get__(self.param)
 
     @property
     def between_uses(self) -> torch.Tensor:
@@ -256,8 +204,8 @@ class TieredParam:
         lease's keys) alive until :meth:`finish_swap_in`.
         """
         self._expect(ParamState.HOST, action="swap in")
-        stream.allocate_for_copy_in(self.param.data, self.nbytes)
-        self._inflight = stream.copy_in_many([(self.param.data, source)], keys)
+        stream.allocate_for_copy_in(self.compute, self.nbytes)
+        self._inflight = stream.copy_in_many([(self.compute, source)], keys)
         self.state = ParamState.H2D_INFLIGHT
         return self._inflight
 
@@ -273,7 +221,7 @@ class TieredParam:
         same as the stored bytes), copied on the current stream."""
         self._expect(ParamState.HOST, action="adopt a value into")
         self.param.untyped_storage().resize_(self.nbytes)
-        self.param.data.copy_(value)
+        self.compute.copy_(value)
         self.state = ParamState.DEVICE
 
     def free(self) -> None:
@@ -292,7 +240,7 @@ class TieredParam:
         self._expect(ParamState.HOST, action="make resident")
         self.param.untyped_storage().resize_(self.nbytes)
         with torch.no_grad():
-            self.param.data.copy_(value)
+            self.compute.copy_(value)
         self.resident = True
         self.state = ParamState.DEVICE
 

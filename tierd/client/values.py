@@ -21,8 +21,85 @@ from __future__ import annotations
 
 import torch
 
-from tierd.client.tiered_param import TieredParameter
 from tierd.client.torch_internals import tree_flatten, tree_map
+from tierd.errors import StateError
+
+_aten = torch.ops.aten
+
+
+def refuse_data_assignment(name: str) -> StateError:
+    return StateError(
+        f"assigning .data of {name!r} while it is attached: its values live "
+        "in tierd and the assignment would be lost. Set values before tierd.attach (or "
+        "with attach(model, weights=PATH)), copy them in with p.data.copy_(value) or "
+        "model.load_state_dict(...), or tierd.detach(model) first")
+
+
+#: Tensor methods that hand the bytes to something torch does not dispatch
+#: (numpy, Python lists): they get the value read from the tiers.
+_READ_OUT = frozenset({torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.__array__,
+                       torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__})
+
+
+class TieredParameter(torch.Tensor):
+    """A parameter of an attached model between uses (``isinstance(p,
+    nn.Parameter)`` holds): a tensor with no storage of its own whose every
+    op reads the true value from tierd's tiers, and whose in-place ops write
+    the new value into them ([Note: the two tensors of a parameter]).
+
+    ``detach()`` and ``.data`` give another view of the same parameter (not
+    a parameter), so ``p.data.copy_(v)`` writes too.
+
+    Example:
+        >>> import torch, tierd
+        >>> model = tierd.attach(torch.nn.Linear(4, 4))   # doctest: +SKIP
+        >>> model.weight.sum()                            # read from the tiers  # doctest: +SKIP
+        >>> ema.lerp_(model.weight, 0.01)                 # doctest: +SKIP
+        >>> model.weight.data.mul_(0.5)                   # written into the tiers  # doctest: +SKIP
+    """
+
+    tiered: "TieredParam"   # tierd.client.tiered_param (which imports this module)
+
+    @staticmethod
+    def __new__(cls, tp: "TieredParam", *, parameter: bool) -> "TieredParameter":
+        like = tp.param
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device,
+            requires_grad=parameter and like.requires_grad)
+        view.tiered = tp
+        if parameter:
+            view._is_param = True   # what nn.Parameter(subclass) sets: isinstance works
+        return view
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"TieredParameter({self.tiered.name!r}, in tierd between uses):\n"
+                f"{read_now([self])[0]!r}")
+
+    @property
+    def data(self) -> torch.Tensor:
+        return TieredParameter(self.tiered, parameter=False)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value is self:
+            return
+        raise refuse_data_assignment(self.tiered.name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READ_OUT:
+            return func(read_now([args[0]])[0], *args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (_aten.detach.default, _aten.alias.default):
+            return TieredParameter(args[0].tiered, parameter=False)
+        return run_op(func, args, kwargs or {})
+
+
 
 
 def read_now(views: list[TieredParameter], *, to_write: bool = False) -> list[torch.Tensor]:
@@ -42,6 +119,12 @@ def read_now(views: list[TieredParameter], *, to_write: bool = False) -> list[to
 def run_op(func, args: tuple, kwargs: dict):
     """Run aten op ``func`` with every TieredParameter replaced by its value;
     write back the values of those the op writes; see the module docstring."""
+    if func is _aten.copy_.default and not isinstance(args[1], TieredParameter):
+        # the source as it is: an fp32 value sets the fp32 master exactly
+        # (load_state_dict into a bf16-compute model), not its bf16 rounding
+        target = args[0]
+        target.tiered.session.write_values({target.tiered: args[1].expand(target.shape)})
+        return target
     views = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, TieredParameter)]
     written = _written(func, args, kwargs)
     values = dict(zip((v.tiered for v in views), read_now(views, to_write=bool(written))))

@@ -52,7 +52,7 @@ def _values(opt, b) -> dict:
     """A resident bucket's device tensors by store key: masters, moments, and
     the compute copies of parameters that have a master."""
     values = {k: b.work[k] for tp in b.tps for k in opt.state_keys(tp)}
-    values.update({tp.key: tp.param.data for tp in b.tps if tp.has_master})
+    values.update({tp.key: tp.compute for tp in b.tps if tp.has_master})
     return values
 
 
@@ -150,11 +150,11 @@ def _write_kept(session, tps) -> None:
     try:
         views = session.leases.views(keys)
         if session.copy.on_device:
-            session.copy.copy_out_many([(views[tp.key], tp.param.data) for tp in tps],
+            session.copy.copy_out_many([(views[tp.key], tp.compute) for tp in tps],
                                        tuple(keys)).synchronize()
         else:
             for tp in tps:
-                views[tp.key].copy_(tp.param.data)
+                views[tp.key].copy_(tp.compute)
     finally:
         session.leases.release(keys, written=True)
     for tp in tps:

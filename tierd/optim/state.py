@@ -133,7 +133,7 @@ class UnmadeState:
                             for tp in stored})
             finally:
                 session.leases.release(keys)
-        out.update({tp.master_key: tp.param.data.to(device, torch.float32, copy=True)
+        out.update({tp.master_key: tp.compute.to(device, torch.float32, copy=True)
                     for tp in masters if tp.resident})
         if moments:
             opt = self.opt

@@ -1,0 +1,82 @@
+"""torch.compile of an attached model, whole or block by block ([Note: hooks
+under torch.compile]): the same losses as eager torch, no recompile once warm
+(lengths cycling 8/12/16 included), graph breaks at unit boundaries only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, session_of
+from tierd.client.store import LocalStore
+from tests.client.models import llama
+
+LENGTHS = (8, 12, 16)
+
+
+def _compiled(model, mode: str, backend: str):
+    if mode == "whole":
+        return torch.compile(model, backend=backend)
+    for block in model.model.layers:   # regional: each block on its own
+        block.compile(backend=backend)
+    return model
+
+
+def _run(mode: str, backend: str, device: str, steps: int = 7):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    ref = llama().to(device)
+    model = attach(llama(), client=LocalStore(), device=device)
+    run = _compiled(model, mode, backend)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    losses, graphs = [], []
+    g = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        ids = torch.randint(0, 100, (2, LENGTHS[i % 3]), generator=g).to(device)
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        losses.append((loss.item(), want.item()))
+        graphs.append(counters["stats"]["unique_graphs"])
+    breaks = sum(counters["graph_break"].values())
+    return losses, graphs, breaks, len(session_of(model).units)
+
+
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_compiled_attached_model_trains_as_eager_with_no_recompile_once_warm(mode, caplog):
+    with caplog.at_level(logging.WARNING):
+        losses, graphs, breaks, units = _run(mode, "aot_eager", "cpu")
+    for got, want in losses:
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    assert graphs[3:] == [graphs[3]] * len(graphs[3:])   # after 3 warm-up steps
+    assert "recompile_limit" not in caplog.text and "cache_size_limit" not in caplog.text
+    # per compiled pass at most one break at each unit boundary (2 a unit) and
+    # two more (the step's start, the loss); dynamo compiles twice: the first
+    # length, then dynamic lengths
+    assert breaks <= 2 * (2 * units + 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_inductor_on_cuda_trains_as_eager(mode):
+    losses, graphs, _, _ = _run(mode, "inductor", "cuda")
+    for got, want in losses:
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want))
+    assert graphs[3:] == [graphs[3]] * len(graphs[3:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_inductor_on_cpu_trains_as_eager(mode):
+    losses, graphs, _, _ = _run(mode, "inductor", "cpu")
+    for got, want in losses:
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    assert graphs[3:] == [graphs[3]] * len(graphs[3:])
