@@ -45,7 +45,7 @@ def test_bf16_autocast_matches_all_on_gpu(daemon):
     got, want = model.state_dict(), ref.state_dict()
     for name, value in want.items():
         torch.testing.assert_close(got[name].cuda(), value, atol=1e-4, rtol=1e-3, msg=name)
-    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(tp.storage_bytes == 0 for tp in session_of(model).params.values())
 
 
 def test_peak_memory_within_budget_plus_activations(daemon_factory):
@@ -53,8 +53,8 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
     parameters (the budget, plus the unit running now, plus the next step's
     first weights kept at the end of backward, at most the budget again), the
     fused optimizer's fp32 state (up to twice its prefetch bytes, plus the
-    bucket being updated) and one unit's gradients; what tierd holds is under
-    half the model. Few tokens, so the activations are small next to the model."""
+    bucket being updated) and one unit's gradients; what tierd holds is well
+    under the model. Few tokens, so the activations are small next to the model."""
     d = daemon_factory(pool="512MiB", nvme_size="1GiB")
     make = lambda: gpt2(n_layer=8, n_embd=512, vocab=1000)
     ids = batches(1, batch=2, seq=16, vocab=1000)[0].cuda()
@@ -79,11 +79,13 @@ def test_peak_memory_within_budget_plus_activations(daemon_factory):
     base = torch.cuda.memory_allocated()
     _step(model, opt, ids, autocast=False)   # the update fused into backward
     peak = torch.cuda.max_memory_allocated() - base
-    unit = max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
-               for m in model.modules())   # fp32 bytes of the largest unit
-    in_flight = (2 * budget + unit) + (2 * budget + 3 * unit) + unit
+    units = session_of(model).units   # a block each, and the rest (held all forward)
+    unit = max(u.nbytes for u in units)   # fp32 bytes of the largest unit
+    in_flight = (2 * budget + unit) + (2 * budget + 3 * unit) + unit + units[0].nbytes
     assert peak <= activations + in_flight + (4 << 20)
-    assert peak - activations < params / 2
+    # a unit is a whole block (an eighth of this model) and the rest is held
+    # for the whole forward: what tierd holds stays well under the model
+    assert peak - activations < 0.7 * params
 
 
 def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
@@ -105,7 +107,7 @@ def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
         ids = ids.cuda()
         assert _step(model, opt, ids, autocast=True) == _step(unfused, ref_opt, ids,
                                                                 autocast=True)
-        assert sum(p.untyped_storage().nbytes() for p in model.parameters()) <= budget
+        assert sum(tp.storage_bytes for tp in session_of(model).params.values()) <= budget
     session = session_of(model)
     kept = [tp for tp in session.params.values() if tp.storage_bytes]
     assert kept, "the first weights of the next step stay on the device"
@@ -118,7 +120,7 @@ def test_fused_steps_cast_masters_and_keep_first_weights_bitwise(daemon):
     assert session_of(unfused).stats()["master_copy_bytes"] == 0
     got, want = model.state_dict(), unfused.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(tp.storage_bytes == 0 for tp in session_of(model).params.values())
 
 
 def _train_bf16(model, opt, data) -> list[float]:
