@@ -324,31 +324,6 @@ def test_attach_frees_each_cpu_parameter_once_its_module_is_stored(monkeypatch):
     assert all(torch.equal(p, w) for p, w in zip(params, want))
 
 
-def test_what_would_write_through_an_empty_storage_raises_instead():
-    """An attached parameter's storage is empty between uses: a torch
-    optimizer's step or load_state_dict would write through it (a crash);
-    both raise StateError naming the fix, and the values stay as they were."""
-    from tierd.client.store import LocalStore
-    model = attach(llama(), client=LocalStore(), device="cpu")
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    assert "read it with model.state_dict()" in repr(next(model.parameters()))   # print(p)
-    with pytest.raises(StateError, match="use tierd.optim.AdamW"):
-        torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    with pytest.raises(StateError, match="load_state_dict on an attached model"):
-        model.load_state_dict(llama(seed=3).state_dict())
-    with pytest.raises(StateError, match="load_state_dict on an attached model"):
-        model.model.norm.load_state_dict(llama(seed=3).model.norm.state_dict())
-    with pytest.raises(StateError, match="assigning .data of 'model.norm.weight'"):
-        model.model.norm.weight.data = torch.zeros(model.config.hidden_size)
-    model.to("cpu")   # nothing changes: allowed (a Trainer moves the model so)
-    got = model.state_dict()
-    assert all(torch.equal(got[k], v) for k, v in want.items())
-    plain = llama()   # other models' optimizers are left alone
-    torch.optim.SGD(plain.parameters(), lr=0.1).step()
-    detach(model)
-    model.load_state_dict(llama(seed=3).state_dict())   # detached: an ordinary model again
-
-
 def test_a_tierd_optimizer_refuses_what_would_train_wrong():
     """Hyper-parameters load as in torch (per-parameter state: tests/optim/
     test_state_dict.py); after detach its step() and state_dict() raise

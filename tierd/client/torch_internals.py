@@ -17,7 +17,6 @@ What each is for:
 - ``checkpoint_without_reentrant``: the generator behind
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, driven from
   module hooks so a block is recomputed without wrapping its ``forward``.
-- ``DispatchMode``: the activation tiering watches the ops of a forward.
 - ``tree_flatten`` / ``tree_map``: the tensors inside an op's (nested)
   arguments, found or replaced (a parameter read between uses,
   ``tierd.client.values``).
@@ -43,10 +42,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef as StorageRef
-from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["DispatchMode", "StorageRef", "checkpoint_without_reentrant",
+__all__ = ["StorageRef", "checkpoint_without_reentrant",
            "current_graph_task", "dynamo_graph_breaks", "dynamo_reset", "foreach_adamw",
            "free_pinned_host_cache", "fused_adamw", "in_backward", "is_compiled_module",
            "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
