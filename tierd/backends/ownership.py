@@ -74,8 +74,14 @@ class Ownership:
         return cls(path, fd)
 
     def release(self) -> None:
-        """Give the place up (closing the file drops the lock); once."""
+        """Give the place up: the pid is cleared (no stale pid is left to name,
+        and the file takes no disk block), then closing the file drops the
+        lock; once."""
         if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass   # a read-only or full filesystem: the stale pid is harmless
             os.close(self._fd)
             self._fd = None
 
