@@ -60,7 +60,8 @@ def read_committed(fd: int, job: str, t: CommittedTensor) -> bytes:
     """The verified bytes of one committed tensor from an open data file."""
     meta = recordio.RecordMeta(t.key, job, t.dtype, t.shape, t.nbytes, t.version)
     hlen, dlen = meta.header_len(), align_up(max(t.nbytes, 1))
-    # The record's spans in order (see the Note on records in several extents).
+    # The record's spans in order (see [Note: records in several
+    # extents] in tierd.backends.recordio).
     raw = b"".join(os.pread(fd, n, off) for off, n in t.spans)[:hlen + dlen]
     if len(raw) < hlen + dlen:
         raise TierdError(f"{t.key}: the data file ends inside its record (truncated)")

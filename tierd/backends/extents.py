@@ -6,8 +6,8 @@ file offset and the memory address, so data moves between a pool slot and an
 NVMe extent with no bounce buffer.
 
 A pool slot must be one extent (clients map it as one tensor): :meth:`alloc`,
-first fit. An NVMe record may lie in several (see the Note on records in
-several extents in :mod:`tierd.backends.recordio`): :meth:`alloc_spans`
+first fit. An NVMe record may lie in several (see [Note: records in
+several extents] in :mod:`tierd.backends.recordio`): :meth:`alloc_spans`
 places one whenever the free bytes suffice, whatever the fragmentation.
 """
 

@@ -7,7 +7,8 @@ never in memory another job can map, and there is no named ``/dev/shm`` file to
 leak or to open by guessing its name: the kernel frees a segment when the last
 mapping and descriptor of it are gone.
 
-[Note: segment lifetime] A segment handed to a client stays mapped in that
+[Note: segment lifetime]
+A segment handed to a client stays mapped in that
 client until it disconnects; it can't be revoked. So a segment is never given
 to a second job: when a job's segment empties and the budget is needed
 elsewhere, the segment is closed and a fresh memfd is made for the next job.
@@ -28,7 +29,7 @@ with its own copies. So while a job grows, the next ``ahead`` segments are
 made on threads of their own (one memfd each: fallocates of one memfd take
 its inode lock in turn, those of several memfds ran 1.7x one on 2 cores)
 and a reserve takes a finished one. A spare was never handed to a client, so
-any job may take it (the Note on segment lifetime holds). Spares count
+any job may take it ([Note: segment lifetime] holds). Spares count
 against the budget (``mapped_bytes``) and are the first thing given back
 when the budget is needed; none is made unless ``ahead`` more segments would
 still fit (so a pool at its budget does not make and drop them in turn), and

@@ -1,6 +1,7 @@
 """Commit manifests: which NVMe records make up each named job's last commit.
 
-[Note: manifest format] One file per committed job under
+[Note: manifest format]
+One file per committed job under
 ``<nvme dir>/manifests/``, named ``job-<sha256 of the job name, 24 hex>.commit``
 (job names may hold any character). The file is msgpack
 ``{"crc": crc32(body), "body": bytes}`` whose body is a msgpack map::
@@ -28,7 +29,7 @@ A commit writes the new manifest to ``<name>.tmp``, fsyncs it, renames it
 over the old one and fsyncs the directory: a crash leaves the old or the new
 manifest, never a mix. Only the latest commit of a job can be restored; the
 records it names are never freed or overwritten until a newer manifest has
-replaced it (see the Note on commits in :mod:`tierd.server.commits`).
+replaced it (see [Note: commits] in :mod:`tierd.server.commits`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ keep several requests in the device queue.
 
 The file is kept across restarts (never truncated): committed tensors live in
 it, and the daemon rebuilds the allocator from the commit manifests. Each
-tensor is a checksummed record (see the Note on record format).
+tensor is a checksummed record (see [Note: record format] in
+:mod:`tierd.backends.recordio`).
 
 Where the filesystem refuses O_DIRECT (some tmpfs, network filesystems) the
 file is opened buffered instead, with a warning: correct, but it goes through

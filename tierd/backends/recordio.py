@@ -1,6 +1,7 @@
 """The on-NVMe record of one tensor: a header block, then the data, checksummed.
 
-[Note: record format] Every tensor written to the NVMe file is one record at
+[Note: record format]
+Every tensor written to the NVMe file is one record at
 a 4 KiB aligned offset::
 
     header  (header_len bytes, a multiple of 4 KiB, zero padded)
@@ -10,8 +11,8 @@ a 4 KiB aligned offset::
     data    (the pool slot's bytes, 4 KiB aligned length)
 
 ``sums`` holds one checksum per ``chunk`` bytes of data, so the pieces of a
-large tensor are checksummed in parallel, beside their I/O (see the Note on
-checksums in :mod:`tierd.server.transfers`). The header goes out last, after
+large tensor are checksummed in parallel, beside their I/O (see [Note: checksums
+beside the I/O, not in its way] in :mod:`tierd.server.transfers`). The header goes out last, after
 every data piece: a record torn by a crash or a failed write has no header
 that matches the catalog's, and reads as damaged. The algorithm is recorded
 in the header: CRC-32C (the ``crc32c`` package, hardware accelerated) when
@@ -44,7 +45,8 @@ otherwise have been refused pay that, and best fit keeps the common case
 
 The format of a record is unchanged: the spans are not in its header but in
 the index that names it, the catalog while the daemon runs and the commit
-manifest across a restart (see the Note on manifest format), written
+manifest across a restart (see [Note: manifest format] in
+:mod:`tierd.backends.manifest`), written
 atomically as before. Checking is as strong as before: the header (written
 last, at the start of the first span) must name the expected key, job,
 dtype, shape, nbytes and version, and each piece's checksum covers the

@@ -70,7 +70,7 @@ and never less than the half of the available RAM up to 32 GiB that every
 embedded daemon had, within what the RAM gives. The NVMe file is
 preallocated at start, so it is sized from the need: what the pool cannot
 hold plus slack (a record may span several free extents, so free bytes are
-as good as an extent: see the Note on records in several extents in
+as good as an extent: see [Note: records in several extents] in
 tierd.backends.recordio), and for a named job (which may commit) room for
 two commits (a commit writes every tensor; copy-on-write keeps the previous
 one until the next is complete), within what the disk gives. The sizes an

@@ -313,7 +313,8 @@ class Client(_StoreCalls):
         return Pending(self, rid, convert)
 
     def _wait(self, rid: int, timeout: float | None) -> Any:
-        # [Note: overdue replies] A reply that does not come within
+        # [Note: overdue replies]
+        # A reply that does not come within
         # request_timeout is not waited for blindly: the client asks the daemon
         # over the control socket and checks the data socket, and raises
         # DaemonUnavailable if either is lost (a data socket removed while the

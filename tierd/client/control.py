@@ -247,7 +247,7 @@ class ControlChannel:
             try:
                 mm.close()
             except BufferError:
-                pass  # a stale tensor still uses it; see the Note on mapping lifetime
+                pass  # a stale tensor still uses it; see [Note: mapping lifetime]
 
     def _map_batch(self, want: list[int]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
         """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
@@ -267,7 +267,8 @@ class ControlChannel:
                 flags = mmap.MAP_SHARED | (MAP_POPULATE if populated else 0)
                 mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.mmaps[sid] = mm
-                # [Note: mapping lifetime] The tensor holds a memoryview of the
+                # [Note: mapping lifetime]
+                # The tensor holds a memoryview of the
                 # mapping, an export that keeps ``mm.close()`` from unmapping it:
                 # a view of a lease taken from it stays valid after close()
                 # while anything references it (no segfault), and the pages go
@@ -289,7 +290,7 @@ class ControlChannel:
             try:
                 mm.close()
             except BufferError:
-                pass  # a tensor still uses it; see the Note on mapping lifetime
+                pass  # a tensor still uses it; see [Note: mapping lifetime]
         self.mmaps.clear()
         self.ctl.close()
         self.dead = True

@@ -1,10 +1,11 @@
 """Admission: how many bytes the daemon has promised to keep, and whether a
 new tensor still fits in pool + NVMe.
 
-[Note: swap headroom] Bringing a tensor in from NVMe when the pool is full
+[Note: swap headroom]
+Bringing a tensor in from NVMe when the pool is full
 means writing a dirty victim out first, so NVMe needs free bytes of the
 largest tensor's record (bytes, not one extent: a record may span several,
-see the Note on records in several extents in :mod:`tierd.backends.recordio`;
+see [Note: records in several extents] in :mod:`tierd.backends.recordio`;
 NVMe copies of tensors also in the pool give way). Admitting at most pool +
 NVMe minus the largest tensor keeps that true: everything stored stays
 readable. Superseded NVMe records that only a commit still names

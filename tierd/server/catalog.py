@@ -8,7 +8,7 @@ caller retries the same call once they are done.
 
 The catalog handles sessions, jobs and requests; the bytes (entries, slots,
 extents, transfers, eviction) are :class:`~tierd.server.tiers.Tiers`', whose
-slots and extents follow the Note on pins in :mod:`tierd.server.slots`, and
+slots and extents follow [Note: pins] in :mod:`tierd.server.slots`, and
 whether a tensor fits is :mod:`tierd.server.admission`'s.
 """
 
@@ -74,7 +74,7 @@ class Catalog:
 
     # ------------------------------------------------------------ sessions
     def open_session(self, sid: int, job: str | None, pid: int, uid: int) -> Session:
-        # See the Note on default jobs in tierd.server.sessions: never a pid.
+        # See [Note: default jobs] in tierd.server.sessions: never a pid.
         name = job if job is not None else f"session-{sid}"
         j = self.jobs.get(name)
         if j is None:
@@ -170,7 +170,7 @@ class Catalog:
     def _reserve_slots(self, job: str, specs: tuple[TensorSpec, ...]) -> list[PoolSlot] | Blocked:
         """A RESERVED slot per spec, or none at all: Blocked on evictions, or
         the CapacityError of the one that can never fit (a refused reserve
-        keeps nothing, see the Note in :mod:`tierd.server.admission`)."""
+        keeps nothing, see [Note: swap headroom] in :mod:`tierd.server.admission`)."""
         blocked = Blocked()
         got: list[PoolSlot] = []
         try:

@@ -3,10 +3,11 @@
 Plain code over the catalog's :class:`~tierd.server.tiers.Tiers`, like the
 catalog itself (which calls these functions; this module never imports it):
 the daemon calls :func:`prepare` until it stops returning Blocked, writes the plan's
-manifest in an I/O thread (data file fsync, then the manifest, see the Note on
-manifest format), then calls :func:`finish`.
+manifest in an I/O thread (data file fsync, then the manifest, see [Note:
+manifest format] in :mod:`tierd.backends.manifest`), then calls :func:`finish`.
 
-[Note: commits] A commit names one NVMe record per tensor of the job. Making
+[Note: commits]
+A commit names one NVMe record per tensor of the job. Making
 one: every tensor whose pool bytes are newer than its NVMe record (dirty, or
 never written) is written back, keeping its pool slot; tensors already clean on
 NVMe cost nothing. So a commit writes the changed bytes once, plus an fsync and

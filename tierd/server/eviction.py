@@ -3,13 +3,14 @@
 Plain functions over plain values, so the policy can be read and tested
 without the catalog's bookkeeping around it.
 
-[Note: fair eviction] The pool is shared by jobs. A job's *fair share* is the
+[Note: fair eviction]
+The pool is shared by jobs. A job's *fair share* is the
 pool divided by the jobs holding pool memory. A job asking for room evicts its
 own least recently used tensors first when it is at or above its share (or
 above its quota); when it is below its share it takes room from the job
 furthest above its share instead, a whole segment at a time, since pool
-memory moves between jobs only as whole segments (see hostpool's Note on
-segment lifetime). Leased tensors are never candidates.
+memory moves between jobs only as whole segments (see [Note:
+segment lifetime] in :mod:`tierd.backends.hostpool`). Leased tensors are never candidates.
 
 [Note: eviction by next use]
 Least recently used is the worst order for what training does once the pool

@@ -41,7 +41,7 @@ class Entry:
     transfer: "Transfer | None" = None
 
     def meta(self) -> RecordMeta:
-        """What this version's NVMe record must say (see the Note on record format)."""
+        """What this version's NVMe record must say ([Note: record format] in recordio)."""
         s = self.spec
         return RecordMeta(self.key, self.job, s.dtype, s.shape, s.nbytes, self.version)
 

@@ -6,7 +6,8 @@ connection with a reply that says why: a uid over ``max_sessions_per_uid``,
 or the daemon out of file descriptors (answered through a descriptor kept
 spare for exactly that).
 
-[Note: default jobs] A client that names no job gets a job of its own session,
+[Note: default jobs]
+A client that names no job gets a job of its own session,
 ``session-<n>`` (n counts up from 1 in each daemon run and is never reused in
 it), which no other session can join: names of that form and the older
 ``pid-<n>`` form are refused in a hello. So a default job's identity is the

@@ -1,13 +1,14 @@
 """Pool slots and NVMe extents: the two places a key's bytes can be, each with
 one lifecycle enum changed only by the transition methods below.
 
-[Note: pins] A pool slot or NVMe extent is never freed or overwritten while
+[Note: pins]
+A pool slot or NVMe extent is never freed or overwritten while
 something may read it. Every lease and every in-flight transfer that reads a
 slot or extent is counted in its ``readers``; a slot being written (a client
 before publish, a write lease, a swap-in) has one writer and no readers.
 Deleting or replacing a key only *retires* its old slot or extent; the bytes go
 back to the allocator when the last reader or writer has gone. An NVMe extent
-named by a commit also carries a hold (see the Note on commits in
+named by a commit also carries a hold (see [Note: commits] in
 :mod:`tierd.server.commits`) and is freed only once no commit names it.
 
 A transition begins by checking the states it accepts and raises StateError
@@ -164,7 +165,7 @@ class ExtentState(enum.Enum):
 @dataclass(eq=False)
 class DiskExtent:
     """The extents of the NVMe file holding one record of ``key`` (its
-    ``spans``, in order: see the Note on records in several extents in
+    ``spans``, in order: see [Note: records in several extents] in
     :mod:`tierd.backends.recordio`)::
 
         WRITING --written--> CURRENT --retire--> HELD | DRAINING | FREED

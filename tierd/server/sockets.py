@@ -1,7 +1,8 @@
 """The daemon's edge with the operating system: socket paths, the control
 socket's framing, who a peer is, and keeping the process's memory private.
 
-[Note: socket path safety] ``--socket PATH`` names two files, ``PATH`` (the
+[Note: socket path safety]
+``--socket PATH`` names two files, ``PATH`` (the
 ZeroMQ request socket) and ``PATH.ctl``. The daemon replaces one only when it
 is a socket that nobody listens on (left by a daemon that died); a regular
 file, a directory or a live socket there is refused. The parent directory gets
@@ -42,8 +43,8 @@ def ctl_path(sock: Path) -> Path:
 
 # ---------------------------------------------------------------- paths
 def prepare_socket_dir(sock: Path) -> None:
-    """Create the socket's directory (0700) or check an existing one; see the
-    Note on socket path safety."""
+    """Create the socket's directory (0700) or check an existing one; see
+    [Note: socket path safety]."""
     parent = sock.parent
     missing = []
     p = parent

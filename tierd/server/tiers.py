@@ -5,7 +5,7 @@ Plain code under :class:`~tierd.server.catalog.Catalog` (which handles
 sessions and requests) and :mod:`tierd.server.commits`: both change slots,
 extents and entries only through the methods here, and this module imports
 neither. Slots and extents change state only through their own transitions
-(see the Note on pins in :mod:`tierd.server.slots`); a transition that frees
+(see [Note: pins] in :mod:`tierd.server.slots`); a transition that frees
 one returns True and the bytes go back to their allocator here.
 """
 
@@ -268,8 +268,8 @@ class Tiers:
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
                        protect: Iterable[Entry]) -> bool:
-        """Free or start freeing about ``nbytes`` of pool for ``job`` (see the
-        Note in :mod:`tierd.server.eviction`). True when something was freed at
+        """Free or start freeing about ``nbytes`` of pool for ``job`` (see [Note:
+        fair eviction] in :mod:`tierd.server.eviction`). True when something was freed at
         once (retry allocating); otherwise what to wait for is in ``blocked``."""
         pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
         for t in self.writebacks_in_flight(job):

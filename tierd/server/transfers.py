@@ -1,6 +1,8 @@
-"""NVMe records moved on the daemon's I/O threads (see the Note on record format).
+"""NVMe records moved on the daemon's I/O threads (see [Note: record format] in
+:mod:`tierd.backends.recordio`).
 
-[Note: checksums beside the I/O, not in its way] A record's pieces go to
+[Note: checksums beside the I/O, not in its way]
+A record's pieces go to
 two thread pools: the I/O threads only move bytes (``pwritev``/``preadv``),
 the checksum threads only compute piece sums. A write sends every data piece
 to the disk at once while the sums are computed beside it, and writes the
