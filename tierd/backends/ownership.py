@@ -1,6 +1,7 @@
 """Exclusive ownership of a path for a daemon's life: an ``flock`` on a lock file.
 
-[Note: ownership before binding] A daemon owns two places: its socket path
+[Note: ownership before binding]
+A daemon owns two places: its socket path
 (``PATH`` and ``PATH.ctl``) and its NVMe directory. It takes each by an
 ``flock`` on a lock file there (``PATH.lock`` beside the socket,
 ``tierd.lock`` in the directory), held until the process ends, *before* it

@@ -33,7 +33,7 @@ fraction ``f``, where ``saved`` is the bytes autograd saves in one forward
 (parameters excluded) and ``overhead = peak(none) - saved`` is the rest of the
 step; ``auto`` is given ``budget_bytes = f * saved`` (on CUDA it reads that
 budget the same way: see [Note: measured memory correction] in
-tierd/client/activations_plan.py). A row *fits* a budget
+tierd/client/activations/plan.py). A row *fits* a budget
 when its measured peak is at most the cap (``f = 1`` is ``none``'s own peak).
 Rows also give the allocator's *reserved* peak: a tensor freed while tierd's
 copy stream still reads it leaves the allocated count at once but its memory

@@ -158,7 +158,7 @@ def timed_steps(model, ids, *, peak: PeakMemory, ctx_factory, warmup: int, steps
 
 def memory_check(handle, budget: int) -> dict:
     """auto's first planned step against its model (see [Note: measured memory
-    correction] in tierd/client/activations_plan.py): bytes above the step's
+    correction] in tierd/client/activations/plan.py): bytes above the step's
     start, the baseline taken off (what keep-all holds beyond its saved
     activations at its peak)."""
     check = handle.check

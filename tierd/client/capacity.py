@@ -30,9 +30,9 @@ for them.
 [Note: the GPU counted]
 Placement keeps units' weights and optimizer state on the GPU between steps
 (``tierd.client.placement``), and their values leave the store ([Note:
-resident state leaves the store] in ``tierd.optim.resident``; moments of
-resident units are made on the device: [Note: moments made when first
-needed] in ``tierd.optim.base``). So the GPU is room too: ``device`` is
+resident state leaves the store] in ``tierd.updates.resident``; moments of
+resident units are made on the device: [Note: state made when first
+needed] in ``tierd.optim.state``). So the GPU is room too: ``device`` is
 what placement may keep there, taken as three quarters of the placement
 cap, since the step's activations and the streaming window, which take the
 rest, are measured only by the first step (fp32 masters attach does not store are

@@ -8,7 +8,7 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
 - *fused* (the default where possible): during the backward that ends the
   accumulation window, each unit's parameters are updated on the compute
   device as soon as their gradients are final; ``step()`` then only closes
-  the window. See [Note: fused update] in ``tierd.optim.fused``.
+  the window. See [Note: fused update] in ``tierd.updates.fused``.
 - *deferred*: gradients are summed into the pool during backward and
   ``step()`` walks the parameters block by block (about ``block_bytes``): one
   lease for the block's keys, the update on the compute device ("gpu-stream")
@@ -17,7 +17,7 @@ torch's single-tensor implementation so fp32 results are bitwise equal):
   norm needs every gradient first), with ``placement="cpu"`` under
   torch.distributed and with ``fused=False``. Fused with ``placement="cpu"``,
   the update runs on host threads in the pool, overlapped with backward
-  ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
+  ([Note: CPU updates overlapped with backward] in ``tierd.updates.cpu_update``).
 
 [Note: gradients freed as they are used]
 The first window is updated in ``step()`` with every gradient summed in the
@@ -49,15 +49,15 @@ from tierd.client.grads import free_grads, unused_grads
 from tierd.client.grad_view import replay
 from tierd.client.tiered_param import TieredParam, TieredParameter, tiered_of
 from tierd.errors import CapacityError, StateError
-from tierd.optim.cpu_update import overlapped
-from tierd.optim.fused import FusedUpdates
+from tierd.updates.cpu_update import overlapped
+from tierd.updates.fused import FusedUpdates
 from tierd.optim import state_dict as optim_state_dict
 from tierd.optim.state import UnmadeState, check_capacity
 
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
     """The device tensors of ``tp``'s state when placement keeps it on the
-    GPU ([Note: resident optimizer state] in tierd.optim.resident); None when it streams."""
+    GPU ([Note: resident optimizer state] in tierd.updates.resident); None when it streams."""
     for f in fused:
         work = f.resident_work(tp)
         if work is not None:
@@ -72,7 +72,7 @@ def _pinned(fused: list[FusedUpdates], tp: TieredParam) -> bool:
 
 def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
     """``tp``'s state is updated on the CPU ([Note: CPU updates overlapped with
-    backward] in tierd.optim.cpu_update)."""
+    backward] in tierd.updates.cpu_update)."""
     return any(f.bucket_of[tp].cpu for f in fused if tp in f.bucket_of)
 
 
@@ -272,7 +272,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         touched = any(session.grad_views.any_ops() for session in sessions)
         frees = {} if touched else {s: set(unused_grads(s, tps)) for s, tps in sessions.items()}
         for session in sessions:
-            # [Note: placing before the first update]
+            # [Note: placing before the first update] in tierd.client.placer
             session.placer.before_update(list(frees.get(session, ())))
             # the update reads resident state on the device, not in the pool
             session.settle(write_resident=False)
