@@ -454,7 +454,7 @@ def test_cpu_placement_with_a_cap_keeps_whole_units_and_updates_the_rest_on_the_
 
 
 def test_auto_placement_updates_streamed_units_on_the_cpu_when_pcie_is_slow(monkeypatch):
-    import tierd.optim.cpu_update as cpu_update
+    import tierd.updates.cpu_update as cpu_update
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e3)   # made up: slow
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)         # made up: fast
     ref = llama()
@@ -597,7 +597,7 @@ def test_the_daemon_shows_each_jobs_gpu_resident_bytes(daemon):
 
 @pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
 def test_clipping_loops_keep_resident_state_on_the_device(how):
-    from tierd.optim.buckets import BucketState
+    from tierd.updates.buckets import BucketState
     ref = llama()
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
                    gpu_memory_bytes=1 << 30)
@@ -638,7 +638,7 @@ def test_cpu_updates_are_chosen_again_at_the_rate_the_host_reached(monkeypatch):
     """The plan follows the probe (a fast host: every streamed unit updated
     on the CPU); the first step that updates there measures the host far
     slower (made up), so the units stream again; fp32 stays torch's bitwise."""
-    import tierd.optim.cpu_update as cpu_update
+    import tierd.updates.cpu_update as cpu_update
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)   # made up
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)         # made up: fast
     run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more)

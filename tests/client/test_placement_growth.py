@@ -3,7 +3,7 @@ made-up measured peaks: a plan made with an assumed update window grows into
 the room the first fused step leaves ([Note: growing the plan] in
 ``tierd.client.placer``); units keeping only their weights on the device
 write them to the store when it is read ([Note: kept weights are written
-when the store is read] in ``tierd.optim.resident``). Every change of plan
+when the store is read] in ``tierd.updates.resident``). Every change of plan
 trains bitwise like the reference and detaches with the same values."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_growth_then_new_shapes_then_detach(monkeypatch, make, dtype, frac, plac
                                             accumulate):
     """Growth (any start), a new input shape after it, and detach, against a
     reference: torch (fp32) or the all-streamed tierd run (bf16)."""
-    import tierd.optim.cpu_update as cpu_update
+    import tierd.updates.cpu_update as cpu_update
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e3)
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 1e12)
     extra = 1 << 20
@@ -280,7 +280,7 @@ def test_the_check_steps_peak_does_not_set_the_budget(monkeypatch):
 
 
 def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
-    import tierd.optim.resident as resident
+    import tierd.updates.resident as resident
     model = attach(llama(), client=LocalStore(job="run1"), job="run1", device="cpu",
                    compute_dtype="bf16", gpu_memory_bytes=_cap_for_half(llama))
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
@@ -308,8 +308,8 @@ def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatc
     measures slow, so its units stream again, once an update has ended to
     measure it; the plan grows only after a step that held their state, and
     no step goes over the cap or replans."""
-    import tierd.optim.cpu_update as cpu_update
-    from tierd.optim.buckets import update_window
+    import tierd.updates.cpu_update as cpu_update
+    from tierd.updates.buckets import update_window
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 4e8)
     run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more),

@@ -11,7 +11,7 @@ from tierd.client.releases import PendingReleases, ReleaseKind
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import DeviceParameter, TieredParam
 from tierd.errors import StateError
-from tierd.optim.buckets import Bucket, BucketState, update_window
+from tierd.updates.buckets import Bucket, BucketState, update_window
 
 
 def _param(numel: int = 2, dtype=torch.float32) -> TieredParam:

@@ -14,7 +14,7 @@ import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.store import LocalStore
-from tierd.optim.buckets import BucketState
+from tierd.updates.buckets import BucketState
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 
 
@@ -167,7 +167,7 @@ def test_cpu_updates_overlap_backward_except_under_ranks():
     """CUDA too (the GPU tests in test_cpu_update_gpu.py); not under ranks."""
     from types import SimpleNamespace
 
-    from tierd.optim.cpu_update import overlapped
+    from tierd.updates.cpu_update import overlapped
     assert overlapped(SimpleNamespace(share=None, device=torch.device("cpu")))
     assert overlapped(SimpleNamespace(share=None, device=torch.device("cuda", 0)))
     assert not overlapped(SimpleNamespace(share=object(), device=torch.device("cuda", 0)))
@@ -180,7 +180,7 @@ def test_the_plan_sees_the_host_rate_every_optimizer_measured_together():
     from types import SimpleNamespace
 
     from tierd.client.placement import Costs
-    from tierd.optim.cpu_update import host_choice
+    from tierd.updates.cpu_update import host_choice
 
     def opt(choice, nbytes, seconds):
         return SimpleNamespace(host=SimpleNamespace(choice=lambda: choice, nbytes=nbytes,

@@ -10,7 +10,7 @@ daemon, ``optimizer_placement="cpu"`` throughout:
   backward (what "cpu" did before updates overlapped backward);
 - ``overlapped``: the default, each unit's update runs on host threads as
   soon as its gradients are final ([Note: CPU updates overlapped with
-  backward] in ``tierd.optim.cpu_update``);
+  backward] in ``tierd.updates.cpu_update``);
 - ``no math``: the overlapped path with the optimizer's math left out (an
   AdamW whose ``update_params`` does nothing): the floor of the overlapped way.
 

@@ -58,7 +58,7 @@ from tierd.client.store import Store
 from tierd.client.tiered_param import DeviceParameter, ParamState, TieredParam, tiered_of
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
-from tierd.optim.resident import check_room_to_write_back, device_values, write_kept_weights
+from tierd.updates.resident import check_room_to_write_back, device_values, write_kept_weights
 
 _SESSION_ATTR = "_tierd_session"
 
@@ -332,14 +332,14 @@ class AttachSession:
         unused = unused_grads(self, tps)
         if unused:
             # the last writes of those keys have landed (resident state stays off
-            # the store: [Note: resident state leaves the store] in tierd.optim.resident)
+            # the store: [Note: resident state leaves the store] in tierd.updates.resident)
             self.settle(write_resident=False)
             free_grads(self, unused)
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """New CPU tensors with the stored bytes of this session's keys (not
         those of resident optimizer state, which :meth:`read_values` reads on
-        the device: [Note: resident state leaves the store] in tierd.optim.resident)."""
+        the device: [Note: resident state leaves the store] in tierd.updates.resident)."""
         self.settle(write_resident=False)
         keys = list(dict.fromkeys(keys))
         self.leases.acquire(keys)

@@ -24,7 +24,7 @@ not restart, the job's keys are its *latest* values, which may be newer than
 the last commit (nothing rolls them back), and are not all of one step: the
 GPU's values reach the store only at a commit ([Note: resident state leaves
 the store], [Note: kept weights are written when the store is read] in
-``tierd.optim.resident``).
+``tierd.updates.resident``).
 """
 
 from __future__ import annotations

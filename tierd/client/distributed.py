@@ -84,10 +84,10 @@ reasoned, not measured (the GPU machine had one GPU). Replicas need the same
 plan on every rank, so it is agreed ([Note: one plan for every rank] in
 ``tierd.client.placer``). The node's copy in the daemon is written back by
 the unit's owner alone when the host reads the pool (commit,
-``state_dict()``, detach, a new plan; ``tierd.optim.resident.write_back``),
+``state_dict()``, detach, a new plan; ``tierd.updates.resident.write_back``),
 as new versions of the shared keys; another rank reads its own copy
 (``AttachSession.read_values``) and gets its start from the owner once, when
-the plan is applied (``tierd.optim.replica``).
+the plan is applied (``tierd.updates.replica``).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class Mover:
         self._announced: list[TieredParam] = []      # prefetched, copy not started
         self._device_bytes = 0                       # [Note: the device budget]
         # new values kept on the device for the next step's first units
-        # ([Note: new values kept for the next step] in tierd.optim.fused)
+        # ([Note: new values kept for the next step] in tierd.updates.fused)
         self._kept: set[TieredParam] = set()
         self._kept_bytes = 0
         self._head: tuple[int, set[TieredParam]] = (-1, set())   # (step, first params)
@@ -196,7 +196,7 @@ class Mover:
             if self._device_bytes + tp.nbytes > budget:
                 return
             if any(opt.will_fetch(tp) for opt in self.optimizers):
-                return   # made from its master once fetched (tierd.optim.fused)
+                return   # made from its master once fetched (tierd.updates.fused)
             self._announced.pop(0)
             self._start_swap_in(tp)
 
@@ -215,7 +215,7 @@ class Mover:
         for opt in self.optimizers:
             master = opt.fetched_master(tp)
             if master is not None:
-                # [Note: compute copy from the fetched master] in tierd.optim.fused
+                # [Note: compute copy from the fetched master] in tierd.updates.fused
                 opt.read_master(tp, tp.start_swap_in(master, (), self.copy))
                 self._device_bytes += tp.nbytes
                 self.counters.master_copy_bytes += tp.nbytes
@@ -238,7 +238,7 @@ class Mover:
     def keep_new_value(self, tp: TieredParam, value: torch.Tensor, step: int) -> None:
         """The optimizer made ``tp``'s new compute value on the device: keep it
         there if the next step uses ``tp`` first and the budget allows
-        ([Note: new values kept for the next step] in tierd.optim.fused).
+        ([Note: new values kept for the next step] in tierd.updates.fused).
         Only on CUDA: on the CPU there is no copy to save, and parameters
         hold no storage between steps."""
         if not self.copy.on_device or tp.state not in (ParamState.HOST, ParamState.DEVICE):

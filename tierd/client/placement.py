@@ -19,7 +19,7 @@ A unit's bytes can live in four places between steps:
   update runs there with no PCIe traffic. Costs all the unit's bytes.
 - ``CPU``: as ``STREAM``, but master and moments never leave the pool: the
   update runs there on the host's threads, overlapped with backward
-  ([Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``).
+  ([Note: CPU updates overlapped with backward] in ``tierd.updates.cpu_update``).
   A step moves the compute copy in for forward and backward and the fp32
   gradient out (:meth:`UnitBytes.streamed`), and costs host time instead.
 
@@ -81,7 +81,7 @@ state to the device for its update) and updates the rest on the host;
 
 [Note: placement within the store]
 A ``RESIDENT`` unit's values leave the store ([Note: resident state leaves
-the store] in ``tierd.optim.resident``); every other place keeps them there
+the store] in ``tierd.updates.resident``); every other place keeps them there
 (:attr:`UnitBytes.stored_bytes`). When the store cannot hold what the
 PCIe-saving plan leaves in it (``store_bytes``), units become ``RESIDENT``
 until it can, in unit order, ``WEIGHTS`` ones first (they need only their

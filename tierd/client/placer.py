@@ -50,7 +50,7 @@ activation planner's later steps grow past what placement left free.
 The first (measuring) step updates in ``opt.step()``, after its backward.
 Placing there rather than at the next forward means the resident units'
 optimizer state is made on the device by that first update and never stored
-([Note: resident state leaves the store] in ``tierd.optim.resident``,
+([Note: resident state leaves the store] in ``tierd.updates.resident``,
 [Note: state made when first needed] in ``tierd.optim.state``): the store
 needs room only for the first step's gradients and what streams, which lets
 a model larger than pool + NVMe train. The update adds little device memory
@@ -60,12 +60,12 @@ waits for the next forward, where every rank agrees on it.
 [Note: the update window]
 The measured first step updates in ``opt.step()``, after its activations are
 freed, but every later backward runs the fused update ([Note: fused update]
-in ``tierd.optim.fused``) beside them: streamed buckets' state fetched ahead
+in ``tierd.updates.fused``) beside them: streamed buckets' state fetched ahead
 (up to twice ``prefetch_bytes``, plus the running bucket) and one bucket's
 fp32 gradients. Uncounted, that ran 13B (H200) out of memory in its second
 step (a 318M-parameter layer: 3.8 GB of state and 1.9 GB of gradients besides
 4 GiB of window, past the margin). So a measured step that ran no fused
-update adds the optimizers' window (``tierd.optim.buckets.update_window``).
+update adds the optimizers' window (``tierd.updates.buckets.update_window``).
 
 [Note: growing the plan]
 That window is an upper bound: backward frees activations while the state
@@ -95,9 +95,9 @@ from tierd.client.capacity import DaemonRoom, size_text
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
                                     grow_placement, plan_placement, rebalance_host, stored)
 from tierd.errors import CapacityError
-from tierd.optim.buckets import update_window
-from tierd.optim.cpu_update import host_choice
-from tierd.optim.replica import can_replicate, drop_replicas, replicate
+from tierd.updates.buckets import update_window
+from tierd.updates.cpu_update import host_choice
+from tierd.updates.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
 

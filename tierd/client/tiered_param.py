@@ -153,7 +153,7 @@ class TieredParam:
         self.grad_created = False
         # Resident: the store's compute copy is older than the device's until
         # written back ([Note: kept weights are written when the store is read]
-        # in tierd.optim.resident).
+        # in tierd.updates.resident).
         self.stale_in_store = False
         # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
         self.grad_norm: torch.Tensor | None = None
@@ -200,7 +200,7 @@ class TieredParam:
         """HOST -> H2D_INFLIGHT: allocate the storage and queue the copy in.
 
         ``source`` is the leased pool view (or the fp32 master the optimizer
-        fetched, see tierd.optim.fused); the returned copy keeps it (and the
+        fetched, see tierd.updates.fused); the returned copy keeps it (and the
         lease's keys) alive until :meth:`finish_swap_in`.
         """
         self._expect(ParamState.HOST, action="swap in")

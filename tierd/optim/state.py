@@ -9,7 +9,7 @@ them, in the store for a bucket that streams or is updated on the CPU
 (:meth:`UnmadeState.ensure_stored`, with ``put_zeros``: nothing copied;
 then held if the hold budget allows), on the device for one that placement
 keeps resident, where they never reach the store ([Note: resident state
-leaves the store] in ``tierd.optim.resident``). fp32 masters that attach did
+leaves the store] in ``tierd.updates.resident``). fp32 masters that attach did
 not store ([Note: masters made when first needed] in
 ``tierd.client.registry``) are made the same way, cast from the compute
 copy. At 8 B per parameter the moments are most of a model's training

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from tierd.client.distributed import collective
 from tierd.client.tiered_param import TieredParam
-from tierd.optim.buckets import Bucket, BucketState
-from tierd.optim.fused import FusedUpdates
+from tierd.updates.buckets import Bucket, BucketState
+from tierd.updates.fused import FusedUpdates
 
 
 class ReplicaUpdates(FusedUpdates):

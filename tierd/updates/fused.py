@@ -55,9 +55,9 @@ import torch
 
 from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
-from tierd.optim.buckets import Bucket, BucketState
-from tierd.optim.cpu_update import HostUpdates
-from tierd.optim.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
+from tierd.updates.buckets import Bucket, BucketState
+from tierd.updates.cpu_update import HostUpdates
+from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import StateError
 
 
@@ -291,7 +291,7 @@ class FusedUpdates:
                 self.session.releases.add(b.copy, written=False)
             self._fetched_bytes -= b.nbytes
         b.to_resident()
-        if leaves:   # [Note: resident state leaves the store] in tierd.optim.resident
+        if leaves:   # [Note: resident state leaves the store] in tierd.updates.resident
             leave_store(self.session, self.opt, b)
 
     def will_fetch(self, tp: TieredParam) -> bool:
@@ -439,11 +439,11 @@ class FusedUpdates:
                 if tp.resident:
                     session.refresh_resident(tp, param)
                 if b.pinned:
-                    continue   # [Note: resident optimizer state] in tierd.optim.resident
+                    continue   # [Note: resident optimizer state] in tierd.updates.resident
                 written += [(key, b.work[key]) for key in k]
                 if tp.has_master and not writes_compute_copy(session, tp):
                     # [Note: kept weights are written when the store is read]
-                    tp.stale_in_store = True   # in tierd.optim.resident
+                    tp.stale_in_store = True   # in tierd.updates.resident
                     continue
                 new = param.to(tp.param.dtype) if tp.has_master else param
                 if tp.has_master:

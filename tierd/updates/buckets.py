@@ -1,8 +1,8 @@
 """An optimizer bucket's lifecycle: the parameters of one unit and param
 group whose optimizer state moves and is updated together (see [Note: fused
-update] in ``tierd.optim.fused``, [Note: resident optimizer state] in
-``tierd.optim.resident``, and
-[Note: CPU updates overlapped with backward] in ``tierd.optim.cpu_update``)."""
+update] in ``tierd.updates.fused``, [Note: resident optimizer state] in
+``tierd.updates.resident``, and
+[Note: CPU updates overlapped with backward] in ``tierd.updates.cpu_update``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class BucketState(enum.Enum):
         moments stay on the device across steps and are updated there; no
         lease is held and the pool's copy is older while ``dirty``, or
         deleted (not ``stored``: [Note: resident state leaves the store] in
-        ``tierd.optim.resident``).
+        ``tierd.updates.resident``).
     UPDATING: a CPU bucket (``cpu``) whose update runs on a host thread, in
         place in the pool: its keys are leased until the thread is done, and
         nothing may read its master, moments or compute copy before that.
@@ -108,7 +108,7 @@ class Bucket:
 
     def left_store(self) -> None:
         """RESIDENT: the store's older copies of its values were deleted
-        ([Note: resident state leaves the store] in ``tierd.optim.resident``)."""
+        ([Note: resident state leaves the store] in ``tierd.updates.resident``)."""
         self._expect(BucketState.RESIDENT, action="leave the store")
         self.stored = False
 

@@ -12,7 +12,7 @@ value. Gradients that earlier backwards of a window summed in the pool are
 brought in for the update. An optimizer that updates in ``step()``
 (clipping: ``fusing`` off) keeps its buckets for this alone: ``step()`` updates
 a pinned bucket's device state in place
-(:meth:`tierd.optim.fused.FusedUpdates.resident_work`).
+(:meth:`tierd.updates.fused.FusedUpdates.resident_work`).
 
 [Note: resident state leaves the store]
 Once a pinned bucket is RESIDENT, the device holds the newest master,
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from tierd.client.capacity import DaemonRoom, record_bytes, size_text
 from tierd.errors import CapacityError
-from tierd.optim.buckets import BucketState
+from tierd.updates.buckets import BucketState
 
 
 def _values(opt, b) -> dict:

@@ -6,7 +6,7 @@ the planner's ``Place.CPU``, [Note: choosing CPU updates] in
 ``tierd.client.placement``) keeps its fp32 master and moments in the pool for
 good. In the backward that ends a window, as soon as the bucket's gradients
 are final on the device (the same moment the fused path would update it,
-[Note: fused update] in ``tierd.optim.fused``):
+[Note: fused update] in ``tierd.updates.fused``):
 
 1. the main thread leases the bucket's keys (master, moments, fp32 gradient,
    compute copy) and queues the gradients' copy out to their ``grad`` keys on
@@ -52,7 +52,7 @@ from tierd.client.copy_stream import InflightCopy
 from tierd.client.placement import Costs
 from tierd.client.tiered_param import TieredParam
 from tierd.client.torch_internals import foreach_adamw
-from tierd.optim.buckets import Bucket, BucketState
+from tierd.updates.buckets import Bucket, BucketState
 
 _THREADS = 1
 #: 192 MiB of AdamW state, past any cache: with 12 MiB (which a server's L3
@@ -151,7 +151,7 @@ def overlapped(session) -> bool:
 
 
 class HostUpdates:
-    """The CPU updates of one :class:`~tierd.optim.fused.FusedUpdates`
+    """The CPU updates of one :class:`~tierd.updates.fused.FusedUpdates`
     (see the Note above): which buckets are on the CPU, their jobs, and what
     was measured.
 
