@@ -22,48 +22,9 @@ download). The daemons' pool budget is 20 B per parameter (attach checks
 room for the training state), so all 32 layers of the 8B need more memory
 than the H200 host has; 8 layers store 17 GB per case.
 
-[Note: attach's write path, predicted and measured]
-Per stored byte the attach used to pay, in series: a converted CPU copy
-(``.to(dtype)``: new pages, faulted and zeroed, then the cast) or, for a
-GPU model, a pageable device-to-host copy first; the copy into the pool,
-whose first touch of each page faults in the client (CPU) or is paid by
-``cudaHostRegister`` (CUDA, 0.05 s/GiB); and the daemon's allocation of new
-segments (``posix_fallocate`` of every page) on its event loop, one
-segment at a time, while the client waited. Predicted gains: converting on
-the way drops the temporaries (a fp32 model to bf16: 1/3 of the bytes
-written, and their faults); segments made ahead on threads take the
-daemon's page allocation (and, with 4 or more threads, the zeroing that
-fallocate leaves to the first touch) out of the client's path; ``put_zeros``
-copies nothing; a checkpoint's tensors are copied from a mapping of the
-file; on CUDA a GPU model goes
-device -> pinned pool at PCIe speed instead of through pageable memory.
-Measured on the 2-core CI machine, which others loaded (wall times swing
-up to 2x between runs: the client's CPU seconds and page faults are the
-steadier figures), `--layers 4 --d 2048 --ff 5632 --kv 512 --vocab 32000
---zeros-gb 1` (311M parameters), three runs each, before -> after:
-| case | seconds | client CPU s | client faults |
-| fp32 model, compute bf16 (1.87 GB) | 2.1-2.7 -> 1.7-1.8 | 1.7-2.3 -> 1.2 | 603k -> 458k |
-| fp32 model, compute fp32 (1.25 GB) | 1.1-1.3 -> 1.1-1.2 | 0.8 -> 0.8 | 305k -> 305k |
-| weights= bf16 file (1.87 -> 0.62 GB: masters made later) | 3.7-6.2 -> 0.6-0.75 | 3.6-5.7 -> 0.45 | 1.0M -> 154k |
-| zeros, put_many, fresh (0.94 GB) | 1.6 -> 1.6 | 1.4 -> 1.3 | 459k -> 455k |
-| zeros, put_zeros, fresh | (new) 0.24 | 0.0 | 0.3k |
-What is left on a CPU-only client here is one fault per 4 KiB page of the
-pool it writes: ~0.35 s/GB on this virtual machine, the same whether the
-daemon allocated the pages (fallocate) or also zeroed and mapped them
-(MADV_POPULATE_WRITE), and whether the client faults them or populates its
-mapping in one call: only larger pages would cut it (shmem THP, off here).
-With CUDA, ``cudaHostRegister`` of each new segment takes that cost
-(0.05 s/GiB measured on the H200). Predicted there (16 cores, H200): a CPU
-or GPU model at 5-10 GB/s (page-locking ~20 GB/s, the copies 20-40 GB/s on
-16 threads or PCIe, the daemon's allocation off the path on 8 threads),
-``put_zeros`` at the daemon's allocation rate on 8 threads, ``weights=``
-from a cached file near the CPU model's (its values are copied from a
-mapping of the file, [Note: reading a tensor] in ``tierd.client.weights``).
-Zeroing ahead pays only with cores to spare: forced on the CI machine
-(``TIERD_POOL_THREADS=8`` on 2 cores) the daemon spent 2.7 CPU s instead of
-0.6 on the bf16 case, the client's faults stayed 458k and the attach took
-twice as long. On the H200, compare ``TIERD_POOL_THREADS=0``, ``3``
-(allocated ahead, not zeroed) and the default (8: zeroed ahead).
+The write path is [Note: attach's write path] in ``tierd.client.registry``.
+What was predicted for it and measured before and after:
+``benchmarks/results/HISTORY.md``, "Attach's write path (tierd.bench.attach)".
 """
 
 from __future__ import annotations

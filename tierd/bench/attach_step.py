@@ -9,26 +9,8 @@ compute copies, fp32 masters and moments) with a GPU budget of a few blocks.
 Prints per-step seconds, ratios, bytes each way per step and the share of the
 step spent in tierd's hooks and requests (``session.stats()``).
 
-[Note: the PCIe floor]  (prediction written before measuring)
-Per parameter and step, fused optimizer: H2D bf16 param in forward (2 B)
-and backward (2 B) + master, m, v (12 B) = 16 B; D2H master, m, v + new bf16
-(14 B). GPT-2 1.3B (1.31e9 params): 21 GB in, 18.3 GB out. At 55.4 GB/s one
-way that is 0.38 s in; both ways at 98 GB/s together 0.40 s. All-GPU steps:
-0.269 s (B=8), 0.521 s (B=16). So B=8 is PCIe-bound at >= ~1.5x (the target
-sits on the floor); B=16 can hide the copies under compute (~1.0-1.1x) if
-they overlap. The old deferred step (lease, H2D master/grad/m/v, update, D2H,
-synchronize, per block) added ~30 B/param without overlap: ~0.7 s, ~3.5x.
-Forward: 2.6 GB of bf16 params in 0.047 s vs 0.094 s of compute: <= 1.1x if
-prefetch keeps the copy ahead.
-
-Measured (H200, `python -m tierd.bench.attach_step --steps 4 --warmup 3`, pool
-40 GiB, all keys held, budget 4 blocks, optimizer state in flight 2.4 GB):
-| version | B=8 step | B=16 step | fwd B=8 |
-| fused, one copy stream for params+states, drain scans all | 1.98x | 1.31x | 1.25x |
-| + held keys skip releases, drain stops early, foreach AdamW, state budget blocking at 1x | 2.30x | 1.51x | 1.03x |
-| + param swap-in allocated on the copy-in stream, blocking only at 2x | 1.98x | 1.21x | 1.04x |
-Bytes per step (B=16): 21.2 GB in, 18.4 GB out, as predicted; 0 daemon
-requests per step once held. The B=8 columns average in the learning step.
+What was predicted before this benchmark first ran, and measured then:
+``benchmarks/results/HISTORY.md``, "The PCIe floor (tierd.bench.attach_step)".
 """
 
 from __future__ import annotations

@@ -52,33 +52,8 @@ existing file is merged into: a new row replaces the row of the same model
 and system; so slices of the work can run as separate calls. Each attempt's
 output is in ``DIR/logs/``.
 
-[Note: what to expect]  (prediction written before measuring)
-Training state per parameter: tierd bf16 weight + fp32 master + AdamW moments
-= 14 B (+ gradients while they are reduced); DeepSpeed ZeRO-3 offload keeps
-bf16 params, fp32 master, moments and fp32 gradients on the host, ~18 B;
-FSDP2 keeps fp32 params, fp32 gradients and moments on the host, 16 B. The
-machine has 128 GiB of RAM of which ~70 GiB can be page-locked.
-- 8B (8.03B params, 48.2 GFLOP/token): DeepSpeed needs ~145 GB of host memory
-  (~80 GB of it pinned) and FSDP2 ~128 GB (64 GB pinned): both should fail on
-  host memory (a row with the error; the watchdog if the kernel does not
-  refuse first). tierd keeps ~100 GB of its 112 GB state on the GPU next to
-  B=4-8 activations (~20-30 GB with checkpointing, fp32 logits dominate) and
-  streams the rest: 200-260 TFLOPS, ~4,100-5,400 tokens/s — if the embedded
-  daemon's pool and NVMe hold the first (measuring) step's state; with 32 GiB
-  of NVMe they did not before.
-- 13B (13.0B, 82.1 GFLOP/token): DeepSpeed ~235 GB, FSDP2 ~210 GB of host
-  memory: both fail. tierd streams ~70-80 GB of state per step in and out,
-  ~1.5 s at ~50 GB/s each way, overlapped with a ~2.5 s B=4 step: ~2,500-3,300
-  tokens/s. "2x DeepSpeed at 13B" then has no DeepSpeed figure to compare
-  with; the ladder gives the sizes where both run.
-- Largest: DeepSpeed ~L20 (5.4B) to L24 (6.3B) and FSDP2 ~L24 to L28
-  (7.2B), bounded by host memory and the page-locking limit; their step is
-  bound by the CPU AdamW (~2-4 s at 5-7B) and by bf16 weights crossing PCIe
-  three times (forward, recompute, backward). tierd's three tiers hold about
-  GPU ~120 GB (139 less B=1 activations and workspace) + pool <= ~75 GB (the
-  page-locking limit) + NVMe (whatever the 64 GiB disk has free, ~40 GB) =
-  ~235 GB of 14 B/param state: ~16.5B, so expect L64 (15.0B) to L72 (16.7B);
-  L80 (18.5B, ~260 GB) needs ~25 GB more than that.
+What was predicted before this benchmark first ran, and measured then:
+``benchmarks/results/HISTORY.md``, "8B, 13B and the largest model (tierd.bench.bigmodel)".
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class Shape:
         """Model FLOPs of one trained token (forward and backward, recompute not
         counted): 6 per matmul parameter (every parameter but the input
         embedding, a lookup) plus 12 * layers * hidden * seq for attention's
-        score and value products ([Note: what to expect] in ``bigmodel``)."""
+        score and value products (``tflops`` in :mod:`tierd.bench.bigmodel`)."""
         matmul = self.params - self.vocab * self.hidden
         return 6 * matmul + 12 * self.layers * self.hidden * seq
 

@@ -14,20 +14,14 @@ by next use] in ``tierd.server.eviction``). Writes ``cycle.json``: per policy
 the bytes read from and written to NVMe per step and the seconds per step
 (medians after the first step, which fills the pool).
 
-[Note: what to expect from demoting]  (prediction written before measuring)
-With W bytes touched per step through a pool of P < W, least recently used
-evicts exactly the key needed next: every lease misses, W is read and W
-written per step. Demoting keeps the first keys of the order in the pool and
-cycles only the rest: about W - P each way (plus the room eviction keeps
-free), so at W = 1.5 P a third of the traffic, and a disk-bound step a third
-of the time.
+What was predicted before this benchmark first ran, and measured then:
+``benchmarks/results/HISTORY.md``, "Demoting (tierd.bench.cycle)".
 
 ``--ahead N`` adds a third run, demoted with the next N keys prefetched
 before each lease, as a client fetching a bucket ahead would: the victims'
 writes and the next keys' reads then overlap the current key's. Whether that
-helps depends on the disk's mixed read/write bandwidth: on the 2-core
-development VM it did not (1 ahead: 1.14x, 4 ahead: 1.20x the time of
-demoting alone, the same bytes).
+helps depends on the disk's mixed read/write bandwidth (on the development
+VM it did not: the same page of HISTORY.md).
 """
 
 from __future__ import annotations

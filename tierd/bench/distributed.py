@@ -15,13 +15,8 @@ case with ``torch.distributed.run``; ranks write their figures as JSON. Cases:
 - ``gpu-1`` / ``ddp-N``: the same model all on the GPU (fp32 params, bf16
   autocast, fused torch AdamW), one rank and N ranks with DDP.
 
-[Note: what to expect]  (written before measuring)
-Per GPU and step a rank copies every bf16 parameter in for forward and for
-backward (2 x 2.6 GB) whatever N is; the optimizer's fp32 state (12 B/param
-in, 14 B/param out with the new bf16 copy) is split across the N ranks. So
-per-GPU PCIe bytes fall from ~21 GB in / 18 GB out (N=1) to ~13 / 10 GB
-(N=2), and the step time of the PCIe-bound B=8 case should drop by up to the
-same ~40 %, while gradients (fp32, one reduce per unit) go over NVLink.
+What was predicted before this benchmark first ran, and measured then:
+``benchmarks/results/HISTORY.md``, "Data-parallel ranks (tierd.bench.distributed)".
 """
 
 from __future__ import annotations

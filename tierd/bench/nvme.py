@@ -14,18 +14,20 @@ Measures, on the file system of ``--dir``:
    NVMe, "spill") and one ``prefetch`` + ``lease`` of every key (NVMe -> pool,
    "fetch").
 
-[Note: raw memory] On a virtual machine the same O_DIRECT calls ran 40 %
-slower from one freshly made 1 GiB buffer than from the next one (where the
-guest's pages happen to lie), so a raw figure from a buffer of the bench's
-own is partly luck. Each round's raw figures therefore move the very pool
+[Note: raw memory]
+The same O_DIRECT calls can run at different speeds from two buffers of the
+same size (on a virtual machine, by where the guest's pages happen to lie:
+figures in ``benchmarks/results/HISTORY.md``, "The NVMe bench's method"), so
+a raw figure from a buffer of the bench's own is partly luck. Each round's raw figures therefore move the very pool
 pages that hold the keys (leased by the bench: key i at offset i x key size
 of a file of its own): same memory, same file system, no tierd in between.
 The sweep only picks the request size and depth.
 
-[Note: first touch and steady state] The daemon preallocates its file, so a
-first spill writes into unwritten extents and the file system converts them
-as each write completes; on ext4 that costs a third of the write bandwidth,
-in raw writes as much as in tierd's. A daemon that has run a while writes
+[Note: first touch and steady state]
+The daemon preallocates its file, so a first spill writes into unwritten
+extents and the file system converts them as each write completes, which
+costs write bandwidth (on ext4: the same page of HISTORY.md), in raw writes
+as much as in tierd's. A daemon that has run a while writes
 over blocks written before. So the first round runs on fresh files (raw and
 tierd alike, 8 MiB x 8 raw) and is reported apart; then ``--rounds`` rounds
 over written blocks, each raw write, spill, fetch and raw read back to back.

@@ -20,22 +20,8 @@ tierd's also has its hooks' host seconds per step. A capped case's ``floor_s`` i
 larger of the all-GPU step (its compute) and the PCIe time of the bytes the
 plan streams, at the both-ways bandwidth measured in the same run.
 
-[Note: what to expect from placement]  (prediction written before measuring)
-GPT-2 1.3B holds 1.31e9 x 14 B = 18.4 GB of bf16 weights and fp32 state; the
-all-GPU B=16 step peaks at 101 GB on a 139 GB GPU, so every unit fits and a
-step moves nothing: tierd should run at the all-GPU time (within the
-optimizer's own cost: tierd's foreach AdamW per bucket vs torch's fused
-AdamW, ~10 ms). 5B (24 x 4096) holds 70 GB, the step ~15 GB: all resident,
-<= 1.10x. Capped at 40 GB, 5B keeps ~25 GB (all weights, 10 GB, first, then
-state for ~15 GB of units) and streams the state of the rest, ~45 GB each
-way: ~0.5 s at 95 GB/s vs a 0.23 s compute: PCIe-bound, floor ~0.5 s.
-8B (40 x 4096, T=1024, B=4, checkpointing) all on the GPU needs 16 B/param,
-130 GB, before activations: out of memory, so its floor's compute is tierd's
-own compute-stream busy time. Capped at 100 GB with ~10 GB of activations,
-tierd keeps all 16 GB of bf16 weights and the state of ~5.7B parameters and
-streams the state of the other ~2.4B, ~29 GB each way: ~0.6 s of PCIe
-against ~0.75 s of compute (2.7e14 FLOPs with the recompute at ~350
-TFLOPS): compute-bound, within ~1.1x of its floor if the copies hide.
+What was predicted before this benchmark first ran, and measured then:
+``benchmarks/results/HISTORY.md``, "Placement (tierd.bench.placement)".
 """
 
 from __future__ import annotations

@@ -35,6 +35,18 @@ before (``state_dict``, detach) come from the compute copy, which is the
 same number. A job resumed from a commit made before a parameter's first
 update has no master for it: made the same way. Under torch.distributed
 every rank reads its owner's master from the store, so attach stores it.
+
+[Note: attach's write path]
+Attach writes each stored byte once, from where the value is, converted to
+the stored dtype on its way into the pool: a CUDA parameter is copied from
+the device into the pinned pool (no pageable host copy between), a
+checkpoint's tensor from a mapping of its file ([Note: reading a tensor] in
+``tierd.client.weights``), in ``put_many`` batches. Every temporary between
+(a converted CPU copy, a pageable staging copy) is new pages, faulted and
+zeroed, and one more copy, in series with the write. The pages the pool
+grows by are the daemon's to allocate, ahead and on threads of its own
+([Note: segments made ahead] in ``tierd.backends.hostpool``), not on the
+client's path.
 """
 
 from __future__ import annotations
@@ -61,7 +73,7 @@ ValueSource = Callable[[nn.Parameter], torch.Tensor]
 
 def _own_value(param: nn.Parameter) -> torch.Tensor:
     # where it is: a CUDA parameter is copied straight into the pinned pool
-    # (no pageable staging copy), see [Note: attach's write path] in tierd.client.attach
+    # (no pageable staging copy), see [Note: attach's write path]
     return param.detach()
 
 
