@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-#: name -> GPT2Config fields. "gpt2-1.3b" is the DESIGN.md model.
+#: name -> GPT2Config fields. "gpt2-1.3b" is the model the project's figures use.
 MODELS = {
     "gpt2-1.3b": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257),
     "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257),

@@ -14,7 +14,7 @@ import importlib.util
 from tierd.bench import models
 from tierd.bench.common import GB, Context, Skip, fmt_bytes, row, run_worker
 
-#: step time over the all-on-GPU reference that DESIGN.md holds tierd to
+#: step time over the all-on-GPU reference that tierd is held to
 TRAIN_TARGETS = {8: 1.5, 16: 1.15}
 FORWARD_TARGET = 1.10
 CONTROL_TARGET = 0.03

@@ -205,7 +205,8 @@ def register_pool(client, device: torch.device) -> None:
 
     Registered (pinned) memory copies at full PCIe speed and lets
     ``non_blocking`` copies be truly asynchronous; unregistered shared memory
-    is pageable (7 GB/s instead of 55 GB/s on the H200 host, see DESIGN.md).
+    is pageable, and copies from it run at a fraction of that speed (H200
+    figures: ``benchmarks/results/HISTORY.md``, "Pinned and pageable copies").
     Does nothing unless ``device`` is CUDA.
     """
     if device.type != "cuda":

@@ -12,8 +12,8 @@ is released when the last reference goes, as written if any holder wrote.
 [Note: held leases]
 When the keys fit comfortably in the pool, the session *holds* them: one
 reference each that is kept across steps, so acquiring and releasing in the
-hot path are dictionary updates and no request reaches the daemon (DESIGN
-"Hot path has no round trip"). A held key cannot be evicted to NVMe, which
+hot path are dictionary updates and no request reaches the daemon (a
+round trip per key per use would cost more than the copy). A held key cannot be evicted to NVMe, which
 is why only a fraction of the pool is ever held; bytes written while held are
 reported as written when the hold ends (:meth:`LeaseTable.unhold_all`).
 

@@ -1,8 +1,8 @@
 """Pool chunks of saved activations: their lifecycle and every request about them.
 
 [Note: activation chunks]
-One request per saved tensor would cost ~100 µs each (DESIGN: batch per
-block, never per tensor). The store instead reserves fixed-size *chunks* (one
+One request per saved tensor would cost a daemon round trip each, many per
+block. The store instead reserves fixed-size *chunks* (one
 pool slot each, ``chunk_bytes``) and sub-allocates every offloaded storage
 span (a *record*) into the open chunk at an aligned offset. A full chunk is
 *sealed*; once every copy into it has completed (its events) it is
