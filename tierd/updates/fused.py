@@ -1,4 +1,4 @@
-"""The optimizer update fused into backward (DESIGN "Optimizer").
+"""The optimizer update fused into backward.
 
 [Note: fused update]
 On the backward that ends an accumulation window, each parameter is updated
@@ -442,8 +442,9 @@ class FusedUpdates:
                     continue   # [Note: resident optimizer state] in tierd.updates.resident
                 written += [(key, b.work[key]) for key in k]
                 if tp.has_master and not writes_compute_copy(session, tp):
-                    # [Note: kept weights are written when the store is read]
-                    tp.stale_in_store = True   # in tierd.updates.resident
+                    # see [Note: kept weights are written when the store is read]
+                    # in tierd.updates.resident
+                    tp.stale_in_store = True
                     continue
                 new = param.to(tp.param.dtype) if tp.has_master else param
                 if tp.has_master:
