@@ -120,3 +120,91 @@ def test_docstring_examples_run(name):
     for test in doctest.DocTestFinder().find(importlib.import_module(name)):
         runner.run(test, out=out.append)
     assert runner.failures == 0, "".join(out)
+
+
+# [Note: ...] blocks (STYLE.md 11): a block's header is a line that holds only
+# ``[Note: TITLE]`` (after a ``#`` or ``#:`` in a comment); every other
+# ``[Note: TITLE]`` is a reference to one, and may name the module that holds
+# it ("[Note: X] in ``tierd.client.registry``", "in `registry.py`").
+NOTE = re.compile(r"\[Note:\s*(?P<title>[^\]]*)\]")
+NOTE_HEADER = re.compile(r"^\s*(?:#:?\s*)?\[Note:\s*(?P<title>[^\]]*)\]\s*$")
+NOTE_MODULE = re.compile(r"\]\s*(?:#:?\s*)?in\s+(?::mod:)?`*(?P<module>[\w./]+?)\.?`*(?=[\s),;:`]|$)")
+
+
+def note_title(raw: str) -> str:
+    """A title as written, less the comment markers of a wrapped line."""
+    return " ".join(re.sub(r"\n\s*#:?", " ", raw).split())
+
+
+def note_sources() -> list:
+    return sorted((ROOT / "tierd").rglob("*.py"))
+
+
+def note_headers() -> dict[str, list[str]]:
+    """Title -> the ``path:line`` of each block with that header in tierd/."""
+    found: dict[str, list[str]] = {}
+    for path in note_sources():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = NOTE_HEADER.match(line)
+            if m:
+                found.setdefault(note_title(m.group("title")), []).append(
+                    f"{path.relative_to(ROOT)}:{n}")
+    return found
+
+
+def note_references() -> list[tuple[str, str, str | None, object]]:
+    """(``path:line``, title, module named or None, path) of every reference
+    in tierd/, docs/ and the README."""
+    refs = []
+    for path in [*note_sources(), *sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
+        text = path.read_text()
+        lines = text.splitlines()
+        for m in NOTE.finditer(text):
+            n = text.count("\n", 0, m.start()) + 1
+            if NOTE_HEADER.match(lines[n - 1]) or m.group("title") == "...":
+                continue   # a block's header, or the form named in prose
+            named = NOTE_MODULE.match(text, m.end() - 1)
+            refs.append((f"{path.relative_to(ROOT)}:{n}", note_title(m.group("title")),
+                         named.group("module") if named else None, path))
+    return refs
+
+
+def module_files(module: str, where) -> set[str]:
+    """The files of tierd/ a reference's module name can mean: a dotted name
+    (``tierd.client.registry``, relative ``.plan``), a path
+    (``tierd/client/placement.py``) or a file's name (``registry.py``, ``bigmodel``)."""
+    files = [p.relative_to(ROOT) for p in note_sources()]
+    if module.startswith("."):
+        package = where.parent.relative_to(ROOT)
+        return {str(package / f"{module[1:]}.py")} & {str(p) for p in files}
+    if module.startswith("tierd.") and not module.endswith(".py"):
+        base = module.replace(".", "/")
+        return {str(p) for p in files if str(p) in (f"{base}.py", f"{base}/__init__.py")}
+    if "/" in module:
+        return {module} & {str(p) for p in files}
+    name = module if module.endswith(".py") else f"{module}.py"
+    return {str(p) for p in files if p.name == name}
+
+
+def test_every_note_reference_resolves_to_one_note():
+    """Each ``[Note: TITLE]`` cited in the code, the docs or the README is
+    defined by exactly one block in tierd/, in the module the reference
+    names if it names one."""
+    headers = note_headers()
+    assert len(headers) >= 50, sorted(headers)
+    wrong = [f"{', '.join(where)}: [Note: {title}] is defined {len(where)} times"
+             for title, where in headers.items() if len(where) > 1]
+    refs = note_references()
+    assert len(refs) >= 200
+    for where, title, module, path in refs:
+        defined = headers.get(title)
+        if not defined:
+            wrong.append(f"{where}: [Note: {title}] is defined nowhere in tierd/")
+        elif module is not None and defined[0].rsplit(":", 1)[0] not in module_files(module, path):
+            wrong.append(f"{where}: [Note: {title}] is not in {module} (it is at {defined[0]})")
+    for path in [*note_sources(), *sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(?:the|its|'s) Notes? (?:on|in)\b", line):
+                wrong.append(f"{path.relative_to(ROOT)}:{n}: a Note cited in prose; "
+                             "write [Note: TITLE] so this test checks it")
+    assert not wrong, "unresolved Note references:\n" + "\n".join(wrong)

@@ -19,8 +19,8 @@ One file per committed job under
                (format 1: [key, dtype, shape, nbytes, version, offset,
                extent_len], one extent)
 
-Each tensor entry names a record in the data file (see the Notes on record
-format and on records in several extents) whose header repeats key, job,
+Each tensor entry names a record in the data file (see [Note: record
+format] and [Note: records in several extents] in ``tierd.backends.recordio``) whose header repeats key, job,
 dtype, shape, nbytes and version, so a record that is not the one the
 manifest means is caught at read time. Loading checks that each record's
 spans add up to its length, lie inside the data file and overlap no other.

@@ -53,8 +53,8 @@ class Ownership:
 
         When another process holds it: :class:`InUse` ``"<what> is in use by a
         live daemon (tierd pid N, holding <path>); <fix>"``, with nothing
-        changed (the file, if this call created it, is left: see the Note on
-        ownership before binding)."""
+        changed (the file, if this call created it, is left: see [Note:
+        ownership before binding])."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:

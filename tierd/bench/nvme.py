@@ -236,7 +236,7 @@ class TierdRun:
 
     def raw(self, raw: RawFile, write: bool, request: int, depth: int) -> float:
         """GB/s of raw O_DIRECT between ``raw`` and the pool pages that hold the
-        keys now (key i at offset i x tensor_bytes): see the Note on raw memory."""
+        keys now (key i at offset i x tensor_bytes): see [Note: raw memory]."""
         leases = self.client.lease(self.keys, write=not write)
         views = [(i * self.cfg.tensor_bytes, memoryview(lease.tensor.numpy()))
                  for i, lease in enumerate(leases)]
