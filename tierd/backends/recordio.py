@@ -37,11 +37,9 @@ committed records stays stuck. Spans cost nothing when one extent fits
 (the allocator gives one, best fit, and the record is exactly today's); when
 not, one more page-aligned O_DIRECT call per span boundary inside a piece
 (the fewest spans: the largest free extents first), and no data moves.
-Measured on the 2-core development VM (virtio disk, load 4): four 64 MiB
-records each scattered over 64 holes of 1 MiB were written at 73-77 % and
-read at 64-67 % of the speed of one-extent records; only records that would
-otherwise have been refused pay that, and best fit keeps the common case
-(a tensor rewritten at the size it had) in one extent.
+Only records that would otherwise have been refused pay that (figures:
+``benchmarks/results/HISTORY.md``, "Figures behind the Notes"), and best fit
+keeps the common case (a tensor rewritten at the size it had) in one extent.
 
 The format of a record is unchanged: the spans are not in its header but in
 the index that names it, the catalog while the daemon runs and the commit

@@ -27,19 +27,17 @@ CONNECT_TIMEOUT = 2.0
 
 #: [Note: mapping a segment with its page tables]
 #: A segment's pages exist before a client maps it, but a plain mapping has no
-#: page table entries, so the client's first write to each 4 KiB page faults.
-#: On the H200 host an attach of 16.8 GB took 4.2 M such faults, 27 s of
-#: client CPU on its copy threads, and ran at 2.8 GB/s (into pages already
-#: mapped the same copies ran 19 GB/s). Where the daemon also zeroed the
+#: page table entries, so the client's first write to each 4 KiB page faults,
+#: and those faults, not the copies, bound an attach. Where the daemon also zeroed the
 #: pages (``Segment.populated``: [Note: segments made ahead] in
 #: ``tierd.backends.hostpool``), ``MAP_POPULATE`` fills the page tables in the
 #: mmap call (read faults of a shared mapping, each mapping the 16 pages
-#: around it that are ready): on the H200 an attach then faulted once per 16
-#: pages and spent 23 % less client CPU per GB. Where it did not (fewer than
+#: around it that are ready): an attach then faults once per 16 pages.
+#: Where it did not (fewer than
 #: ``POPULATE_THREADS`` cores to spare), populating would zero every page in
 #: that one call, on the thread that maps, instead of in the copy threads'
-#: faults: on the 2-core development VM a 1.9 GB attach took 3.5-5.0 s so,
-#: against 2.5-2.7 s faulting; those segments are mapped plainly.
+#: faults, slower than faulting; those segments are mapped plainly (figures:
+#: ``benchmarks/results/HISTORY.md``, "Figures behind the Notes").
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 if TYPE_CHECKING:

@@ -35,19 +35,15 @@ keeps as many units' weights as fit first, then their state. Where the whole
 model fits, everything is ``RESIDENT`` and a step moves nothing.
 
 [Note: spread]
-Moves that save alike (a model's blocks) were taken in forward order, so the
-units left streaming were the last blocks: at 8B capped at 100 GB (H200) the
-48 units whose state streamed were, by that order, the first 48 updated in
-backward. Their 28 GB each way ran in one stretch at the start of backward
-(as the step's figures below fit; the plan's log names no units), with the
-host blocked on copies out (a fused update keeps at most twice
-``prefetch_bytes`` of state on the device) and so queueing none of the
-resident units' kernels, and the resident units' compute ran after it:
-backward 0.92 s against 0.48 s all on the GPU, the copy engines busy 0.56 s
-of a 1.07 s step. Among equals moves are now taken from the middle of the model outwards,
-halving the gaps (:func:`_spread`), so the units kept and the units left streaming alternate
-through the model and each stretch of copies has compute queued beside it.
-Predicted (not yet measured): 8B capped backward ~0.65 s, step ~0.85 s.
+Among moves that save alike (a model's blocks), units are taken from the
+middle of the model outwards, halving the gaps (:func:`_spread`), so the units
+kept and the units left streaming alternate through the model and each stretch
+of copies has compute queued beside it. Taken in forward order, the units left
+streaming are the last blocks, the first updated in backward: their copies run
+in one stretch at the start of backward with the host blocked on copies out (a
+fused update keeps at most twice ``prefetch_bytes`` of state on the device),
+queueing none of the resident units' kernels, which run only after it (the 8B
+figures: ``benchmarks/results/HISTORY.md``, "Figures behind the Notes").
 
 [Note: choosing CPU updates]
 Device bytes are spent first, as above: they save PCIe bytes at no other
