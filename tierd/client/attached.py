@@ -58,7 +58,7 @@ from tierd.client.store import Store
 from tierd.client.tiered_param import DeviceParameter, ParamState, TieredParam, tiered_of
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
-from tierd.updates.resident import check_room_to_write_back, device_values, write_kept_weights
+from tierd.updates.engine import SessionUpdates
 
 _SESSION_ATTR = "_tierd_session"
 
@@ -124,6 +124,7 @@ class AttachSession:
                                 min(config.grad_bucket_bytes, self.lease_cap))
         self.grad_views = GradViews(self)   # p.grad as users see it
         self.optimizers: list = []   # tierd.optim updaters fused into backward
+        self.updates = SessionUpdates(self)   # what they do, as the placer asks it
         register_pool(client, self.device)
         # [Note: masters made when first needed] in tierd.client.registry (every
         # rank reads the owners' masters under torch.distributed: stored there)
@@ -274,7 +275,7 @@ class AttachSession:
         written to the pool unless ``write_resident`` is False."""
         self._take_device_writes()
         if synchronize and write_resident:
-            check_room_to_write_back(self)   # nothing written if it cannot all be
+            self.updates.check_room_to_write_back()   # nothing written if it cannot all be
         self.grads.flush()
         self.mover.settle(synchronize=synchronize)
         if synchronize:
@@ -282,7 +283,7 @@ class AttachSession:
             for opt in self.optimizers:
                 opt.settle(write_resident=write_resident)
             if write_resident:
-                write_kept_weights(self)
+                self.updates.write_kept_weights()
             self.copy.synchronize()
             self.releases.drain(block=True)
             self.counters.wait_seconds += time.perf_counter() - t0
@@ -352,7 +353,7 @@ class AttachSession:
         """Current values (fp32 master if any), as new CPU tensors in the original dtype.
         Resident optimizer state is read on the device, with no write-back
         (under torch.distributed a rank's own copy: the pool has its owner's)."""
-        local = device_values(self, tps)
+        local = self.updates.device_masters(tps)
         got = self.read([tp.value_key for tp in tps if tp not in local])
         return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
                 else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
@@ -405,7 +406,7 @@ class AttachSession:
                     views[key].copy_(stored[key])
             finally:
                 self.leases.release(keys, written=True)
-        masters = device_values(self, list(values))
+        masters = self.updates.device_masters(list(values))
         with torch.no_grad():
             for tp, value in values.items():
                 if tp.state is ParamState.DEVICE:

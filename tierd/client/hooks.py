@@ -39,6 +39,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierd.client.registry import Unit
+from tierd.client.optimizers import TierdOptimizer
 from tierd.client.tiered_param import MOVED_ATTR, tiered_of
 from tierd.client.torch_internals import is_compiled_module, tree_flatten, weak_hook
 from tierd.errors import StateError
@@ -259,9 +260,8 @@ def _refuse_other_optimizers() -> None:
 
 
 def _check_optimizer(opt, args, kwargs) -> None:
-    from tierd.optim.base import StreamedOptimizer   # tierd.optim imports this package
-    if isinstance(opt, StreamedOptimizer) or isinstance(getattr(opt, "optimizer", None),
-                                                        StreamedOptimizer):
+    if isinstance(opt, TierdOptimizer) or isinstance(getattr(opt, "optimizer", None),
+                                                     TierdOptimizer):
         return   # a tierd optimizer, or a wrapper of one (accelerate's AcceleratedOptimizer)
     groups = len(opt.param_groups)
     known = _OTHER_OPTIMIZERS.get(opt)

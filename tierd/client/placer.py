@@ -94,10 +94,8 @@ import torch
 from tierd.client.capacity import DaemonRoom, size_text
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
                                     grow_placement, plan_placement, rebalance_host, stored)
+from tierd.client.optimizers import UpdateEngine
 from tierd.errors import CapacityError
-from tierd.updates.buckets import update_window
-from tierd.updates.cpu_update import host_choice
-from tierd.updates.replica import can_replicate, drop_replicas, replicate
 
 log = logging.getLogger("tierd.placement")
 
@@ -131,12 +129,12 @@ class Placer:
 
     def __init__(self, session, cap: int | None, *, explicit: bool) -> None:
         self._session = session
+        self._updates: UpdateEngine = session.updates   # the optimizers' state, asked
         self._ranks = None if session.share is None else session.share.ranks
         self._cuda = session.device.type == "cuda"
         self._base = torch.cuda.memory_allocated(session.device) if self._cuda else 0
         self.plan: Placement | None = None
         self._placed: list = []          # TieredParams made resident by the plan
-        self._replicas: list = []        # under ranks: ReplicaUpdates of others' units
         self._signature = None           # root inputs' shapes of the measured step
         self._shapes = MeasuredShapes()  # ... of every step measured, with its peak
         self._non_model = 0              # measured non-model peak the plan assumed
@@ -178,7 +176,7 @@ class Placer:
         if self.state is PlacerState.OFF:
             return
         if not torch.is_grad_enabled() and (self._ranks is not None
-                                            or self._session.optimizers):
+                                            or self._updates.trains()):
             # not a training step ([Note: one plan for every rank]): an
             # evaluation batch of another shape must not stream the resident
             # state again, which would put it all back into the store
@@ -234,21 +232,17 @@ class Placer:
         plan; under ranks also no window is half-way ([Note: one plan for every rank])."""
         if self._measured_steps < 1 or not self._on_final_activations:
             return False
-        session = self._session
         return self._ranks is None or (
-            all(f.backwards == 0 for f in session.optimizers)
-            and not any(tp.grad_in_pool for tp in session.params.values()))
+            self._updates.between_windows()
+            and not any(tp.grad_in_pool for tp in self._session.params.values()))
 
     def _start_measuring(self) -> None:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self._session.device)
         self._measured_steps += 1
-        self._fused_before = self._fused_backwards()
+        self._fused_before = self._updates.fused_backwards()
         act = self._session.activations   # its stage changes as a backward ends
         self._on_final_activations = act is None or act.stage.name == "DONE"
-
-    def _fused_backwards(self) -> int:
-        return sum(f.fused_backwards for f in self._session.optimizers)
 
     def _memory(self) -> tuple[int, int] | None:
         """The allocator's peak since the step began, and the bytes the device
@@ -263,12 +257,12 @@ class Placer:
         update window]); the window assumed is kept in ``_window``."""
         memory = self._memory()
         self._window = 0
-        self._ran_fused = self._measured_steps > 0 and self._fused_backwards() != self._fused_before
+        self._ran_fused = self._measured_steps > 0 \
+            and self._updates.fused_backwards() != self._fused_before
         if self._measured_steps == 0:
             return 0
         if memory is not None and not self._ran_fused:
-            self._window = sum(update_window(f.buckets, f.prefetch_bytes)
-                               for f in self._session.optimizers if f.fusing)
+            self._window = self._updates.update_window()
         non_model = 0 if memory is None else \
             max(0, memory[0] - self._base - self.resident_bytes()) + self._window
         if self._on_final_activations:   # a step on a plan activation tiering left is no guide
@@ -281,22 +275,20 @@ class Placer:
         registry, out = self._session.registry, []
         for unit in self._session.units:
             members = set(registry.members(unit))
-            mine = [b for f in self._session.optimizers for b in f.buckets
-                    if all(tp in members for tp in b.tps)]
+            state = self._updates.unit_state(members)
             # in the store: compute copies and fp32 masters (the compute copy
             # itself in fp32), moments ([Note: placement within the store])
             stored = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master for tp in members)
-            stored += sum(b.nbytes - 4 * sum(tp.param.numel() for tp in b.tps) for b in mine)
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
-                                 sum(b.nbytes for b in mine), sum(b.grad_bytes for b in mine),
-                                 stored))
+                                 state.state_bytes, state.grad_bytes,
+                                 stored + state.moment_bytes))
         return out
 
     def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
         """Under ranks: each unit's optimizer bytes as its owner counts them,
         0 where some rank cannot keep the unit as a replica."""
         session, n = self._session, len(units)
-        odd = [int(not can_replicate(session, session.registry.members(u)))
+        odd = [int(not self._updates.can_replicate(session.registry.members(u)))
                for u in session.units]
         got = self._ranks.agree_max([u.state_bytes for u in units] + odd,
                                     "agreeing on the units' optimizer bytes")
@@ -307,7 +299,7 @@ class Placer:
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
-        cpu, costs = host_choice(self._session.optimizers)
+        cpu, costs = self._updates.host_choice()
         room = self._store_room(units)
         plan = plan_placement(units, budget, cpu=cpu, costs=costs,
                               store_bytes=None if room is None else room + _room(freed))
@@ -347,9 +339,9 @@ class Placer:
         if self._ranks is not None or self._grown or not self._ran_fused:
             return
         units, plan = self.unit_bytes(), self.plan
-        cpu, costs = host_choice(self._session.optimizers)
+        cpu, costs = self._updates.host_choice()
         if cpu == "auto" and not self._rebalanced and plan.units_at(Place.CPU):
-            if not any(f.host.seconds for f in self._session.optimizers):
+            if not self._updates.host_measured():
                 return   # no host update ended yet: choose (and grow) once one has
             self._rebalanced = True
             again = rebalance_host(units, plan, costs)
@@ -384,11 +376,7 @@ class Placer:
         # in two units), with the state of each optimizer that has it
         values = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
                      for tp in session.params.values())
-        for f in session.optimizers:
-            tps = list(f.bucket_of)
-            values += sum(4 * tp.param.numel() * len(f.opt.state_names) for tp in tps)
-            values -= f.opt.unmade.nbytes(tps)
-        return room.free() + values
+        return room.free() + values + self._updates.stored_state_bytes()
 
     def _refuse(self, units: list[UnitBytes], plan: Placement, room: int) -> None:
         """CapacityError, before anything changes: the store cannot hold what
@@ -425,13 +413,11 @@ class Placer:
                     for tp in session.registry.members(units[i])]
         if self._ranks is not None:   # [Note: resident units are replicas]
             resident = session.share.replicable(resident)
-            self._replicas = replicate(session, resident)
+            self._updates.replicate(resident)
             session.share.replicate(resident)
         on_host = [tp for i in plan.units_at(Place.CPU)
                    for tp in session.registry.members(units[i])]
-        for opt in session.optimizers:
-            opt.pin(resident)   # a bucket pinned already stays as it is
-            opt.host.place(on_host)
+        self._updates.place(resident, on_host)
         session.mover.replan(keep_trace=True)
 
     def _reset(self) -> None:
@@ -440,11 +426,8 @@ class Placer:
             return
         session = self._session
         session.settle()
-        drop_replicas(session, self._replicas)
-        self._replicas = []
-        for opt in session.optimizers:
-            opt.unpin(self._placed)
-            opt.host.place(None)   # back to the optimizer's own placement
+        self._updates.drop_replicas()
+        self._updates.unplace(self._placed)
         if self._placed:
             session.registry.set_resident(self._placed, False)
         if self._ranks is not None:   # every rank reads what the owners wrote back
@@ -459,7 +442,7 @@ class Placer:
     def resident_bytes(self) -> int:
         """Device bytes the plan holds now (resident compute copies and state)."""
         weights = sum(tp.nbytes for tp in self._placed)
-        return weights + sum(f.resident_bytes() for f in self._session.optimizers)
+        return weights + self._updates.resident_bytes()
 
     def stats(self) -> dict:
         plan = self.plan

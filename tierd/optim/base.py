@@ -47,6 +47,7 @@ import torch
 
 from tierd.client.grads import free_grads, unused_grads
 from tierd.client.grad_view import replay
+from tierd.client.optimizers import TierdOptimizer
 from tierd.client.tiered_param import TieredParam, TieredParameter, tiered_of
 from tierd.errors import CapacityError, StateError
 from tierd.updates.cpu_update import overlapped
@@ -101,7 +102,7 @@ def _between_uses(params) -> list:
     return [one(p) for p in params]
 
 
-class StreamedOptimizer(torch.optim.Optimizer):
+class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
     """Base class of ``tierd.optim.AdamW`` and ``tierd.optim.SGD``.
 
     ``max_grad_norm`` clips by the global L2 norm of all gradients exactly as

@@ -1,0 +1,108 @@
+"""What an attached model knows of the optimizers whose state lives in tierd:
+the marker of such an optimizer, and the interface of the update engine
+(``tierd.updates``) that the session and the placer ask what they need.
+
+A leaf module (it imports no part): ``tierd.optim`` builds on the engine and
+on ``tierd.client``, the engine on ``tierd.client``'s leaves, and the client
+reaches both only through what is declared here, so neither package imports
+the other's upper modules (tests/test_imports.py).
+
+Example:
+    >>> from tierd.client.optimizers import TierdOptimizer, UnitState
+    >>> UnitState(state_bytes=12, moment_bytes=8, grad_bytes=4).moment_bytes
+    8
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tierd.client.placement import Costs
+
+
+class TierdOptimizer:
+    """Marker base of the optimizers whose master weights and moments live in
+    tierd (``tierd.optim.StreamedOptimizer``): a torch optimizer's ``step()``
+    over an attached model is refused unless it is one, or wraps one
+    (``tierd.client.hooks``)."""
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """The optimizer state of a unit's buckets, in bytes."""
+
+    #: fp32 masters and moments (what a fused update fetches, or placement keeps)
+    state_bytes: int
+    #: of which the moments (the store holds the masters with the weights)
+    moment_bytes: int
+    #: fp32 gradients (what a CPU update copies out)
+    grad_bytes: int
+
+
+class UpdateEngine(Protocol):
+    """The update engine of one attached model, as its session and placer see
+    it: every optimizer's updates together (``tierd.updates.engine``).
+
+    Example:
+        >>> engine.place(resident, on_host=[])   # doctest: +SKIP
+        >>> engine.resident_bytes()              # doctest: +SKIP
+    """
+
+    def trains(self) -> bool:
+        """An optimizer updates this model's parameters."""
+
+    def between_windows(self) -> bool:
+        """No accumulation window is half-way (no backward since its ``step()``)."""
+
+    def fused_backwards(self) -> int:
+        """Backwards that ran fused updates, all told."""
+
+    def update_window(self) -> int:
+        """Most device bytes the fused updates hold at once in a backward,
+        resident state aside ([Note: the update window] in tierd.client.placer)."""
+
+    def unit_state(self, members: Iterable[Any]) -> UnitState:
+        """The state of the buckets made only of ``members`` (TieredParams)."""
+
+    def stored_state_bytes(self) -> int:
+        """Bytes of optimizer state that exists now (made: in the store, or on
+        the device until written back) besides the masters the weights count."""
+
+    def host_choice(self) -> tuple[str, Costs | None]:
+        """What the planner may do with CPU updates ([Note: choosing CPU
+        updates] in tierd.client.placement)."""
+
+    def host_measured(self) -> bool:
+        """A CPU update has ended, so the host's rate is measured."""
+
+    def place(self, resident: list, on_host: list) -> None:
+        """Keep the state of ``resident``'s buckets on the device, update
+        ``on_host``'s on the CPU."""
+
+    def unplace(self, tps: list) -> None:
+        """Stream the state of ``tps`` again (written to the pool first), and
+        update where each optimizer's own placement says."""
+
+    def resident_bytes(self) -> int:
+        """Device bytes of the state kept resident now."""
+
+    def can_replicate(self, tps: list) -> bool:
+        """Under torch.distributed: every rank can keep ``tps`` (a unit) as replicas."""
+
+    def replicate(self, tps: list) -> None:
+        """Under torch.distributed: start replicas of ``tps`` (every rank calls this)."""
+
+    def drop_replicas(self) -> None:
+        """Stop the replicas :meth:`replicate` started."""
+
+    def check_room_to_write_back(self) -> None:
+        """CapacityError, before anything is written, when the store cannot
+        take back the resident values that left it."""
+
+    def write_kept_weights(self) -> None:
+        """Write to the store the compute copies only the device has the newest of."""
+
+    def device_masters(self, tps: list) -> dict:
+        """The fp32 masters of ``tps`` that resident state holds on the device."""

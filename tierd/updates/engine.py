@@ -1,0 +1,113 @@
+"""The update engine of one attached model: its optimizers' updates together,
+as the session and the placer ask for them
+(:class:`tierd.client.optimizers.UpdateEngine`).
+
+Each ``tierd.optim`` optimizer registers its :class:`~tierd.updates.fused.FusedUpdates`
+in the session's ``optimizers`` list; this object answers over all of them,
+so the client never reads a bucket, a fused update or an optimizer's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tierd.client.optimizers import UnitState
+from tierd.client.placement import Costs
+from tierd.updates.buckets import update_window
+from tierd.updates.cpu_update import host_choice
+from tierd.updates.replica import ReplicaUpdates, can_replicate, drop_replicas, replicate
+from tierd.updates.resident import check_room_to_write_back, device_values, write_kept_weights
+
+
+class SessionUpdates:
+    """Every optimizer update of one attached model (``session.optimizers``),
+    behind the interface its session and placer use.
+
+    Example:
+        >>> updates = SessionUpdates(session)         # doctest: +SKIP
+        >>> updates.place(resident, on_host=[])       # doctest: +SKIP
+        >>> updates.resident_bytes()                  # doctest: +SKIP
+    """
+
+    def __init__(self, session) -> None:
+        self._session = session
+        self._replicas: list[ReplicaUpdates] = []   # under ranks: others' units kept here
+
+    @property
+    def _updates(self) -> list:
+        return self._session.optimizers
+
+    # ------------------------------------------------------------- steps
+    def trains(self) -> bool:
+        return bool(self._updates)
+
+    def between_windows(self) -> bool:
+        return all(f.backwards == 0 for f in self._updates)
+
+    def fused_backwards(self) -> int:
+        return sum(f.fused_backwards for f in self._updates)
+
+    def update_window(self) -> int:
+        return sum(update_window(f.buckets, f.prefetch_bytes)
+                   for f in self._updates if f.fusing)
+
+    # ------------------------------------------------------------- sizes
+    def unit_state(self, members: Iterable) -> UnitState:
+        members = set(members)
+        mine = [b for f in self._updates for b in f.buckets
+                if all(tp in members for tp in b.tps)]
+        return UnitState(
+            state_bytes=sum(b.nbytes for b in mine),
+            moment_bytes=sum(b.nbytes - 4 * sum(tp.param.numel() for tp in b.tps)
+                             for b in mine),
+            grad_bytes=sum(b.grad_bytes for b in mine))
+
+    def stored_state_bytes(self) -> int:
+        # each optimizer's moments of its parameters, less its state not made yet
+        # ([Note: state made when first needed] in tierd.optim.state)
+        total = 0
+        for f in self._updates:
+            tps = list(f.bucket_of)
+            total += sum(4 * tp.param.numel() * len(f.opt.state_names) for tp in tps)
+            total -= f.opt.unmade.nbytes(tps)
+        return total
+
+    def resident_bytes(self) -> int:
+        return sum(f.resident_bytes() for f in self._updates)
+
+    # ------------------------------------------------------------- placement
+    def host_choice(self) -> tuple[str, Costs | None]:
+        return host_choice(self._updates)
+
+    def host_measured(self) -> bool:
+        return any(f.host.seconds for f in self._updates)
+
+    def place(self, resident: list, on_host: list) -> None:
+        for f in self._updates:
+            f.pin(resident)   # a bucket pinned already stays as it is
+            f.host.place(on_host)
+
+    def unplace(self, tps: list) -> None:
+        for f in self._updates:
+            f.unpin(tps)
+            f.host.place(None)   # back to the optimizer's own placement
+
+    def can_replicate(self, tps: list) -> bool:
+        return can_replicate(self._session, tps)
+
+    def replicate(self, tps: list) -> None:
+        self._replicas = replicate(self._session, tps)
+
+    def drop_replicas(self) -> None:
+        drop_replicas(self._session, self._replicas)
+        self._replicas = []
+
+    # ------------------------------------------------------------- the store
+    def check_room_to_write_back(self) -> None:
+        check_room_to_write_back(self._session)
+
+    def write_kept_weights(self) -> None:
+        write_kept_weights(self._session)
+
+    def device_masters(self, tps: list) -> dict:
+        return device_values(self._session, tps)
