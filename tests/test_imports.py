@@ -137,6 +137,63 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
+def package_of(module: str) -> str:
+    """``tierd.client.placer`` -> ``tierd.client``; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def edges_between(graph: dict[str, set[str]], importer: str,
+                  imported_package: str) -> list[str]:
+    """Every import of a module of ``imported_package`` by a module of the
+    package ``importer``, as "importer -> imported"."""
+    return [f"{m} -> {d}" for m in sorted(graph) if package_of(m) == importer
+            for d in sorted(graph[m]) if package_of(d) == imported_package]
+
+
+def test_package_edges_are_named():
+    graph = {"tierd.client.hooks": {"tierd.optim.base", "tierd.client.keys"},
+             "tierd.optim.base": {"tierd.client.tiered_param"},
+             "tierd.client.keys": set(), "tierd.client.tiered_param": set()}
+    assert edges_between(graph, "tierd.client", "tierd.optim") == [
+        "tierd.client.hooks -> tierd.optim.base"]
+    assert edges_between(graph, "tierd.optim", "tierd.client") == [
+        "tierd.optim.base -> tierd.client.tiered_param"]
+
+
+def test_client_and_optim_do_not_import_each_other():
+    """The layering of the training side (docs/architecture.md, "Layers"):
+
+        tierd.optim       AdamW, SGD: the optimizers users build
+            |   \
+            |   tierd.updates   the update engine: buckets, fused and CPU
+            |       |           updates, residency, replicas
+            v       v
+        tierd.client's leaves (tiered_param, copy_stream, capacity,
+        placement, optimizers, ...)
+
+    ``tierd.client`` imports nothing of ``tierd.optim``: its session builds
+    the engine (``tierd.updates.engine``, the one module of it the client
+    imports) and its parts ask it only through the interface in the leaf
+    ``tierd.client.optimizers`` (``UpdateEngine``; a tierd optimizer is told
+    by the ``TierdOptimizer`` marker). The engine imports nothing of
+    ``tierd.optim``: it calls the optimizer it is given.
+    """
+    graph = import_graph()
+    client_to_optim = edges_between(graph, "tierd.client", "tierd.optim")
+    optim_to_client = edges_between(graph, "tierd.optim", "tierd.client")
+    assert not (client_to_optim and optim_to_client), (
+        "tierd.client and tierd.optim import each other: "
+        + "; ".join(client_to_optim + optim_to_client))
+    assert not client_to_optim, "tierd.client imports tierd.optim: " + "; ".join(client_to_optim)
+    engine_to_optim = edges_between(graph, "tierd.updates", "tierd.optim")
+    assert not engine_to_optim, "the update engine imports tierd.optim: " + "; ".join(
+        engine_to_optim)
+    into_engine = [e for e in edges_between(graph, "tierd.client", "tierd.updates")
+                   if not e.endswith(" -> tierd.updates.engine")]
+    assert not into_engine, ("tierd.client reaches past the engine's interface "
+                             "(tierd.client.optimizers): " + "; ".join(into_engine))
+
+
 def test_modules_stay_under_the_line_limit():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
