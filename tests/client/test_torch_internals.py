@@ -140,5 +140,21 @@ def test_compiled_modules_are_told_apart_and_graph_breaks_counted():
     assert ti.dynamo_graph_breaks() == 0
 
 
+def test_dynamo_frames_compiled_rises_on_a_recompile_and_not_on_a_warm_call():
+    def double(x):
+        return x * 2
+    ti.dynamo_reset()
+    compiled = torch.compile(double, backend="eager", dynamic=False)
+    compiled(torch.ones(2))
+    warm = ti.dynamo_frames_compiled()
+    assert warm >= 1
+    compiled(torch.ones(2))                          # guards pass: no compile
+    assert ti.dynamo_frames_compiled() == warm
+    compiled(torch.ones(2, dtype=torch.float64))     # a dtype guard fails: a recompile
+    assert ti.dynamo_frames_compiled() > warm
+    ti.dynamo_reset()
+    assert ti.dynamo_frames_compiled() == 0
+
+
 def test_free_pinned_host_cache_needs_cuda():
     assert ti.free_pinned_host_cache() is torch.cuda.is_available()

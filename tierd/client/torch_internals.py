@@ -27,7 +27,9 @@ What each is for:
   ``foreach_adamw``: torch's single-tensor AdamW as ``torch._foreach_*``
   kernels, the same ops in the same order (bitwise on the CPU).
 - ``is_compiled_module``: tells a ``torch.compile``'d module (attach refuses it).
-- ``dynamo_reset`` / ``dynamo_graph_breaks``: the benchmark counts graph breaks.
+- ``dynamo_reset`` / ``dynamo_graph_breaks`` / ``dynamo_frames_compiled``: the
+  benchmarks count graph breaks, and the frames compiled after warm-up
+  (recompiles).
 - ``free_pinned_host_cache``: gives the caching host allocator's pinned
   memory back (the activation benchmark measures host memory).
 """
@@ -45,8 +47,8 @@ from torch.multiprocessing.reductions import StorageWeakRef as StorageRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["StorageRef", "checkpoint_without_reentrant",
-           "current_graph_task", "dynamo_graph_breaks", "dynamo_reset", "foreach_adamw",
-           "free_pinned_host_cache", "fused_adamw", "in_backward", "is_compiled_module",
+           "current_graph_task", "dynamo_frames_compiled", "dynamo_graph_breaks", "dynamo_reset",
+           "foreach_adamw", "free_pinned_host_cache", "fused_adamw", "in_backward", "is_compiled_module",
            "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
 
 
@@ -152,6 +154,18 @@ def dynamo_graph_breaks() -> int:
     """Graph breaks dynamo counted since :func:`dynamo_reset`."""
     from torch._dynamo.utils import counters
     return sum(counters["graph_break"].values())
+
+
+def dynamo_frames_compiled() -> int:
+    """Frames dynamo was asked to compile since :func:`dynamo_reset`.
+
+    Dynamo is asked only when a frame has no cached code whose guards pass:
+    its first call, or a recompile (a guard failed). Once a loop is warm, a
+    rise in this count is a recompile (or a frame never run before), each a
+    compile paid inside a step. torch keeps no counter of recompiles as such
+    (``counters["frames"]["total"]`` is the count of these requests)."""
+    from torch._dynamo.utils import counters
+    return counters["frames"]["total"]
 
 
 def free_pinned_host_cache() -> bool:
