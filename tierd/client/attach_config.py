@@ -14,6 +14,7 @@ import torch
 
 from tierd.client.activations import POLICIES, ActivationConfig
 from tierd.client.mover import MoverConfig
+from tierd.client.registry import unit_roots
 from tierd.config import parse_size
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -193,16 +194,30 @@ def resolve_cap(device: torch.device, requested: int | float | None, *,
 
 def check_cap(model: torch.nn.Module, config: AttachConfig, cap: int | None) -> None:
     """ValueError, before anything is stored, where an explicit ``cap`` is
-    below what one unit (a module's own parameters that are not kept on the
-    device anyway, a tied one in each module holding it) needs on the device
-    at once: its compute copy and fp32 optimizer state."""
+    below what one unit ([Note: units are the model's blocks] in
+    ``tierd.client.registry``: its parameters not kept on the device anyway,
+    a tied one in the first unit holding it) needs on the device at once:
+    its compute copy and fp32 optimizer state."""
     if not cap or config.gpu_memory_bytes is None:
         return
-    need, name = max(((sum(p.numel() * ((config.compute_dtype if p.is_floating_point()
-                                          else p.dtype).itemsize + 12 * p.requires_grad)
-                           for p in dict.fromkeys(m._parameters.values()) if p is not None
-                           and p.numel() * p.element_size() >= config.resident_below_bytes),
-                       n or "<root>") for n, m in model.named_modules()), default=(0, ""))
+    blocks = unit_roots(model, config.unit_modules)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    units = [(model, [m for m in model.modules() if id(m) not in inside])]
+    units += [(b, list(b.modules())) for b in blocks]
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    taken: set[int] = set()
+    need, name = 0, ""
+    for root, modules in units:
+        params = [p for m in modules for p in m._parameters.values()
+                  if p is not None and id(p) not in taken]
+        params = list({id(p): p for p in params}.values())
+        taken.update(id(p) for p in params)
+        nbytes = sum(p.numel() * ((config.compute_dtype if p.is_floating_point() else p.dtype)
+                                  .itemsize + 12 * p.requires_grad)
+                     for p in params
+                     if p.numel() * p.element_size() >= config.resident_below_bytes)
+        if nbytes > need:
+            need, name = nbytes, names[id(root)]
     if cap < need:
         raise ValueError(
             f"gpu_memory_bytes={cap} is below what unit {name!r} needs on the device at "
