@@ -309,7 +309,6 @@ def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatc
     measure it; the plan grows only after a step that held their state, and
     no step goes over the cap or replans."""
     import tierd.updates.cpu_update as cpu_update
-    from tierd.updates.buckets import update_window
     monkeypatch.setattr(cpu_update, "probe_copy_rate", lambda device: 1e9)
     monkeypatch.setattr(cpu_update, "probe_host_rate", lambda: 4e8)
     run_job = cpu_update.run_job   # measured: slow (each update reports 1000 s more),
@@ -323,9 +322,8 @@ def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatc
     extra, cap, peaks = 1 << 16, 240_000, []
 
     def memory(self):
-        ran = self._fused_backwards() != self._fused_before
-        window = sum(update_window(f.buckets, f.prefetch_bytes)
-                     for f in self._session.optimizers if f.fusing) if ran else 0
+        ran = self._updates.fused_backwards() != self._fused_before
+        window = self._updates.update_window() if ran else 0
         peaks.append(self.resident_bytes() + extra + window)
         return peaks[-1], 1 << 40
 
