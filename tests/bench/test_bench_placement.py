@@ -1,41 +1,101 @@
-"""``python -m tierd.bench.placement --tiny`` end to end on the CPU: every
-case gets a row with the issue's fields, measured both ways (synchronized
-steps and back to back), and the capped case a floor. Checks the shape of
-the output, never a timing."""
+"""``python -m tierd.bench.placement --tiny`` end to end on the CPU, on tiny
+Hugging Face models (GPT2LMHeadModel, LlamaForCausalLM from config): every
+case gets a row with issue 29's fields, measured back to back and
+synchronized, the capped cases a floor and their plan changes counted. Checks
+the shape of the output and the figures' arithmetic, never a timing."""
 
 from __future__ import annotations
 
 import json
 
-from tierd.bench import placement
+import pytest
+
+from tierd.bench import placement, steploop
+
+FIELDS = ("case", "model", "allgpu_s", "tierd_s", "floor_s", "plan_changes", "worst_step_s",
+          "first_step_s", "tierd_sync_s", "allgpu_sync_s", "tierd_run_s", "allgpu_run_s",
+          "plan_changed_at", "placement_replans", "tierd_steps_s", "pcie_in_gb",
+          "planned_pcie_gb", "tierd_diag", "allgpu_diag", "error", "commit")
 
 
-def test_placement_writes_a_row_per_case_with_both_timings(tmp_path):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("placement")
     placement.main(["--out", str(out), "--tiny", "--commit", "0" * 40])
-    result = json.loads((out / "placement.json").read_text())
+    return out, json.loads((out / "placement.json").read_text())
+
+
+def test_every_case_has_a_row_with_the_issues_fields(tiny):
+    _, result = tiny
     assert result["commit"] == "0" * 40 and result["device"] == "cpu"
     rows = {r["case"]: r for r in result["rows"]}
-    assert set(rows) == {case for case, *_ in placement.TINY}
-    for r in rows.values():
-        assert r["error"] is None
-        for k in ("allgpu_s", "tierd_s", "allgpu_run_s", "tierd_run_s"):
+    assert list(rows) == [c.name for c in placement.TINY]
+    for case in placement.TINY:
+        r = rows[case.name]
+        assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
+        assert r["error"] is None and r["allgpu_error"] is None
+        assert r["model"] == ("LlamaForCausalLM" if "Llama" in case.name else "GPT2LMHeadModel")
+        for k in ("allgpu_s", "tierd_s", "tierd_sync_s", "allgpu_sync_s", "worst_step_s",
+                  "first_step_s", "allgpu_worst_step_s", "allgpu_first_step_s"):
             assert r[k] > 0, k
-    capped = rows["tiny B=2 train, cap 2 MB"]
-    assert capped["placement"] == "placed"   # on the CPU only an explicit cap places
-    assert capped["floor_s"] >= capped["allgpu_s"]
-    assert rows["tiny B=2 train"]["floor_s"] is None   # uncapped: no floor
+        assert len(r["tierd_steps_s"]) == 6 and r["steady_steps"] == 4   # --tiny: 6, warm-up 2
+        assert r["worst_step_s"] == max(r["tierd_steps_s"][2:])
+        assert r["first_step_s"] == r["tierd_steps_s"][0]
+        assert r["clock"] == "host"   # the CPU: no CUDA events
+        assert r["plan_changes"] == max(0, len(r["plan_changed_at"]) - 1)
+        if "cap" in case.name:
+            # on the CPU an explicit cap places, once, from the first step's measurement
+            assert r["placement"] == "placed" and r["plan_changed_at"][0] <= 2
+            assert r["floor_s"] >= r["allgpu_s"] and r["planned_pcie_gb"] > 0
+        else:   # no cap on the CPU: no placement, so no floor (the target is all-GPU)
+            assert r["placement"] == "off" and r["plan_changed_at"] == []
+            assert r["floor_s"] is None
 
 
-def test_case_runs_only_the_cases_it_names(tmp_path):
-    placement.main(["--out", str(tmp_path), "--tiny", "--case", "cap 2 MB"])
-    rows = json.loads((tmp_path / "placement.json").read_text())["rows"]
-    assert sorted(r["case"] for r in rows) == ["tiny B=2 train, cap 2 MB",
-                                               "tiny B=2 train, checkpointing, cap 2 MB"]
+def test_case_reruns_its_cases_and_merges_them_into_the_results(tiny):
+    out, before = tiny
+    one = "tiny Llama B=2, checkpointing, cap 6 MB"
+    placement.main(["--out", str(out), "--tiny", "--case", one, "--commit", "1" * 40])
+    rows = json.loads((out / "placement.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == [r["case"] for r in before["rows"]]
+    assert {r["case"]: r["commit"][0] for r in rows} == {
+        c.name: "1" if c.name == one else "0" for c in placement.TINY}
+
+
+def test_steps_must_exceed_the_warmup(capsys):
+    with pytest.raises(SystemExit):
+        placement.main(["--out", "unused", "--steps", "3", "--warmup", "3"])
+    assert "--steps=3 must exceed --warmup=3" in capsys.readouterr().err
+
+
+def test_the_summary_takes_the_last_steps_and_the_worst_after_warmup():
+    seconds = [9.0, 4.0] + [1.0] * 30 + [3.0] + [2.0] * 19
+    s = steploop.summary(seconds, warmup=3)
+    assert s["steady_steps"] == 20 and s["median_s"] == 2.0
+    assert s["worst_step_s"] == 3.0 and s["first_step_s"] == 9.0
+    assert steploop.summary(seconds[:5], warmup=3)["steady_steps"] == 2   # fewer: what is left
+    with pytest.raises(ValueError, match="3 steps with warmup=3"):
+        steploop.summary(seconds[:3], warmup=3)
+
+
+def test_plan_changes_leave_out_the_first_plan_only():
+    assert placement.plan_changes([None, "A", "A"]) == ([2], 0)
+    # a step outgrew A: everything streamed for a step, then B
+    assert placement.plan_changes([None, "A", None, "B", "B"]) == ([2, 3, 4], 2)
+    assert placement.plan_changes(["A", "B"], before="A") == ([2], 1)   # placed at attach
+    assert placement.plan_changes([None, None]) == ([], 0)   # no placement
+
+
+def test_the_reference_is_left_out_only_where_its_state_cannot_fit():
+    h200 = 150_000_000_000
+    why = placement.reference_misfit(placement.MODELS["llama-13B"].params(1024), h200)
+    assert "13.2B parameters" in why and "211 GB" in why and "150 GB" in why
+    assert placement.reference_misfit(placement.MODELS["llama-8B"].params(1024), h200) is None
+    assert placement.reference_misfit(10**12, None) is None   # the CPU: no device memory
 
 
 def test_a_floor_without_the_all_gpu_step_uses_tierds_own_compute():
-    # the 8B reference runs out of GPU memory: tierd's compute-stream busy time stands in
+    # the reference does not fit: tierd's compute-stream busy time stands in
     row = {"allgpu_s": None, "tierd_diag": {"compute_busy_s": 0.7}, "planned_pcie_gb": 50.0}
     assert placement.floor(row, 100e9) == 0.7
     assert placement.floor({**row, "planned_pcie_gb": 100.0}, 100e9) == 1.0   # PCIe-bound

@@ -1,24 +1,88 @@
-"""Placement on the GPU: tierd with default arguments vs the same model all on the GPU.
+"""Placement in a training loop: tierd vs the same Hugging Face model all on the GPU.
 
-    python -m tierd.bench.placement --out DIR        # the cases below (H200: ~6 min, 8B not yet timed)
+    python -m tierd.bench.placement --out DIR        # the four cases below, one H200
+    python -m tierd.bench.placement --out DIR --case "GPT-2"   # only the cases named so
     python -m tierd.bench.placement --out DIR --tiny # CPU smoke run of the same code
 
-Each case runs the all-on-GPU reference (fp32 weights, fused torch AdamW,
-bf16 autocast) and tierd (``attach(model, compute_dtype="bf16")`` with
-``tierd.optim.AdamW``; the first steps measure and place) in one process,
-and writes ``placement.json``: ``{"commit", "device", "rows": [{"case",
-"allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
-"pcie_in_gb", "pcie_out_gb", "error", "tierd_run_s", "allgpu_run_s",
-"tierd_diag", "allgpu_diag"}]}``. ``*_s`` is the median of synchronized
-steps; ``*_run_s`` the mean of as many steps back to back, synchronized
-only at the end, as a training loop runs them (a capped case's copies out
-may then overlap the next step's forward). Each
-``*_diag`` (CUDA only) splits one more step into forward, backward and
-``step()`` seconds, and one profiled step into compute-stream busy time and
-the idle time beside copies or beside nothing (``attach_step.profile``);
-tierd's also has its hooks' host seconds per step. A capped case's ``floor_s`` is the
-larger of the all-GPU step (its compute) and the PCIe time of the bytes the
-plan streams, at the both-ways bandwidth measured in the same run.
+On the H200 machine (the results file the README table is made from):
+
+    python -m tierd.bench.placement --out /tmp/placement
+    cp /tmp/placement/placement.json \\
+       benchmarks/results/placement-nvidia-h200-$(git rev-parse --short HEAD).json
+
+Expected device time with the defaults (``--steps 50 --sync-steps 10
+--ref-steps 30``), from the step times of issue 29 (0.27 / 0.45 s for 1.3B
+all-GPU / capped, 0.8 / 0.93 s for 8B, 1.7 s and a 43 s first step for 13B)
+plus building, attaching and ~25 s of start-up per model: ~1.8 min for the
+two GPT-2 cases, ~2.7 min for 8B, ~3.3 min for 13B, ~7.8 min in all. Where
+one command may run at most 10 minutes, the model shapes can also run as
+separate commands into the same ``--out`` (``--case GPT-2``, then ``--case
+Llama``): each run merges its rows into ``DIR/placement.json``, a row
+replacing the row of the same case.
+
+The models are the ones users bring: ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` built from their transformers config with random
+weights (seeded, so the reference and tierd start from the same values;
+``GPT2Config``'s defaults besides the shape; Llama in Llama-2-7B's shape at
+40 and 64 layers: 8.3B and 13.2B parameters), fp32, trained with bf16
+autocast on the same batch of random tokens (labels = inputs). The cases
+are issue 29's table (``CASES``): GPT-2 1.3B (24 x 2048, vocabulary 50257)
+B=8 T=1024 capped at 48 GB (``gpu_memory_bytes=int(48e9)``) and with
+default arguments; Llama 8B (40 x 4096) B=4 with activation checkpointing
+capped at 100 GiB; Llama 13B (64 x 4096) B=4 with checkpointing and default
+arguments.
+
+Each model shape runs in a process of its own (a process keeps the pool
+segments it page-locked). In it, the all-GPU reference (fused torch AdamW)
+runs first, once per batch size, unless the model's fp32 weights, gradients
+and AdamW moments (16 B a parameter) exceed the device's memory (13B: its
+``allgpu_*`` are null and ``allgpu_error`` says why; out of memory says so
+too); then leaves the GPU. Then each tierd case builds the model again on
+the GPU and runs ``tierd.attach(model, compute_dtype="bf16", **case
+options)`` with ``tierd.optim.AdamW`` (the embedded daemon sized for the
+model, unless ``--pool-gib`` / ``--nvme-gib`` give its sizes).
+
+Both run the same step function on the same data in the same loop
+(``tierd.bench.steploop``): ``--steps`` steps back to back from the first
+(the reference: ``--ref-steps``), timed by CUDA events recorded on the
+current stream between steps with one synchronize at the end (host
+timestamps on the CPU), then ``--sync-steps`` steps each between two
+synchronizations, then two diagnostic steps.
+
+``DIR/placement.json``: ``{"commit", "device", "both_ways_bandwidth_gbps",
+"rows": [...]}``, a row per case with
+
+- ``case``, ``model`` (the transformers class), ``params``, ``batch``,
+  ``seq``, ``options`` (attach's arguments besides the defaults),
+  ``commit``, ``error`` (tierd's run failed: the exception);
+- ``tierd_s`` / ``allgpu_s``: the median of the last 20 steps back to back;
+  ``tierd_run_s`` / ``allgpu_run_s`` their mean; ``tierd_sync_s`` /
+  ``allgpu_sync_s``: the median of the synchronized steps; ``worst_step_s``
+  (``allgpu_worst_step_s``): the slowest back-to-back step after the first
+  ``--warmup``; ``first_step_s`` (``allgpu_first_step_s``): the first step;
+  ``tierd_steps_s``: every back-to-back step; ``steady_steps``: how many
+  steps the medians are of;
+- ``plan_changes``: how many steps ended on another placement plan than the
+  step before, not counting the first plan made (streaming everything for a
+  step counts as a plan); ``plan_changed_at``: the step numbers (1-based,
+  the synchronized steps following the back-to-back ones), the first
+  placement included; ``placement_replans``: the placer's own count of
+  re-placements (``session.stats()``); ``placement``, ``resident_gb``,
+  ``planned_pcie_gb``: the plan at the end;
+- ``floor_s``: for a capped case or one the all-GPU reference cannot run, the
+  larger of its compute (``allgpu_s``; where that is null, tierd's
+  compute-stream busy time from its profiled step) and the PCIe time of the
+  bytes the plan streams at the both-ways bandwidth measured in the same
+  run (best of six); null otherwise (the target there is ``allgpu_s``);
+- ``tierd_peak_gb`` / ``allgpu_peak_gb``: the allocator's peak over the
+  steps after warm-up; ``pcie_in_gb`` / ``pcie_out_gb``: bytes copied per
+  synchronized step;
+- ``tierd_diag`` / ``allgpu_diag`` (CUDA only): one step split into forward,
+  backward and ``step()`` seconds, and one profiled step into compute-stream
+  busy time and the idle time beside copies or beside nothing
+  (``attach_step.profile``); tierd's also has its hooks', optimizer's and
+  waits' host seconds per synchronized step and the caching allocator's
+  reserved peak, retries and cudaMalloc/cudaFree over them.
 
 What was predicted before this benchmark first ran, and measured then:
 ``benchmarks/results/HISTORY.md``, "Placement (tierd.bench.placement)".
@@ -32,126 +96,148 @@ import json
 import logging
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import tierd
 import tierd.optim
-from tierd.bench.bigmodel_models import checkpointed
+from tierd.bench import steploop
+from tierd.bench.bigmodel_models import Shape, checkpointed, llama_config
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
+from tierd.errors import TierdError
 
 GB = 1e9
-#: model shape -> GPT-2 layers, width (and activation checkpointing, vocabulary)
-SHAPES = {"1.3B": dict(layers=24, d=2048), "5B": dict(layers=24, d=4096),
-          "8B": dict(layers=40, d=4096, checkpointing=True),
-          "tiny": dict(layers=2, d=128, vocab=1000),
-          "tiny-ckpt": dict(layers=2, d=128, vocab=1000, checkpointing=True)}
-#: (case name, model shape, batch, train?, attach arguments besides the
-#: defaults: a cap, and where the planner may also choose CPU updates)
-CASES = [("1.3B B=8 train", "1.3B", 8, True, {}),
-         ("1.3B B=16 train", "1.3B", 16, True, {}),
-         ("1.3B B=8 forward", "1.3B", 8, False, {}),
-         ("1.3B B=8 train, cap 48 GB", "1.3B", 8, True, {"gpu_memory_bytes": int(48 * GB)}),
-         ("1.3B B=8 train, cap 48 GB, optimizer_placement=auto", "1.3B", 8, True,
-          {"gpu_memory_bytes": int(48 * GB), "optimizer_placement": "auto"}),
-         ("5B B=2 train", "5B", 2, True, {}),
-         ("8B B=4 train, checkpointing, cap 100 GB", "8B", 4, True,
-          {"gpu_memory_bytes": int(100 * GB)})]
-TINY = [("tiny B=2 train", "tiny", 2, True, {}), ("tiny B=2 forward", "tiny", 2, False, {}),
-        ("tiny B=2 train, cap 2 MB", "tiny", 2, True, {"gpu_memory_bytes": int(2e6)}),
-        ("tiny B=2 train, checkpointing, cap 2 MB", "tiny-ckpt", 2, True,
-         {"gpu_memory_bytes": int(2e6)})]
-UNRUN = {"5B B=2 train, cap 40 GB":
-         "not run: streaming 5B needs its 65 GiB of weights and state in the pinned pool, "
-         "and this host page-locks at most ~70 GiB (cudaHostRegister fails past 279 "
-         "segments of 256 MiB); with a 60 GiB pool the streamed state swaps through NVMe "
-         "every step. The capped case was run on 1.3B instead"}
+#: bytes a parameter takes in all-GPU fp32 training: weights, gradients, two AdamW moments
+TRAIN_BYTES_PER_PARAM = 16
 
 
-def build(shape: str, seq: int, device: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    s = SHAPES[shape]
-    cfg = GPT2Config(n_layer=s["layers"], n_embd=s["d"], n_head=max(1, s["d"] // 128),
-                     n_positions=seq, vocab_size=s.get("vocab", 50257),
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = GPT2LMHeadModel(cfg).train()
-    return checkpointed(model) if s.get("checkpointing") else model
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    """A Hugging Face causal LM's shape: ``family`` "gpt2" (``GPT2LMHeadModel``,
+    ``GPT2Config`` defaults besides the shape) or "llama" (``LlamaForCausalLM``,
+    ``llama`` its :class:`~tierd.bench.bigmodel_models.Shape`)."""
+
+    family: str
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    vocab: int = 0
+    llama: Shape | None = None
+    checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.family == "llama") != (self.llama is not None) or \
+                self.family not in ("gpt2", "llama"):
+            raise ValueError(f"family={self.family!r} with llama={self.llama}: use 'gpt2' "
+                             "with layers/hidden/heads/vocab, or 'llama' with a Shape")
+
+    @property
+    def class_name(self) -> str:
+        return "LlamaForCausalLM" if self.llama is not None else "GPT2LMHeadModel"
+
+    def params(self, seq: int) -> int:
+        """Parameters, from the shape (GPT-2's LM head is tied to its embedding)."""
+        if self.llama is not None:
+            return self.llama.params
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + seq) * h + 2 * h
+
+    def build(self, seq: int, device: torch.device):
+        """The model with seeded random weights, fp32, in train mode, on ``device``."""
+        torch.manual_seed(0)
+        with torch.device(device):
+            if self.llama is not None:
+                from transformers import LlamaForCausalLM
+                model = LlamaForCausalLM(llama_config(self.llama, seq))
+            else:
+                from transformers import GPT2Config, GPT2LMHeadModel
+                model = GPT2LMHeadModel(GPT2Config(
+                    n_layer=self.layers, n_embd=self.hidden, n_head=self.heads,
+                    vocab_size=self.vocab, n_positions=seq, use_cache=False,
+                    bos_token_id=min(50256, self.vocab - 1),   # 50256 unless the vocabulary
+                    eos_token_id=min(50256, self.vocab - 1)))  # is smaller (tiny)
+        return checkpointed(model) if self.checkpointing else model.train()
 
 
-class Clock:
-    """Synchronized step timing and peak memory on CUDA; plain timing on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def median(self, fn, steps: int, warmup: int) -> float:
-        out = []
-        for i in range(warmup + steps):
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            if i >= warmup:
-                out.append(time.perf_counter() - t0)
-        return statistics.median(out)
-
-    def back_to_back(self, fn, steps: int) -> float:
-        """Mean seconds of ``steps`` calls with no synchronization between
-        them (as a training loop runs: one step's copies may overlap the next)."""
-        self.sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        self.sync()
-        return (time.perf_counter() - t0) / steps
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_gb(self) -> float:
-        return torch.cuda.max_memory_allocated(self.device) / GB if self.cuda else 0.0
-
-    def allocator(self) -> dict:
-        """The caching allocator since :meth:`reset_peak`: its reserved peak,
-        and the times it ran out of cached blocks and freed them all (each a
-        device-wide synchronization) or called cudaMalloc / cudaFree."""
-        if not self.cuda:
-            return {}
-        stats = torch.cuda.memory_stats(self.device)
-        return {"reserved_peak_gb": torch.cuda.max_memory_reserved(self.device) / GB,
-                **{k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
-                                                "num_device_alloc", "num_device_free")}}
+def _llama2(layers: int, **over) -> Shape:
+    """Llama-2-7B's shape (4096 wide, 32 heads, vocabulary 32000) with ``layers`` layers."""
+    fields_ = dict(hidden=4096, intermediate=11008, layers=layers, heads=32, kv_heads=32,
+                   vocab=32000)
+    return Shape(**{**fields_, **over})
 
 
-def step_fn(model, opt, ids, train: bool, device: torch.device):
-    kind = "cuda" if device.type == "cuda" else "cpu"
+MODELS = {
+    "gpt2-1.3B": Model(family="gpt2", layers=24, hidden=2048, heads=16, vocab=50257),
+    "llama-8B": Model(family="llama", llama=_llama2(40), checkpointing=True),
+    "llama-13B": Model(family="llama", llama=_llama2(64), checkpointing=True),
+    "tiny-gpt2": Model(family="gpt2", layers=2, hidden=128, heads=2, vocab=1000),
+    "tiny-llama": Model(family="llama", checkpointing=True, llama=_llama2(
+        2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1000)),
+}
 
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a model of ``MODELS``, a batch, and attach's arguments besides the defaults."""
+
+    name: str
+    model: str
+    batch: int
+    options: dict = field(default_factory=dict)
+
+
+#: issue 29's table
+CASES = [Case("GPT-2 1.3B B=8, cap 48 GB", "gpt2-1.3B", 8, {"gpu_memory_bytes": int(48e9)}),
+         Case("GPT-2 1.3B B=8, default", "gpt2-1.3B", 8),
+         Case("Llama 8B B=4, checkpointing, cap 100 GiB", "llama-8B", 4,
+              {"gpu_memory_bytes": 100 << 30}),
+         Case("Llama 13B B=4, checkpointing, default", "llama-13B", 4)]
+#: the CPU smoke run: the same code on models of a few MB (on the CPU only a cap places)
+TINY = [Case("tiny GPT-2 B=2, cap 6 MB", "tiny-gpt2", 2, {"gpu_memory_bytes": 6_000_000}),
+        Case("tiny GPT-2 B=2, default", "tiny-gpt2", 2),
+        Case("tiny Llama B=2, checkpointing, cap 6 MB", "tiny-llama", 2,
+             {"gpu_memory_bytes": 6_000_000}),
+        Case("tiny Llama B=2, checkpointing, default", "tiny-llama", 2)]
+
+
+def step_fn(model, opt, ids, device: torch.device):
+    """One training step as a user writes it: bf16 autocast, loss, backward, step."""
     def step():
-        if not train:
-            with torch.no_grad(), torch.autocast(kind, dtype=torch.bfloat16):
-                model(input_ids=ids)
-            return
-        with torch.autocast(kind, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
     return step
+
+
+def batch_of(model: Model, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """The same random tokens for the reference and tierd (seeded by the batch size)."""
+    vocab = model.llama.vocab if model.llama is not None else model.vocab
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def reference_misfit(params: int, device_bytes: int | None) -> str | None:
+    """Why all-GPU fp32 training cannot fit ``device_bytes`` (None: it may)."""
+    need = TRAIN_BYTES_PER_PARAM * params
+    if device_bytes is None or need <= device_bytes:
+        return None
+    return (f"all on GPU does not fit: {params / 1e9:.1f}B parameters x "
+            f"{TRAIN_BYTES_PER_PARAM} B (fp32 weights, gradients, AdamW moments) = "
+            f"{need / GB:.0f} GB, the device has {device_bytes / GB:.0f} GB; not run")
+
+
+def device_bytes(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).total_memory \
+        if device.type == "cuda" else None
 
 
 def both_ways_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -176,84 +262,145 @@ def both_ways_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return best
 
 
-def diagnose(fn, model, opt, ids, train: bool, trace: Path | None = None) -> dict | None:
+def allocator(device: torch.device) -> dict:
+    """The caching allocator's reserved peak and the times it ran out of cached
+    blocks and freed them all (each a device-wide synchronization) or called
+    cudaMalloc / cudaFree ({} on the CPU)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"reserved_peak_gb": torch.cuda.max_memory_reserved(device) / GB,
+            **{k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
+                                            "num_device_alloc", "num_device_free")}}
+
+
+def diagnose(fn, model, opt, ids, trace: Path | None = None) -> dict | None:
     """Where one step's time goes (CUDA only): phases, then the streams of a
     profiled step (its trace written to ``trace``, if given)."""
     if ids.device.type != "cuda":
         return None
     from tierd.bench.attach_step import phases, profile
-    out = phases(model, opt, ids) if train else {}
+    out = phases(model, opt, ids)
     out.update(profile(fn, trace))
     return out
 
 
-def run_reference(shape: str, cases: list, args, clock: Clock, device) -> dict:
-    out, held = {}, []
-    try:
-        held.append(build(shape, args.seq, str(device)))
-        model = held[0]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        held.append(opt)
-        for name, _, batch, train, _options in cases:
-            ids = torch.randint(0, model.config.vocab_size, (batch, args.seq), device=device)
-            clock.reset_peak()
-            fn = step_fn(model, opt, ids, train, device)
-            secs = clock.median(fn, args.steps, args.warmup)
-            peak = clock.peak_gb()
-            run = clock.back_to_back(fn, args.steps)
-            out[name] = (secs, peak, None, diagnose(fn, model, opt, ids, train), run)
-    except torch.OutOfMemoryError as exc:
-        for name, *_ in cases:
-            out.setdefault(name, (None, None, f"all on GPU: out of memory ({exc})"[:300], None,
-                                  None))
-    held.clear()   # the model and its state leave the GPU before tierd's run measures it
-    model = opt = fn = None
-    gc.collect()
+def timed(fn, steps: int, args, device: torch.device, observe=None, between=None):
+    """``steps`` back to back, then ``--sync-steps`` synchronized (``between()``
+    called between the two): the figures of both (see the module docstring)
+    and the two loops."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+        torch.cuda.reset_peak_memory_stats(device)
+    loop = steploop.back_to_back(fn, steps, device, observe)
+    if between is not None:
+        between()
+    synced = steploop.synchronized(fn, args.sync_steps, device, observe)
+    s = steploop.summary(loop.seconds, args.warmup)
+    peaks = loop.peaks[args.warmup:] + synced.peaks
+    figures = {"s": s["median_s"], "run_s": s["mean_s"],
+               "sync_s": steploop.summary(synced.seconds, 0)["median_s"],
+               "worst_step_s": s["worst_step_s"], "first_step_s": s["first_step_s"],
+               "steady_steps": s["steady_steps"], "peak_gb": max(peaks) / GB,
+               "steps_s": loop.seconds, "clock": loop.clock}
+    return figures, loop, synced
 
 
-def run_tierd(cpu_model, name: str, batch: int, train: bool, options: dict, args, clock,
-              device, daemon) -> dict:
-    model = attach(cpu_model, client=tierd.connect(daemon.socket), compute_dtype="bf16",
-                   device=device, **options)
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-4) if train else None
-    ids = torch.randint(0, cpu_model.config.vocab_size, (batch, args.seq), device=device)
-    fn = step_fn(model, opt, ids, train, device)
-    session = session_of(model)
-    for _ in range(args.warmup):   # measure, place, settle in
-        fn()
-    clock.sync()
-    before = session.stats()
-    clock.reset_peak()
-    allocator = clock.allocator()
-    secs = clock.median(fn, args.steps, 0)
-    peak, after = clock.peak_gb(), session.stats()
-    allocator = {k: v if k == "reserved_peak_gb" else v - allocator[k]
-                 for k, v in clock.allocator().items()}
-    run = clock.back_to_back(fn, args.steps)
-    trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", name) + ".trace.json.gz") \
-        if args.trace else None
-    diag = diagnose(fn, model, opt, ids, train, trace)
-    if diag is not None:
-        diag.update({k: (after[k] - before[k]) / args.steps
-                     for k in ("hook_seconds", "optimizer_seconds", "wait_seconds",
-                               "lease_wait_seconds")})
-        diag["allocator"] = allocator   # over the timed steps
-    row = {"tierd_diag": diag, "tierd_s": secs, "tierd_run_s": run, "tierd_peak_gb": peak,
-           "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / GB,
-           "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / args.steps / GB,
-           "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
-           "resident_gb": after["resident_bytes"] / GB, "placement": after["placement"]}
-    detach(model)   # the CPU model gets its trained values back: reused by the next case
-    return row
+def run_reference(model: Model, batch: int, args, device: torch.device) -> dict:
+    """The all-GPU reference's ``allgpu_*`` fields for ``batch``."""
+    misfit = reference_misfit(model.params(args.seq), device_bytes(device))
+    if misfit is not None:
+        return {"allgpu_error": misfit}
+    built = opt = fn = None
+    try:
+        built = model.build(args.seq, device)
+        opt = torch.optim.AdamW(built.parameters(), lr=1e-4, fused=device.type == "cuda")
+        ids = batch_of(model, batch, args.seq, device)
+        fn = step_fn(built, opt, ids, device)
+        figures, _, _ = timed(fn, args.ref_steps, args, device)
+        out = {"allgpu_" + k: v for k, v in figures.items() if k not in ("steps_s", "clock")}
+        out["allgpu_diag"] = diagnose(fn, built, opt, ids)
+        return out
+    except torch.OutOfMemoryError as exc:
+        return {"allgpu_error": f"all on GPU: out of memory ({exc})"[:300]}
+    finally:
+        built = opt = fn = None   # the reference leaves the GPU before tierd's run measures it
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def plan_of(session):
+    """The placement plan a session runs on, as a comparable value (None:
+    everything streamed, or no placement)."""
+    plan = session.placer.plan
+    return None if plan is None else tuple(sorted((i, p.name) for i, p in plan.places.items()))
+
+
+def plan_changes(plans: list, before=None) -> tuple[list[int], int]:
+    """The steps (1-based) that ended on another plan than the step before
+    (``before``: the plan at attach), and how many of them came after the
+    first plan was made.
+
+    >>> plan_changes([None, "A", "A", None, "B", "B"])
+    ([2, 4, 5], 2)
+    """
+    at, prev = [], before
+    for step, plan in enumerate(plans, 1):
+        if plan != prev:
+            at.append(step)
+        prev = plan
+    first_made = 1 if at and before is None and plans[at[0] - 1] is not None else 0
+    return at, len(at) - first_made
+
+
+def run_tierd(case: Case, args, device: torch.device, client) -> dict:
+    """tierd's fields of ``case``'s row."""
+    model = MODELS[case.model]
+    built = model.build(args.seq, device)
+    built = attach(built, compute_dtype="bf16", device=device,
+                   **({} if client is None else {"client": client}), **case.options)
+    try:
+        opt = tierd.optim.AdamW(built.parameters(), lr=1e-4)
+        ids = batch_of(model, case.batch, args.seq, device)
+        fn = step_fn(built, opt, ids, device)
+        session = session_of(built)
+        before_plan = plan_of(session)
+        marks = []   # the counters and the allocator's after the back-to-back steps
+        figures, loop, synced = timed(
+            fn, args.steps, args, device, lambda: plan_of(session),
+            between=lambda: marks.append((session.stats(), allocator(device))))
+        (before, alloc_before), after = marks[0], session.stats()
+        alloc = {k: v if k == "reserved_peak_gb" else v - alloc_before[k]
+                 for k, v in allocator(device).items()}   # over the synchronized steps
+        trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", case.name) + ".trace.json.gz") \
+            if args.trace else None
+        diag = diagnose(fn, built, opt, ids, trace)
+        n = args.sync_steps
+        if diag is not None:
+            diag.update({k: (after[k] - before[k]) / n
+                         for k in ("hook_seconds", "optimizer_seconds", "wait_seconds",
+                                   "lease_wait_seconds")})
+            diag["allocator"] = alloc
+        at, changes = plan_changes(loop.observed + synced.observed, before_plan)
+        return {"tierd_s": figures["s"], "tierd_run_s": figures["run_s"],
+                "tierd_sync_s": figures["sync_s"], "worst_step_s": figures["worst_step_s"],
+                "first_step_s": figures["first_step_s"], "steady_steps": figures["steady_steps"],
+                "tierd_steps_s": figures["steps_s"], "clock": figures["clock"],
+                "tierd_peak_gb": figures["peak_gb"], "plan_changes": changes,
+                "plan_changed_at": at, "placement_replans": after.get("placement_replans"),
+                "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / n / GB,
+                "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / n / GB,
+                "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
+                "resident_gb": after["resident_bytes"] / GB, "placement": after["placement"],
+                "tierd_diag": diag}
+    finally:
+        detach(built)
 
 
 def floor(row: dict, bandwidth: float) -> float | None:
-    """A capped case's floor: the larger of its compute (the all-GPU step;
-    where that ran out of memory, tierd's compute-stream busy time) and the
-    planned PCIe bytes at ``bandwidth``."""
+    """A capped or non-fitting case's floor: the larger of its compute (the
+    all-GPU step; where that did not run, tierd's compute-stream busy time)
+    and the planned PCIe bytes at ``bandwidth``."""
     compute = row["allgpu_s"]
     if compute is None:
         compute = (row.get("tierd_diag") or {}).get("compute_busy_s")
@@ -262,50 +409,74 @@ def floor(row: dict, bandwidth: float) -> float | None:
     return max(compute, (row["planned_pcie_gb"] or 0) * GB / bandwidth)
 
 
-def measure(args, cases: list, device: torch.device) -> tuple[list[dict], float]:
-    """Every case of ``cases`` in this process (one model shape at a time)."""
-    clock = Clock(device)
+#: every figure of a row (None in a row whose run failed)
+ROW_FIELDS = ("model", "params", "batch", "seq", "options", "allgpu_s", "allgpu_run_s",
+              "allgpu_sync_s", "allgpu_worst_step_s", "allgpu_first_step_s",
+              "allgpu_steady_steps", "allgpu_peak_gb", "allgpu_diag", "allgpu_error",
+              "tierd_s", "tierd_run_s", "tierd_sync_s", "worst_step_s", "first_step_s",
+              "steady_steps", "tierd_steps_s", "clock", "tierd_peak_gb", "plan_changes",
+              "plan_changed_at", "placement_replans", "pcie_in_gb", "pcie_out_gb",
+              "planned_pcie_gb", "resident_gb", "placement", "tierd_diag", "floor_s")
+
+
+def measure(args, cases: list[Case], device: torch.device) -> tuple[list[dict], float]:
+    """Every case of ``cases`` in this process (one model at a time)."""
     bandwidth = both_ways_bandwidth(device)
-    daemon = start_daemon(pool=args.pool_gib << 30, nvme_size=args.nvme_gib << 30)
+    daemon = None
+    if args.pool_gib is not None or args.nvme_gib is not None:
+        daemon = start_daemon(pool=None if args.pool_gib is None else args.pool_gib << 30,
+                              nvme_size=None if args.nvme_gib is None else args.nvme_gib << 30)
     rows = []
     try:
-        for shape in dict.fromkeys(c[1] for c in cases):
-            mine = [c for c in cases if c[1] == shape]
-            ref = run_reference(shape, mine, args, clock, device)
-            cpu_model = build(shape, args.seq, str(device)).to("cpu") if not args.tiny \
-                else build(shape, args.seq, "cpu")
-            for name, _, batch, train, options in mine:
-                allgpu_s, allgpu_peak, error, allgpu_diag, allgpu_run = ref[name]
-                row = {"case": name, "allgpu_s": allgpu_s, "allgpu_run_s": allgpu_run,
-                       "allgpu_peak_gb": allgpu_peak,
-                       "floor_s": None, "error": error, "allgpu_diag": allgpu_diag}
-                row.update(run_tierd(cpu_model, name, batch, train, options, args, clock,
-                                     device, daemon))
-                if "gpu_memory_bytes" in options:
+        for name in dict.fromkeys(c.model for c in cases):
+            model, references = MODELS[name], {}
+            for case in (c for c in cases if c.model == name):
+                if case.batch not in references:
+                    references[case.batch] = run_reference(model, case.batch, args, device)
+                row = {k: None for k in ROW_FIELDS}
+                row.update(case=case.name, model=model.class_name, error=None,
+                           params=model.params(args.seq), batch=case.batch, seq=args.seq,
+                           options=case.options, commit=args.commit,
+                           **references[case.batch])
+                client = None if daemon is None else tierd.connect(daemon.socket)
+                try:
+                    row.update(run_tierd(case, args, device, client))
+                except (TierdError, torch.OutOfMemoryError) as exc:
+                    traceback.print_exc()
+                    row["error"] = f"tierd: {type(exc).__name__}: {exc}"[:500]
+                if row["error"] is None and ("gpu_memory_bytes" in case.options
+                                             or row["allgpu_s"] is None):
                     row["floor_s"] = floor(row, bandwidth)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del cpu_model
-            gc.collect()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     finally:
-        daemon.stop()
+        if daemon is not None:
+            daemon.stop()
     return rows, bandwidth
 
 
-def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
-    """Each model shape in a process of its own: a process keeps the pool
-    segments it page-locked, and the host page-locks only so much (~70 GiB on
-    the H200 host), so 5B's pool cannot follow 1.3B's in one process."""
+def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
+    """Each model in a process of its own: a process keeps the pool segments
+    it page-locked, and the host page-locks only so much (~70 GiB on the H200
+    host), so one model's pool cannot follow another's in one process."""
     rows, bandwidth = [], 0.0
-    for shape in shapes:
-        out = args.out / shape
-        cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", shape,
+    for name in models:
+        out = args.out / name
+        cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", name,
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib),
+               "--sync-steps", str(args.sync_steps), "--ref-steps", str(args.ref_steps),
                "--case", args.case] + ["--trace"] * args.trace
+        cmd += [] if args.commit is None else ["--commit", args.commit]
+        cmd += [] if args.pool_gib is None else ["--pool-gib", str(args.pool_gib)]
+        cmd += [] if args.nvme_gib is None else ["--nvme-gib", str(args.nvme_gib)]
+        (out / "placement.json").unlink(missing_ok=True)
         if subprocess.run(cmd).returncode != 0:
-            rows.append({"case": f"{shape} (every case)", "error": "its process failed; see "
-                         "its output above", **{k: None for k in ROW_FIELDS}})
+            rows += [{**{k: None for k in ROW_FIELDS}, "case": c.name, "commit": args.commit,
+                      "error": f"its process ({name}) failed; see its output above"}
+                     for c in CASES if c.model == name and args.case in c.name]
             continue
         got = json.loads((out / "placement.json").read_text())
         rows += got["rows"]
@@ -313,63 +484,88 @@ def measure_apart(args, shapes: list[str]) -> tuple[list[dict], float]:
     return rows, bandwidth
 
 
-ROW_FIELDS = ("allgpu_s", "tierd_s", "floor_s", "tierd_peak_gb", "allgpu_peak_gb",
-              "pcie_in_gb", "pcie_out_gb", "planned_pcie_gb", "tierd_run_s", "allgpu_run_s",
-              "tierd_diag", "allgpu_diag")
+def merged(path: Path, result: dict) -> dict:
+    """``result`` with the rows of an earlier ``path`` it has no row for kept
+    (a row replaces the row of the same case; the others keep their order)."""
+    if not path.exists():
+        return result
+    old = json.loads(path.read_text())
+    new = {r["case"]: r for r in result["rows"]}
+    rows = [new.pop(r["case"], r) for r in old.get("rows", [])] + list(new.values())
+    return {**result, "rows": rows}
+
+
+def print_table(rows: list[dict]) -> None:
+    def fmt(v, f):
+        return format("-", ">" + re.match(r"\d*", f).group()) if v is None else format(v, f)
+
+    def ratio(r, a, b):
+        return r.get(a) / r.get(b) if r.get(a) and r.get(b) else None
+    print(f"\n{'case':42} {'all-GPU s':>9} {'tierd s':>8} {'ratio':>6} {'floor s':>8} "
+          f"{'/floor':>6} {'sync':>6} {'first s':>8} {'worst s':>8} {'changes':>7}")
+    for r in rows:
+        print(f"{r['case']:42} {fmt(r.get('allgpu_s'), '9.4f')} {fmt(r.get('tierd_s'), '8.4f')} "
+              f"{fmt(ratio(r, 'tierd_s', 'allgpu_s'), '6.2f')} {fmt(r.get('floor_s'), '8.4f')} "
+              f"{fmt(ratio(r, 'tierd_s', 'floor_s'), '6.2f')} "
+              f"{fmt(ratio(r, 'tierd_sync_s', 'allgpu_sync_s'), '6.2f')} "
+              f"{fmt(r.get('first_step_s'), '8.3f')} {fmt(r.get('worst_step_s'), '8.3f')} "
+              f"{fmt(r.get('plan_changes'), '7d')}")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--pool-gib", type=int, default=60,
-                    help="host pool (5B: 70 GB of weights and state and the first step's "
-                         "20 GB of fp32 gradients; what does not fit spills to NVMe; the "
-                         "H200 host page-locks at most ~70 GiB)")
-    ap.add_argument("--nvme-gib", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=50, help="tierd's back-to-back steps a case")
+    ap.add_argument("--ref-steps", type=int, default=30,
+                    help="the all-GPU reference's back-to-back steps (no placement to settle)")
+    ap.add_argument("--sync-steps", type=int, default=10,
+                    help="synchronized steps after the back-to-back ones")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="first steps left out of the worst step (and of the medians)")
+    ap.add_argument("--pool-gib", type=int, default=None,
+                    help="a daemon with this pool (default: attach's embedded daemon, sized "
+                         "for the model and the machine)")
+    ap.add_argument("--nvme-gib", type=int, default=None)
     ap.add_argument("--case", default="", help="only the cases whose name contains this "
-                    "(e.g. 'cap 48 GB': a quick re-run of one case, not the README table)")
-    ap.add_argument("--only", default="", help="comma-separated model shapes (1.3B,5B), "
-                    "run in this process")
+                    "(e.g. 'cap 48 GB': a quick re-run of one case)")
+    ap.add_argument("--only", default="", help="comma-separated models of MODELS "
+                    "(gpt2-1.3B,llama-8B), run in this process")
     ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
                     "step (host and device) as CASE.trace.json.gz")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.seq, args.steps, args.ref_steps, args.sync_steps, args.warmup = 16, 6, 4, 2, 2
+        args.pool_gib, args.nvme_gib = 1, 1
+    for flag in ("steps", "ref_steps"):
+        if getattr(args, flag) <= args.warmup:
+            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must exceed "
+                     f"--warmup={args.warmup}")
+    if args.sync_steps < 1:
+        ap.error(f"--sync-steps={args.sync_steps} must be at least 1")
+    args.commit = args.commit or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     logging.basicConfig(format="[%(name)s] %(message)s")
     logging.getLogger("tierd.placement").setLevel(logging.DEBUG)   # each plan, to stderr
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        args.seq, args.steps, args.warmup, args.pool_gib, args.nvme_gib = 16, 2, 3, 1, 1
-        rows, bandwidth = measure(args, [c for c in TINY if args.case in c[0]], device)
+        rows, bandwidth = measure(args, [c for c in TINY if args.case in c.name], device)
     elif args.only:
-        rows, bandwidth = measure(args, [c for c in CASES if c[1] in args.only.split(",")
-                                         and args.case in c[0]], device)
+        rows, bandwidth = measure(args, [c for c in CASES if c.model in args.only.split(",")
+                                         and args.case in c.name], device)
     else:
         rows, bandwidth = measure_apart(args, list(dict.fromkeys(
-            c[1] for c in CASES if args.case in c[0])))
-        rows += [{"case": c, "error": why, **{k: None for k in ROW_FIELDS}}
-                 for c, why in UNRUN.items()]
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip() or None
-    result = {"commit": commit, "device": torch.cuda.get_device_name(device)
+            c.model for c in CASES if args.case in c.name)))
+    result = {"commit": args.commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "both_ways_bandwidth_gbps": bandwidth / GB,
               "rows": rows}
-    (args.out / "placement.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{'case':40} {'all-GPU s':>9} {'tierd s':>8} {'ratio':>6} {'floor s':>8} "
-          f"{'run ratio':>9} {'peak GB':>8} {'in GB':>6} {'out GB':>6}")
-    for r in rows:
-        def ratio(a, b):
-            return r.get(a) / r.get(b) if r.get(a) and r.get(b) else None
-        fmt = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
-        print(f"{r['case']:40} {fmt(r['allgpu_s'], '9.4f')} {fmt(r['tierd_s'], '8.4f')} "
-              f"{fmt(ratio('tierd_s', 'allgpu_s'), '6.2f')} {fmt(r['floor_s'], '8.4f')} "
-              f"{fmt(ratio('tierd_run_s', 'allgpu_run_s'), '9.2f')} "
-              f"{fmt(r['tierd_peak_gb'], '8.1f')} "
-              f"{fmt(r['pcie_in_gb'], '6.2f')} {fmt(r['pcie_out_gb'], '6.2f')}")
+    path = args.out / "placement.json"
+    path.write_text(json.dumps(merged(path, result), indent=1))
+    print_table(rows)
+
 
 if __name__ == "__main__":
     main()
