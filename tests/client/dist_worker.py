@@ -27,6 +27,10 @@ import tierd
 from tests.client.models import batches, gpt2
 
 
+def _owns_parameters(module: torch.nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -49,6 +53,9 @@ def main() -> None:
     ap.add_argument("--last-rank-gpu-memory-bytes", type=int, default=None,
                     help="the last rank asks for another cap (every rank gets the smallest)")
     ap.add_argument("--device", default=None, help="attach's device (default: its own choice)")
+    ap.add_argument("--module-units", action="store_true",
+                    help="a unit per module owning parameters (attach's unit_modules), "
+                         "the granularity the caps of the placement tests are set for")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -77,7 +84,8 @@ def main() -> None:
             model = tierd.attach(model, job=args.job, resume=args.resume,
                                  compute_dtype=args.compute_dtype,
                                  resident_below_bytes=args.resident_below,
-                                 gpu_memory_bytes=cap, device=args.device)
+                                 gpu_memory_bytes=cap, device=args.device,
+                                 unit_modules=_owns_parameters if args.module_units else None)
             opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
                                     max_grad_norm=args.clip,
                                     accumulation_steps=args.accumulate)

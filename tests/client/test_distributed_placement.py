@@ -17,6 +17,7 @@ import torch
 from tests.client.test_distributed import assert_matches, run_ranks
 from tests.conftest import start_daemon
 
+# set for a unit per module owning parameters (dist_worker --module-units)
 MIXED_CAP = 266240
 EMBEDDING_CAP = 626240
 
@@ -47,7 +48,7 @@ def test_replicas_within_the_smallest_cap_commit_and_resume(daemon_factory, tmp_
     daemon = daemon_factory(pool="256MiB")
     # the last rank asks for far more: both plan within the smallest cap
     full = run_ranks(tmp_path_factory.mktemp("full"), [daemon.socket] * 2, "--steps", "4",
-                     "--tierd", "--gpu-memory-bytes", str(MIXED_CAP),
+                     "--tierd", "--module-units", "--gpu-memory-bytes", str(MIXED_CAP),
                      "--last-rank-gpu-memory-bytes", str(1 << 30))
     _assert_replicas(full)
     assert_matches(full, reference4)
@@ -59,7 +60,8 @@ def test_replicas_within_the_smallest_cap_commit_and_resume(daemon_factory, tmp_
         assert r["session"]["placement_replans"] == 0
 
     node = tmp_path_factory.mktemp("node")
-    args = ("--tierd", "--job", "res", "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    args = ("--tierd", "--module-units", "--job", "res", "--gpu-memory-bytes",
+            str(EMBEDDING_CAP))
     first = start_daemon(node, pool="256MiB")
     try:   # placed from its second step on: the commit after it writes resident state back
         before = run_ranks(tmp_path_factory.mktemp("first"), [first.socket] * 2,
@@ -92,7 +94,7 @@ def test_replicas_follow_windows_and_new_input_shapes(daemon_factory, tmp_path_f
     ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], *args)[0]
     results = run_ranks(tmp_path_factory.mktemp("ranks"),
                         [daemon_factory(pool="256MiB").socket] * 2, *args, "--tierd",
-                        "--gpu-memory-bytes", str(EMBEDDING_CAP))
+                        "--module-units", "--gpu-memory-bytes", str(EMBEDDING_CAP))
     _assert_replicas(results)
     assert "resident" in results[0]["plan"]["places"].values()
     assert_matches(results, ref)
@@ -124,7 +126,7 @@ def test_two_ranks_on_one_gpu_keep_replicas_bitwise_like_streaming(daemon_factor
 def test_a_cap_too_small_on_one_rank_fails_attach_on_every_rank(daemon_factory, tmp_path):
     daemon = daemon_factory(pool="256MiB")
     results = run_ranks(tmp_path, [daemon.socket] * 2, "--steps", "1", "--tierd", "--job", "small",
-                        "--gpu-memory-bytes", str(EMBEDDING_CAP),
+                        "--module-units", "--gpu-memory-bytes", str(EMBEDDING_CAP),
                         "--last-rank-gpu-memory-bytes", "1000")
     for r in results:   # the same error everywhere, no rank left waiting
         assert r["error"].startswith("ValueError: gpu_memory_bytes=1000 is below"), r

@@ -17,8 +17,10 @@ The hooks call one method each (``pre_forward``, ``post_forward``,
 copy stream and the methods under "values".
 
 [Note: units and when parameters are resident]
-A *unit* is a module that directly owns parameters. Before a unit's forward
-its parameters are made resident; after it they are freed, unless the forward
+A *unit* is a block of the model, or the rest of it ([Note: units are the
+model's blocks] in ``tierd.client.registry``). Before a unit's forward its
+parameters are brought onto the device and its modules hold their compute
+tensors; after it they are freed, unless the forward
 is a re-run inside backward (activation checkpointing), where they stay until
 backward is done with them. In backward a unit's parameters are made resident
 when the first gradient of the unit's outputs arrives (a multi-grad hook on
@@ -26,7 +28,8 @@ the outputs, like FSDP2's pre-backward). A parameter that requires grad is
 freed right after autograd has accumulated its gradient, which is after every
 backward node that takes it as input has run; the rest are freed when the
 backward graph task that brought them in ends (an engine callback). Freeing
-resizes the storage to 0, see the Note in ``tiered_param``.
+resizes the storage to 0, see [Note: why resize the storage instead of
+swapping ``.data``] in ``tiered_param``.
 
 """
 
@@ -122,7 +125,7 @@ class AttachSession:
         self.lease_cap = max(1, self.pool_bytes // 4)
         self.grads = GradBucket(client, self.leases, self.copy, self.releases,
                                 min(config.grad_bucket_bytes, self.lease_cap))
-        self.grad_views = GradViews(self)   # p.grad as users see it
+        self.grad_views = GradViews(self, self.leases)   # p.grad as users see it
         self.optimizers: list = []   # tierd.optim updaters fused into backward
         self.updates = SessionUpdates(self)   # what they do, as the placer asks it
         register_pool(client, self.device)
@@ -145,7 +148,7 @@ class AttachSession:
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
         cap = resolve_cap(self.device, config.gpu_memory_bytes)
         self.placer = Placer(self, cap, explicit=config.gpu_memory_bytes is not None)
-        self.hooks = ModuleHooks(self)
+        self.hooks = ModuleHooks(model, self.registry, self, self.counters)
         self.activations = None if config.activations is None else ActivationTiering(
             model, client, config.activations, device=self.device)
         object.__setattr__(model, _SESSION_ATTR, self)
@@ -217,6 +220,11 @@ class AttachSession:
 
     def post_forward(self, unit: Unit) -> None:
         self.mover.release_after_forward(unit, current_graph_task())
+
+    def gradient_arrives(self) -> None:
+        """Before autograd accumulates a gradient: the views come off
+        ([Note: gradients users touch] in tierd.client.grad_view)."""
+        self.grad_views.hide()
 
     def pre_backward(self, unit: Unit) -> None:
         task = self.backward.enter()

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from tierd.client.leases import LeaseTable
+from tierd.client.parts import PoolGradients
 from tierd.client.tiered_param import TieredParam
 from tierd.errors import StateError
 
@@ -204,13 +206,18 @@ def replay(ops: list, grad: torch.Tensor) -> None:
 class GradViews:
     """Which parameters of one session show a :class:`PoolGrad` (see the Note).
 
+    ``pool`` settles copies before the pool's gradients change in place
+    through ``leases``.
+
     Example:
-        >>> views = GradViews(session); views.show(pooled, consumed)   # doctest: +SKIP
+        >>> views = GradViews(session, session.leases)   # doctest: +SKIP
+        >>> views.show(pooled, consumed)                 # doctest: +SKIP
         >>> views.hide()                       # before the next forward  # doctest: +SKIP
     """
 
-    def __init__(self, session) -> None:
-        self._session = session
+    def __init__(self, pool: PoolGradients, leases: LeaseTable) -> None:
+        self._pool = pool
+        self._leases = leases
         self._shown: dict[TieredParam, PoolGrad] = {}
         # hidden by tierd for a forward or backward; the gradient stays
         # (value: True when it was consumed by a fused update)
@@ -303,15 +310,14 @@ class GradViews:
         return any(view.ops for view in self._shown.values())
 
     def _apply_now(self, tps: list[TieredParam]) -> None:
-        session = self._session
-        session.settle(write_resident=False)   # gradients only
+        self._pool.settle(write_resident=False)   # gradients only
         keys = [tp.grad_key for tp in tps]
-        session.leases.acquire(keys)
+        self._leases.acquire(keys)
         try:
-            views = session.leases.views(keys)
+            views = self._leases.views(keys)
             with torch.no_grad():
                 for tp in tps:
                     replay(self._shown[tp].ops, views[tp.grad_key])
                     self.applied(tp, views[tp.grad_key])
         finally:
-            session.leases.release(keys, written=True)
+            self._leases.release(keys, written=True)

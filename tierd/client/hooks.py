@@ -1,9 +1,10 @@
 """The hooks that drive an AttachSession: registered once per attach, handles kept.
 
-Each hook body is one call into :class:`tierd.client.attached.AttachSession`
-and the registry; the reasoning about *when* parameters move is in
-[Note: units and when parameters are resident] there. No torch function is
-patched; only public ``nn.Module`` / autograd hook APIs are used.
+Each hook body is one call into the :class:`~tierd.client.parts.StepEvents`
+it is given (the attached session) and the registry; the reasoning about
+*when* parameters move is [Note: units and when parameters are resident] in
+``tierd.client.attached``. No torch function is patched; only public
+``nn.Module`` / autograd hook APIs are used.
 
 Hooks sit on the modules of units only ([Note: units are the model's
 blocks] in ``tierd.client.registry``): the root module's pre-hook begins a
@@ -38,7 +39,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierd.client.registry import Unit
+from tierd.client.parts import StepEvents
+from tierd.client.registry import ParamRegistry, Unit
 from tierd.client.optimizers import TierdOptimizer
 from tierd.client.tiered_param import MOVED_ATTR, tiered_of
 from tierd.client.torch_internals import is_compiled_module, tree_flatten, weak_hook
@@ -56,20 +58,25 @@ def refuse_compiled(model: nn.Module) -> None:
 class ModuleHooks:
     """Owns every hook handle of one attached model; :meth:`remove` undoes them all.
 
+    ``events`` gets one call per hook; ``counters.hook_seconds`` adds up the
+    hooks' host time (the benchmark reports it as the overhead of a step).
+
     Example:
-        >>> hooks = ModuleHooks(session)   # doctest: +SKIP
+        >>> hooks = ModuleHooks(model, registry, session, session.counters)   # doctest: +SKIP
         >>> hooks.sync()                   # after placement: hooks on streamed units only  # doctest: +SKIP
         >>> hooks.remove()                 # doctest: +SKIP
     """
 
-    def __init__(self, session) -> None:
-        self._session = session
-        self._registry = session.registry
+    def __init__(self, model: nn.Module, registry: ParamRegistry, events: StepEvents,
+                 counters) -> None:
+        self._model = model
+        self._events = events
+        self._counters = counters
+        self._registry = registry
         self._handles: list[Any] = []
         self._unit_handles: dict[int, tuple[Any, Any]] = {}   # unit index -> its two hooks
         self._depth: dict[int, int] = {}   # unit index -> forwards of it running now
         self._loading: list[tuple[nn.Module, str]] = []   # holders swapped for a load
-        model = session.model
         self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         # what a traced hook calls out to, run eagerly (wrapped here, not at
         # import: torch.compiler.disable imports dynamo, ~1 s)
@@ -90,7 +97,7 @@ class ModuleHooks:
         _refuse_other_optimizers()
         # before autograd accumulates into p.grad: take the views off
         # ([Note: gradients users touch] in tierd.client.grad_view)
-        for tp in session.params.values():
+        for tp in registry.params.values():
             if tp.param.requires_grad:
                 for tensor in (tp.param, tp.outside):
                     self._handles.append(tensor.register_hook(weak_hook(self._gradient_arrives)))
@@ -117,7 +124,7 @@ class ModuleHooks:
                 handle.remove()
         self._handles.clear()
         self._unit_handles.clear()
-        for module in self._session.model.modules():
+        for module in self._model.modules():
             module.__dict__.pop("_apply", None)
 
     # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
@@ -139,43 +146,46 @@ class ModuleHooks:
         else:
             self._leave(module, output)
 
-    # Every body adds its host time to session.counters.hook_seconds (the
-    # benchmark reports it as the overhead share of a step).
+    # Every body adds its host time to counters.hook_seconds.
     def _begin_step_body(self, signature: tuple) -> None:
         t0 = time.perf_counter()
-        self._session.begin_step(signature)
+        self._events.begin_step(signature)
         self.sync()   # placement may have kept units whole, or streamed them again
-        self._session.counters.hook_seconds += time.perf_counter() - t0
+        self._counters.hook_seconds += time.perf_counter() - t0
 
     def _enter(self, module: nn.Module) -> None:
         t0 = time.perf_counter()
         unit = self._registry.unit_of[id(module)]
-        self._session.pre_forward(unit)
+        if not unit.params:   # placed whole by this step's placement, its hook still called
+            return
+        self._events.pre_forward(unit)
         depth = self._depth.get(unit.index, 0)
         if depth == 0:
             self._registry.install(unit, running=True)
         self._depth[unit.index] = depth + 1
-        self._session.counters.hook_seconds += time.perf_counter() - t0
+        self._counters.hook_seconds += time.perf_counter() - t0
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         t0 = time.perf_counter()
         unit = self._registry.unit_of[id(module)]
+        if not unit.params:
+            return
         depth = self._depth.get(unit.index, 1) - 1
         self._depth[unit.index] = depth
         if depth == 0:
             self._registry.install(unit, running=False)
-        self._session.post_forward(unit)
+        self._events.post_forward(unit)
         self._register_pre_backward(unit, output)
-        self._session.counters.hook_seconds += time.perf_counter() - t0
+        self._counters.hook_seconds += time.perf_counter() - t0
 
     def _gradient_arrives(self, grad: torch.Tensor) -> None:
-        self._session.grad_views.hide()
+        self._events.gradient_arrives()
 
     def _pre_backward_of(self, unit: Unit) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
             t0 = time.perf_counter()
-            self._session.pre_backward(unit)
-            self._session.counters.hook_seconds += time.perf_counter() - t0
+            self._events.pre_backward(unit)
+            self._counters.hook_seconds += time.perf_counter() - t0
         return hook
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
@@ -193,7 +203,7 @@ class ModuleHooks:
         # a fresh function per module: torch tags the hook object it is given
         def hook(module: nn.Module, state_dict: dict, prefix: str,
                  local_metadata: dict) -> None:
-            self._session.fill_state_dict(module, state_dict, prefix)
+            self._events.fill_state_dict(module, state_dict, prefix)
         return hook
 
     # load_state_dict: torch copies each value into the tensor the module
@@ -214,7 +224,7 @@ class ModuleHooks:
             param = module._parameters[attr]
             module._parameters[attr] = tp.between_uses
             if tiered_of(param) is None:   # load_state_dict(assign=True) put its own
-                self._session.write_values({tp: param.detach()})
+                self._events.write_values({tp: param.detach()})
 
 
 class _ConversionGuard:
