@@ -62,6 +62,18 @@ def test_case_reruns_its_cases_and_merges_them_into_the_results(tiny):
         c.name: "1" if c.name == one else "0" for c in placement.TINY}
 
 
+def test_a_model_whose_state_cannot_fit_the_device_gets_a_row_without_the_reference(
+        tmp_path, monkeypatch):
+    # the 13B case on the H200: the device's memory as if it were a few bytes
+    monkeypatch.setattr(placement, "device_bytes", lambda device: 1000)
+    placement.main(["--out", str(tmp_path), "--tiny", "--case", "tiny GPT-2 B=2, cap"])
+    [row] = json.loads((tmp_path / "placement.json").read_text())["rows"]
+    assert row["allgpu_s"] is None and row["allgpu_diag"] is None
+    assert "does not fit" in row["allgpu_error"]
+    assert row["error"] is None and row["tierd_s"] > 0 and row["placement"] == "placed"
+    assert row["floor_s"] is None   # no all-GPU step, and the CPU profiles no compute stream
+
+
 def test_steps_must_exceed_the_warmup(capsys):
     with pytest.raises(SystemExit):
         placement.main(["--out", "unused", "--steps", "3", "--warmup", "3"])
