@@ -328,8 +328,7 @@ class AttachSession:
         tps = list(self.params.values()) if tps is None else tps
         self.grad_views.drop(tps)
         for tp in tps:
-            tp.grad_in_pool = False
-            tp.grad_norm = None
+            tp.to_no_gradient()
         self._drop_unused_grads(tps)
 
     def _drop_unused_grads(self, tps: list[TieredParam]) -> None:

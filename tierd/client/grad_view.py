@@ -267,8 +267,7 @@ class GradViews:
             if view.zeroed and view.holder.grad is view:
                 view.holder.grad = None   # [Note: gradients users touch]: consumed, zeroed
             if view.holder.grad is not view:
-                tp.grad_in_pool = False
-                tp.grad_norm = None
+                tp.to_no_gradient()
                 del self._shown[tp]
 
     def consume(self, tps) -> None:
@@ -304,7 +303,7 @@ class GradViews:
         view = self._shown.get(tp)
         if view is not None:
             view.ops = []
-        tp.grad_norm = torch.linalg.vector_norm(grad, 2.0)
+        tp.to_gradient_in_pool(torch.linalg.vector_norm(grad, 2.0))
 
     def any_ops(self) -> bool:
         return any(view.ops for view in self._shown.values())

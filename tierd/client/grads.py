@@ -78,10 +78,8 @@ class GradBucket:
                 else:
                     # torch steals the first gradient as is; copy keeps the bits
                     accumulated[tp.grad_key] = g if on_device else views[tp.grad_key].copy_(g)
-                tp.grad_in_pool = True
             for tp, _ in entries:
-                acc = accumulated[tp.grad_key]
-                tp.grad_norm = torch.linalg.vector_norm(acc, 2.0)
+                tp.to_gradient_in_pool(torch.linalg.vector_norm(accumulated[tp.grad_key], 2.0))
         self._write_back(keys, views, accumulated, on_device)
 
     def _create(self, tps: list[TieredParam]) -> None:
@@ -124,5 +122,5 @@ def free_grads(session, tps: list[TieredParam]) -> None:
                       {tp.grad_key: tp.param.numel() * 4 for tp in tps})
     for tp in tps:
         tp.grad_created = False
-        tp.grad_in_pool = False
+        tp.to_no_gradient()
     session.grad_views.consume(tps)

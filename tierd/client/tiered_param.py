@@ -60,6 +60,20 @@ if TYPE_CHECKING:
     from tierd.client.copy_stream import CopyStream, InflightCopy
 
 
+class GradState(enum.Enum):
+    """Where a parameter's accumulated gradient is, on tierd's side (``p.grad``
+    is a view of it: [Note: gradients users touch] in tierd.client.grad_view).
+
+    NONE: no gradient since the last ``zero_grad``, or the update used it up
+        (the pool's bytes under ``grad_key``, if the key exists, mean nothing).
+    IN_POOL: the gradient summed over this window's backwards is in the pool
+        under ``grad_key``; ``grad_norm`` is its L2 norm.
+    """
+
+    NONE = "none"
+    IN_POOL = "in_pool"
+
+
 class ParamState(enum.Enum):
     """Where a parameter's bytes live on the client side.
 
@@ -147,15 +161,14 @@ class TieredParam:
         # not stored ([Note: masters made when first needed] in tierd.client.registry)
         self.master_made = True
         self.nbytes = param.numel() * param.element_size()
-        # The summed gradient is in the pool under grad_key (False after zero_grad).
-        self.grad_in_pool = False
+        self.grad_state = GradState.NONE
         # The grad key exists in the daemon (made on first use, see grads.py).
         self.grad_created = False
         # Resident: the store's compute copy is older than the device's until
         # written back ([Note: kept weights are written when the store is read]
         # in tierd.updates.resident).
         self.stale_in_store = False
-        # 0-dim L2 norm of the accumulated gradient, kept for global clipping.
+        # IN_POOL: the 0-dim L2 norm of the gradient there (global clipping)
         self.grad_norm: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Mover.free_task).
         self.backward_task = -1
@@ -254,6 +267,24 @@ class TieredParam:
                              "settle the session (write it back) before streaming it")
         self.resident = False
         self.free()
+
+    # ------------------------------------------------------ gradient changes
+    def to_gradient_in_pool(self, norm: torch.Tensor) -> None:
+        """NONE/IN_POOL -> IN_POOL: the pool holds the summed gradient (a
+        bucket's write of it, or its in-place changes replayed), of L2 ``norm``."""
+        self.grad_state = GradState.IN_POOL
+        self.grad_norm = norm
+
+    def to_no_gradient(self) -> None:
+        """-> NONE: the update used the gradient, or ``zero_grad`` / ``p.grad =
+        None`` forgot it."""
+        self.grad_state = GradState.NONE
+        self.grad_norm = None
+
+    @property
+    def grad_in_pool(self) -> bool:
+        """The summed gradient is in the pool (:attr:`GradState.IN_POOL`)."""
+        return self.grad_state is GradState.IN_POOL
 
     # ------------------------------------------------------------- queries
     @property

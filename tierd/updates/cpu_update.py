@@ -265,8 +265,7 @@ class HostUpdates:
             for tps in by_step.values())
         casts = tuple((views[tp.key], views[tp.master_key]) for tp, _ in items if tp.has_master)
         for tp, _ in items:
-            tp.grad_in_pool = False
-            tp.grad_norm = None
+            tp.to_no_gradient()
             updated.add(tp)
         job = HostJob(b.index, b.tps[0].name, {k: v for k, v in b.group.items() if k != "params"},
                       batches, grads_in, casts, copy,

@@ -433,8 +433,7 @@ class FusedUpdates:
                               {n: [b.work[k[i + 1]] for k in keys]
                                for i, n in enumerate(opt.state_names)})
             for tp, k, param in zip(tps, keys, params):
-                tp.grad_in_pool = False
-                tp.grad_norm = None
+                tp.to_no_gradient()
                 self._updated.add(tp)
                 if tp.resident:
                     session.refresh_resident(tp, param)
