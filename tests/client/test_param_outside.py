@@ -199,3 +199,38 @@ def test_unit_modules_picks_the_units():
     assert train(model, opt, batches(2)) == train(ref, ref_opt, batches(2))
     with pytest.raises(ValueError, match="unit_modules"):
         attach(llama(), client=LocalStore(), device="cpu", unit_modules="mlp")
+
+
+def test_a_model_returning_a_namespace_brings_its_rest_back_for_backward():
+    """The rest of the model (embedding, head) is one unit whose only output
+    is the root's: its pre-backward must find the tensors in an object
+    torch's pytree does not open (a SimpleNamespace)."""
+    from types import SimpleNamespace
+
+    class Namespaced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(20, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 20)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            logits = self.head(x)
+            return SimpleNamespace(loss=logits.logsumexp(-1).mean(), logits=logits)
+
+    ref = Namespaced()
+    model = attach(Namespaced(), client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())

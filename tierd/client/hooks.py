@@ -191,8 +191,7 @@ class ModuleHooks:
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         if not torch.is_grad_enabled() or not unit.params:
             return
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in _output_tensors(output) if t.requires_grad]
         if tensors:
             # fires once per backward, when the first output gradient arrives,
             # i.e. before any backward node inside the unit runs
@@ -296,6 +295,21 @@ def _problem(opt) -> str | None:
                     "would change nothing; build the optimizer after attaching: "
                     "opt = tierd.optim.AdamW(model.parameters(), ...)")
     return None
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: in containers torch's pytree knows
+    (tuples, dicts, Hugging Face ``ModelOutput``) and one level into the
+    attributes of another object (a ``SimpleNamespace``, a plain dataclass)."""
+    leaves = tree_flatten(output)[0]
+    found = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if not found:
+        for leaf in leaves:
+            fields = getattr(leaf, "__dict__", None)
+            if isinstance(fields, dict):
+                found += [t for t in tree_flatten(list(fields.values()))[0]
+                          if isinstance(t, torch.Tensor)]
+    return found
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
