@@ -1,15 +1,21 @@
 """torch.compile on the models people train: tierd vs all-GPU, eager, whole and regional.
 
-    python -m tierd.bench.compiled --out DIR                  # every case below, H200
+    python -m tierd.bench.compiled --out DIR                  # every case below (CUDA)
     python -m tierd.bench.compiled --out DIR --model gpt2-1.3b --compiled whole
     python -m tierd.bench.compiled --out DIR --tiny --device cpu --backend aot_eager
 
-The H200 run (about 9 minutes of device time in all, estimated before it
-first ran: GPT-2 ~3 min, Llama ~6 min, most of it inductor compiling and 8B
-attaching; each under the 10-minute limit of one call)::
+On the H200, three calls of the device machine, each well under its
+10-minute limit (estimated before the first run: GPT-2 about 3 minutes,
+Llama about 6 in all, most of it inductor compiling, the 8B model's
+attaches and its 0.5-1 s steps; about 9-10 minutes of device time)::
 
-    python -m tierd.bench.compiled --out benchmarks/results/compiled --model gpt2-1.3b
-    python -m tierd.bench.compiled --out benchmarks/results/compiled --model llama-8b
+    python -m tierd.bench.compiled --out $OUT/gpt2 --model gpt2-1.3b
+    python -m tierd.bench.compiled --out $OUT/llama --model llama-8b --compiled eager,regional
+    python -m tierd.bench.compiled --out $OUT/llama-whole --model llama-8b --compiled whole
+
+Every row compares tierd with all-GPU run the same way in the same process,
+so the rows of a way can be measured in a call of their own. Rows are
+written as they are measured: a call cut short keeps the rows it finished.
 
 Models are Hugging Face ``transformers`` models built from a config with
 random weights (``use_cache=False``: training needs no KV cache, and
@@ -66,6 +72,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -325,9 +332,10 @@ def row(case: Case, spec: Model, way: str, cls: str, ref: dict, got: dict,
 
 
 def measure(name: str, cases: list[Case], ways: list[str], args, device: torch.device,
-            bandwidth: float) -> list[dict]:
+            bandwidth: float, save: Callable[[dict], None]) -> None:
     """Every row of model ``name`` in this process: all-GPU first, then tierd
-    way by way (regional last: its blocks stay compiled), case by case."""
+    way by way (regional last: its blocks stay compiled), case by case; each
+    row given to ``save`` as it is measured (a run cut short keeps its rows)."""
     spec = MODELS[name]
     if args.layers:
         spec = replace(spec, layers=args.layers)
@@ -337,26 +345,26 @@ def measure(name: str, cases: list[Case], ways: list[str], args, device: torch.d
     cpu_model = spec.build(str(device)).to("cpu")   # random init is fast on a GPU
     cls = type(cpu_model).__name__
     daemon = start_daemon(pool=args.pool_gib << 30, nvme_size=args.nvme_gib << 30)
-    rows = []
     try:
         for way in ways:
             for case in cases:
+                t0 = time.perf_counter()
                 try:
                     got = run_tierd(cpu_model, spec, case, way, args, clock, daemon,
                                     need_busy="step_s" not in ref[way])
                 except OUT_OF_MEMORY as exc:
                     got = {"error": f"tierd: out of memory ({exc})"[:300]}
-                rows.append(row(case, spec, way, cls, ref[way], got, bandwidth))
-                print(json.dumps(rows[-1]), flush=True)
+                save(row(case, spec, way, cls, ref[way], got, bandwidth)
+                     | {"wall_s": time.perf_counter() - t0})
     finally:
         daemon.stop()
-    return rows
 
 
-def measure_apart(args) -> tuple[list[dict], float]:
-    """Each model in a process of its own: a process keeps the pool segments
-    it page-locked, and the host page-locks only so much."""
-    rows, bandwidth = [], 0.0
+def measure_apart(args, save: Callable[[dict], None]) -> float:
+    """Each model in a process of its own (a process keeps the pool segments
+    it page-locked, and the host page-locks only so much); its rows given to
+    ``save``. Returns the largest both-ways bandwidth the processes measured."""
+    bandwidth = 0.0
     for name in args.names:
         sub = args.out / name
         cmd = [sys.executable, "-m", "tierd.bench.compiled", "--out", str(sub), "--model", name,
@@ -364,14 +372,16 @@ def measure_apart(args) -> tuple[list[dict], float]:
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--backend",
                args.backend, "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib),
                "--device", args.device] + ["--tiny"] * args.tiny
-        if subprocess.run(cmd).returncode != 0:
-            rows.append({"case": f"{name} (every case)", "model": name, "compiled": None,
-                         "error": "its process failed; see its output above"})
-            continue
-        got = json.loads((sub / "compiled.json").read_text())
-        rows += got["rows"]
-        bandwidth = max(bandwidth, got["both_ways_bandwidth_gbps"] * GB)
-    return rows, bandwidth
+        failed = subprocess.run(cmd).returncode != 0
+        got = json.loads((sub / "compiled.json").read_text()) \
+            if (sub / "compiled.json").exists() else {"rows": []}
+        for r in got["rows"]:
+            save(r)
+        bandwidth = max(bandwidth, got.get("both_ways_bandwidth_gbps", 0) * GB)
+        if failed:
+            save({"case": f"{name} (the rest)", "model": name, "compiled": None,
+                  "error": "its process failed; see its output above"})
+    return bandwidth
 
 
 def _args(argv) -> argparse.Namespace:
@@ -420,26 +430,33 @@ def main(argv=None) -> dict:
     args = _args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    if device.type == "cuda" and len(args.names) > 1:
-        rows, bandwidth = measure_apart(args)
-    else:
-        bandwidth, rows = both_ways_bandwidth(device), []
-        for name in args.names:
-            cases = [c for c in args.cases if c.model == name]
-            rows += measure(name, cases, args.ways, args, device, bandwidth)
     import transformers
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                            text=True).stdout.strip() or None
     result = {"commit": commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "transformers": transformers.__version__,
-              "both_ways_bandwidth_gbps": bandwidth / GB,
+              "transformers": transformers.__version__, "both_ways_bandwidth_gbps": None,
               "args": {k: v for k, v in vars(args).items() if k in
                        ("steps", "warmup", "backend", "layers", "pool_gib", "nvme_gib", "device",
                         "case", "compiled", "model", "tiny")},
-              "rows": rows}
-    (args.out / "compiled.json").write_text(json.dumps(result, indent=1))
-    report(rows)
+              "rows": []}
+    target = args.out / "compiled.json"
+
+    def save(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+        result["rows"].append(r)
+        target.write_text(json.dumps(result, indent=1))
+
+    if device.type == "cuda" and len(args.names) > 1:
+        result["both_ways_bandwidth_gbps"] = measure_apart(args, save) / GB
+    else:
+        bandwidth = both_ways_bandwidth(device)
+        result["both_ways_bandwidth_gbps"] = bandwidth / GB
+        for name in args.names:
+            cases = [c for c in args.cases if c.model == name]
+            measure(name, cases, args.ways, args, device, bandwidth, save)
+    target.write_text(json.dumps(result, indent=1))
+    report(result["rows"])
     return result
 
 

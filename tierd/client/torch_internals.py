@@ -48,8 +48,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["StorageRef", "checkpoint_without_reentrant",
            "current_graph_task", "dynamo_frames_compiled", "dynamo_graph_breaks", "dynamo_reset",
-           "foreach_adamw", "free_pinned_host_cache", "fused_adamw", "in_backward", "is_compiled_module",
-           "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
+           "foreach_adamw", "free_pinned_host_cache", "fused_adamw", "in_backward",
+           "is_compiled_module", "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
 
 
 def current_graph_task() -> int:
