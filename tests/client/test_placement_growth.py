@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import tierd
-import tierd.client.placer as placer_mod
 import tierd.optim
+import tierd.updates.engine as engine_mod
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place
 from tierd.client.placer import Placer, PlacerState
@@ -46,7 +46,7 @@ def _grow_from_weights(monkeypatch, dtype="bf16"):
     cap = everything + 2 * extra
     window = cap - extra - weights          # budget of the first plan: the weights
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra, 1 << 40))
-    monkeypatch.setattr(placer_mod, "update_window", lambda buckets, prefetch: window)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: window)
     model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype=dtype,
                    gpu_memory_bytes=cap)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
@@ -122,7 +122,7 @@ def test_growth_then_new_shapes_then_detach(monkeypatch, make, dtype, frac, plac
                      compute_dtype=dtype, optimizer_placement=placement)
         ref_opt = tierd.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra, 1 << 40))
-    monkeypatch.setattr(placer_mod, "update_window", lambda buckets, prefetch: window)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: window)
     model = attach(copy.deepcopy(ref_model), client=LocalStore(), device="cpu",
                    compute_dtype=dtype, gpu_memory_bytes=cap, optimizer_placement=placement)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -155,7 +155,7 @@ def test_growth_sticks_under_gradient_accumulation(monkeypatch):
     cap = everything + 2 * extra
     window = cap - extra - weights
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra, 1 << 40))
-    monkeypatch.setattr(placer_mod, "update_window", lambda buckets, prefetch: window)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: window)
     model = attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     placer = session_of(model).placer
@@ -220,7 +220,7 @@ def test_growth_with_activation_tiering(monkeypatch, activations, dtype):
                  activations=activations)
     ref_opt = tierd.optim.AdamW(ref.parameters(), lr=1e-3)
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra, 1 << 40))
-    monkeypatch.setattr(placer_mod, "update_window", lambda buckets, prefetch: window)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: window)
     model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype=dtype,
                    gpu_memory_bytes=cap, activations=activations)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
