@@ -54,7 +54,9 @@ def test_replicas_within_the_smallest_cap_commit_and_resume(daemon_factory, tmp_
     assert_matches(full, reference4)
     plan = full[0]["plan"]
     assert plan["device_bytes"] <= MIXED_CAP
-    assert set(plan["places"].values()) == {"resident", "weights", "stream"}
+    # a mixed plan: some units keep weights (or all) on the device, the rest stream
+    assert {"weights", "stream"} <= set(plan["places"].values()) <= {"resident", "weights",
+                                                                    "stream"}
     for r in full:
         assert r["session"]["resident_bytes"] > 0
         assert r["session"]["placement_replans"] == 0

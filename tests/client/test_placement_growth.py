@@ -164,8 +164,14 @@ def test_growth_sticks_under_gradient_accumulation(monkeypatch):
     assert set(placer.plan.places.values()) == {Place.RESIDENT}
 
 
+def owns_parameters(module) -> bool:
+    """A unit per module owning parameters (attach's ``unit_modules``): the
+    granularity the caps below are set for (a block-sized unit would not fit)."""
+    return any(p is not None for p in module._parameters.values())
+
+
 def _cap_for_half(make):
-    probe = attach(make(), client=LocalStore(), device="cpu")
+    probe = attach(make(), client=LocalStore(), device="cpu", unit_modules=owns_parameters)
     cap = sum(u.nbytes for u in session_of(probe).units) // 2
     detach(probe)
     return cap
@@ -176,7 +182,7 @@ def test_a_failed_write_of_kept_weights_leaves_no_lease_behind(monkeypatch):
     raises, leaves no lease behind and keeps them marked: the retry writes them."""
     store = LocalStore(job="run1")
     model = attach(llama(), client=store, job="run1", device="cpu", compute_dtype="bf16",
-                   gpu_memory_bytes=_cap_for_half(llama))
+                   gpu_memory_bytes=_cap_for_half(llama), unit_modules=owns_parameters)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, opt, batches(3))
     session = session_of(model)
@@ -282,7 +288,8 @@ def test_the_check_steps_peak_does_not_set_the_budget(monkeypatch):
 def test_kept_weights_are_written_a_lease_at_a_time(monkeypatch):
     import tierd.updates.resident as resident
     model = attach(llama(), client=LocalStore(job="run1"), job="run1", device="cpu",
-                   compute_dtype="bf16", gpu_memory_bytes=_cap_for_half(llama))
+                   compute_dtype="bf16", gpu_memory_bytes=_cap_for_half(llama),
+                   unit_modules=owns_parameters)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, opt, batches(3))
     session = session_of(model)
@@ -329,7 +336,8 @@ def test_choosing_cpu_updates_again_then_growing_stays_within_the_cap(monkeypatc
 
     monkeypatch.setattr(Placer, "_memory", memory)
     model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
-                   gpu_memory_bytes=cap, optimizer_placement="auto")
+                   gpu_memory_bytes=cap, optimizer_placement="auto",
+                   unit_modules=owns_parameters)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, prefetch_bytes=4096)
     train(model, opt, batches(6))
     placer = session_of(model).placer

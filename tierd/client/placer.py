@@ -37,6 +37,18 @@ on the device there): host costs differ per rank. Forwards without autograd
 DDP's buffers alone. A plan is applied only between accumulation windows, so
 a replica never misses a gradient its owner summed.
 
+[Note: a plan changes for memory, not for a different reading]
+A placed step's reading may differ from the step the plan was made from
+without anything having changed: steps run back to back (the host a step
+ahead of the device) hold the allocator's blocks longer, since a block
+freed while another stream may still use it returns to the pool only once
+that stream's event has passed, so the peak read is higher than a
+synchronized step's. Shrinking the plan then costs every later step time
+for no memory it needed. So a placed plan is made again only when a step's
+peak (what it needed besides the plan, plus what the plan holds) came within
+half the margin of the cap: the one reading that says the next step may not
+fit. New input shapes larger than any measured stream and measure, as before.
+
 [Note: placement and activation tiering share one budget]
 Activation tiering decides first, placement second. ``activations="auto"``
 plans against its own budget (``ActivationConfig.budget_bytes``) with every
@@ -138,7 +150,6 @@ class Placer:
         self._signature = None           # root inputs' shapes of the measured step
         self._shapes = MeasuredShapes()  # ... of every step measured, with its peak
         self._non_model = 0              # measured non-model peak the plan assumed
-        self._non_model_fused = None     # ... a grown plan's, of a step with the fused update
         self._measured_steps = 0
         self._fused_before = 0           # fused-update backwards when measuring began
         self._on_final_activations = False   # ... and activation tiering's plan was final
@@ -184,10 +195,11 @@ class Placer:
         non_model = self._read_step()
         changed = self._signature is not None and signature != self._signature \
             and not self._shapes.covers(signature)
-        # like with like: a step with the update window assumed, or the fused step measured
-        baseline = self._non_model if self._window or self._non_model_fused is None \
-            else self._non_model_fused
-        grew = self.state is PlacerState.PLACED and non_model > baseline + self._margin // 2
+        # [Note: a plan changes for memory, not for a different reading]; the
+        # update window a step without the fused update assumes is no reading
+        peak = non_model - self._window + self.resident_bytes()
+        grew = (self.state is PlacerState.PLACED and self.resident_bytes() > 0
+                and peak > self.cap - self._margin // 2)   # else nothing left to give back
         non_model = max(non_model, self._shapes.peak())   # a plan fits every shape measured
         ready, budget = self._ready(), max(0, self.cap - non_model - self._margin)
         if self._ranks is not None:
@@ -204,8 +216,9 @@ class Placer:
                 self._place(non_model, budget)
         elif grew:
             self.replans += 1
-            log.info("tierd placement: the step needed %d bytes besides the plan, %d planned; "
-                     "placing again", non_model, self._non_model)
+            log.info("tierd placement: the step's peak, %d bytes (%d besides the plan, %d "
+                     "planned), came within half the margin (%d) of the cap %d; placing again "
+                     "within less", peak, non_model, self._non_model, self._margin, self.cap)
             self._reset()
             if ready:
                 self._place(non_model, budget)
@@ -313,7 +326,7 @@ class Placer:
         self._apply(plan)
         self._plan_window, self._cpu_mode = self._window, cpu
         self.state = PlacerState.PLACED
-        self._non_model, self._non_model_fused = non_model, None
+        self._non_model = non_model
         self._adopt(plan, non_model, budget, "placement")
 
     def _adopt(self, plan: Placement, non_model: int, budget: int, what: str) -> None:
@@ -359,7 +372,6 @@ class Placer:
         grown = grow_placement(units, plan, budget, whole=self._cpu_mode == "all")
         if grown.device_bytes > plan.device_bytes:
             self._apply(grown, grow=True)
-            self._non_model_fused = non_model   # only a grown plan changes the baseline
             self._adopt(grown, non_model, budget, "placement grew")
 
     def _store_room(self, units: list[UnitBytes]) -> int | None:
