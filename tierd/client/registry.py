@@ -315,6 +315,17 @@ class ParamRegistry:
             self.unit_of[id(root)] = unit
             self.unit_modules.append(root)
 
+    def module_groups(self, unit: Unit) -> list[tuple[TieredParam, ...]]:
+        """``unit``'s streamed parameters grouped by the module holding them,
+        in module order (the optimizer's buckets)."""
+        groups: dict[int, list[TieredParam]] = {}
+        seen: set[TieredParam] = set()
+        for module, _, tp in self._unit_holders[unit.index]:
+            if tp in unit.params and tp not in seen:
+                seen.add(tp)
+                groups.setdefault(id(module), []).append(tp)
+        return [tuple(g) for g in groups.values()]
+
     def install(self, unit: Unit, *, running: bool) -> None:
         """Put into ``unit``'s modules the compute tensors of its streamed
         parameters (``running``: its forward begins) or their tensors for

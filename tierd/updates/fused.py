@@ -104,10 +104,12 @@ class FusedUpdates:
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
         states = len(self.opt.state_names)
-        units = [u.params for u in self.session.units] + [
-            tuple(tp for tp in group_of if tp.resident)]
-        # a unit is a whole block: its state goes in pieces of at most a lease's worth
-        most = min(self.opt.block_bytes, self.session.lease_cap)
+        # a bucket per module of a unit (a unit is a whole block: its state at
+        # once would be a large bubble), split further to a lease's worth
+        registry = self.session.registry
+        units = [group for u in self.session.units for group in registry.module_groups(u)]
+        units.append(tuple(tp for tp in group_of if tp.resident))
+        most = self.session.lease_cap
         for params in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
                 tps = [tp for tp in params
