@@ -86,10 +86,10 @@ class Daemon:
         cfg = self.config
         self.fd_limit = sockets.raise_fd_limit()
         memory = host_memory()   # the check's figure and its source: tierd.backends.memory
-        log.info("available memory %s: %s", format_size(memory.available), memory.source)
-        if cfg.pool > memory.available:
+        if cfg.pool > memory.available:   # one line: the refusal names the figure's source
             raise CapacityError(f"--pool {format_size(cfg.pool)} exceeds available memory "
                                 f"({format_size(memory.available)}, {memory.source}); lower it")
+        log.info("available memory %s: %s", format_size(memory.available), memory.source)
         sockets.claim_socket_paths(cfg.socket)
         self.nvme = NvmeStore(cfg.nvme, cfg.nvme_size, owner=nvme_owner)
         self.manifests = ManifestStore(cfg.nvme)
