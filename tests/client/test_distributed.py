@@ -121,7 +121,8 @@ def test_clipping_accumulation_and_resident_params_match(daemon_factory, tmp_pat
     # updates them and the others read the new values after step(). Placed:
     # an optimizer that clips updates in step(), so units keep only weights
     results = run_ranks(tmp_path_factory.mktemp("ranks"), [daemon.socket] * 2, *args, "--tierd",
-                        "--resident-below", "4096", "--gpu-memory-bytes", "626240")
+                        "--resident-below", "4096", "--module-units",
+                        "--gpu-memory-bytes", "626240")
     assert_matches(results, ref)
     for r in results:
         assert set(r["plan"]["places"].values()) == {"weights"}
