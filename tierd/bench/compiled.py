@@ -82,6 +82,7 @@ import tierd
 import tierd.optim
 from tierd.bench.bigmodel_models import BASES, checkpointed, llama_config
 from tierd.bench.placement import both_ways_bandwidth
+from tierd.bench.steploop import train_step
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
 from tierd.client.torch_internals import (dynamo_frames_compiled, dynamo_graph_breaks,
@@ -214,16 +215,6 @@ class Clock:
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
-
-
-def train_step(model, opt, ids, device: torch.device):
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step
 
 
 def compiled_way(model, way: str, backend: str):

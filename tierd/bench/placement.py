@@ -207,17 +207,6 @@ TINY = [Case("tiny GPT-2 B=2, cap 6 MB", "tiny-gpt2", 2, {"gpu_memory_bytes": 6_
         Case("tiny Llama B=2, checkpointing, default", "tiny-llama", 2)]
 
 
-def step_fn(model, opt, ids, device: torch.device):
-    """One training step as a user writes it: bf16 autocast, loss, backward, step."""
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step
-
-
 def batch_of(model: Model, batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """The same random tokens for the reference and tierd (seeded by the batch size)."""
     vocab = model.llama.vocab if model.llama is not None else model.vocab
@@ -315,7 +304,7 @@ def run_reference(model: Model, batch: int, args, device: torch.device) -> dict:
         built = model.build(args.seq, device)
         opt = torch.optim.AdamW(built.parameters(), lr=1e-4, fused=device.type == "cuda")
         ids = batch_of(model, batch, args.seq, device)
-        fn = step_fn(built, opt, ids, device)
+        fn = steploop.train_step(built, opt, ids, device)
         figures, _, _ = timed(fn, args.ref_steps, args, device)
         out = {"allgpu_" + k: v for k, v in figures.items() if k not in ("steps_s", "clock")}
         out["allgpu_diag"] = diagnose(fn, built, opt, ids)
@@ -362,7 +351,7 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
     try:
         opt = tierd.optim.AdamW(built.parameters(), lr=1e-4)
         ids = batch_of(model, case.batch, args.seq, device)
-        fn = step_fn(built, opt, ids, device)
+        fn = steploop.train_step(built, opt, ids, device)
         session = session_of(built)
         before_plan = plan_of(session)
         marks = []   # the counters and the allocator's after the back-to-back steps

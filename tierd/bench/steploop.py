@@ -117,3 +117,14 @@ def summary(seconds: list[float], warmup: int, last: int = LAST) -> dict:
     return {"median_s": statistics.median(steady), "mean_s": statistics.fmean(steady),
             "worst_step_s": max(seconds[warmup:]), "first_step_s": seconds[0],
             "steady_steps": len(steady)}
+
+
+def train_step(model, opt, ids, device: torch.device):
+    """One training step as a user writes it: bf16 autocast, loss, backward, step."""
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
