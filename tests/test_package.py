@@ -137,14 +137,16 @@ def test_installed_version_is_the_source_version(venv):
 
 def test_bench_quick_runs_from_the_installed_package(venv):
     out = venv["cwd"] / "bench-out"
-    proc = run(venv, str(venv["bin"] / "tierd"), "bench", "--quick", "--out", str(out),
-               "--nvme", str(venv["cwd"] / "bench-nvme"), timeout=240)
+    # a budget for a 2-core machine under a test run's load: the multi-job
+    # section starts processes that each import torch (a timeout fails the run)
+    proc = run(venv, str(venv["bin"] / "tierd"), "bench", "--quick", "--budget-s", "150",
+               "--out", str(out), "--nvme", str(venv["cwd"] / "bench-nvme"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.glob("*-quick.json")
     results = json.loads(path.read_text())
     assert list(results["sections"]) == SECTIONS
     for name, section in results["sections"].items():
-        assert section["status"] in ("ok", "skipped", "timeout"), (name, section)
+        assert section["status"] in ("ok", "skipped"), (name, section)
         assert f"] {name}: {section['status']}" in proc.stderr   # progress, one line each
     assert results["sections"]["limits"]["rows"] and results["sections"]["dataplane"]["rows"]
     assert results["meta"]["tierd"] == tierd.__version__
