@@ -58,7 +58,7 @@ from tierd.client.rank_share import RankShare
 from tierd.client.registry import ParamRegistry, Unit, ValueSource
 from tierd.client.releases import PendingReleases
 from tierd.client.store import Store
-from tierd.client.tiered_param import DeviceParameter, ParamState, TieredParam, tiered_of
+from tierd.client.tiered_param import ParamState, TieredParam, tiered_of
 from tierd.client.torch_internals import current_graph_task
 from tierd.errors import StateError
 from tierd.updates.engine import SessionUpdates
