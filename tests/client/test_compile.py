@@ -80,3 +80,23 @@ def test_inductor_on_cpu_trains_as_eager(mode):
     for got, want in losses:
         assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
     assert graphs[3:] == [graphs[3]] * len(graphs[3:])
+
+
+def test_compiled_model_with_activation_checkpointing_trains_as_eager():
+    """Hugging Face's gradient checkpointing re-runs each block inside
+    backward: its unit's hooks fetch it again, compiled or not."""
+    ref, model = llama(), llama()
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = attach(model, client=LocalStore(), device="cpu")
+    run = torch.compile(model, backend="aot_eager")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 100, (2, 8), generator=g)
+        got = run(input_ids=ids, labels=ids).loss
+        got.backward(); opt.step(); opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
