@@ -7,6 +7,8 @@ import json
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,7 +58,10 @@ def other_version(tmp_path):
                                  "64MiB", "--segment-size", "4MiB"],
                                 env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
     d = DaemonProcess(proc, sock, nvme, log)
-    tierd_run("health", "--socket", str(sock), "--timeout", "20")   # waits for it to listen
+    ctl, deadline = Path(f"{sock}.ctl"), time.monotonic() + 60
+    while not ctl.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)   # it imports torch first: seconds on a loaded machine
+    assert ctl.exists(), log.read_text()[-2000:]
     yield d
     d.stop()
 
