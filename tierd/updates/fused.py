@@ -13,9 +13,10 @@ never crosses PCIe. Parameters are grouped in *buckets*, one per unit
    stream, keeping at most ``prefetch_bytes`` of them on the device.
 2. A gradient is final when autograd has delivered it as many times as in the
    last backward (several times only under reentrant checkpointing); when all
-   of a bucket's gradients are, the compute stream waits for the bucket's
-   copy and runs the optimizer's own per-parameter math (bitwise the deferred
-   path's), then casts the new compute-dtype value.
+   of a bucket's gradients are, the update stream ([Note: the update stream]
+   in tierd.client.copy_stream) waits for the bucket's copy and runs the
+   optimizer's own per-parameter math (bitwise the deferred path's), then
+   casts the new compute-dtype value; backward goes on meanwhile.
 3. Master, moments and the new value (not a device-kept one's: [Note: kept
    weights are written when the store is read]) go back to the pool on the
    copy-out stream; leases go after that copy's event (tierd.client.releases).
@@ -184,6 +185,7 @@ class FusedUpdates:
                 if any(tp not in self._updated and (tp in self._grads or tp.grad_in_pool)
                        for tp in b.tps):
                     self._update(b)
+            self.session.copy.join_updates()   # [Note: the update stream]
             self._release_fetched()   # copies out go on landing into the next step
             self.updated, self.active = True, False
             self.fused_backwards += 1
@@ -209,6 +211,7 @@ class FusedUpdates:
     def settle(self, *, write_resident: bool = True) -> None:
         """Nothing fetched, every copy out landed, resident state written to
         the pool (before the host reads the pool; not with ``write_resident=False``)."""
+        self.session.copy.join_updates()
         self.host.wait_all()
         if not self.active:
             self._release_fetched()
@@ -409,11 +412,30 @@ class FusedUpdates:
             self._fetch(b)
         elif b.state is BucketState.RESIDENT:
             fetch_pooled_grads(self.session, b)
-        session, opt, copy = self.session, self.opt, self.session.copy
-        if b.copy is not None:
-            copy.wait(b.copy)
-        for reader in b.readers:   # the master changes in place below
-            copy.wait(reader)
+        session, copy = self.session, self.session.copy
+        inputs = [t for tp in b.tps if (t := self._grads.get(tp)) is not None]
+        with copy.updating(inputs + list(b.work.values())):   # [Note: the update stream]
+            if b.copy is not None:
+                copy.wait(b.copy)
+            for reader in b.readers:   # the master changes in place below
+                copy.wait(reader)
+            written = self._run_math(b)
+            if not b.pinned:
+                self._write_out(b, written)
+        if b.pinned:
+            self._keep(b)
+        else:
+            # the state is next needed here in the next step ([Note: eviction by next use])
+            session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
+                                   if k != tp.key])
+            b.to_updated(all_params=all(tp in self._updated for tp in b.tps))  # else fetched again
+        session.counters.optimizer_seconds += time.perf_counter() - t0
+        self.prefetch()
+
+    def _run_math(self, b: Bucket) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's math for the bucket's parameters with a gradient;
+        returns the (key, device tensor) pairs to write back to the pool."""
+        session, opt = self.session, self.opt
         written: list[tuple[str, torch.Tensor]] = []
         by_step: dict[float, list] = {}
         for tp in b.tps:
@@ -452,11 +474,12 @@ class FusedUpdates:
                     written.append((tp.key, new))
                 if not tp.resident:
                     session.keep_new_value(tp, new)
-        if b.pinned:
-            self._keep(b)
-            session.counters.optimizer_seconds += time.perf_counter() - t0
-            self.prefetch()
-            return
+        return written
+
+    def _write_out(self, b: Bucket, written: list[tuple[str, torch.Tensor]]) -> None:
+        """Queue the bucket's new state and values back to the pool; its leases
+        go once they have landed."""
+        session, copy = self.session, self.session.copy
         views = session.leases.views(b.keys)
         shared = session.leases.shared
         if any(k in shared for k, _ in written):
@@ -481,11 +504,6 @@ class FusedUpdates:
                     views[k].copy_(t)
             session.leases.release(b.keys, written=True)
             self._fetched_bytes -= b.nbytes
-        # the state is next needed here in the next step ([Note: eviction by next use])
-        session.leases.demote([k for tp in b.tps for k in opt.state_keys(tp) if k != tp.key])
-        b.to_updated(all_params=all(tp in self._updated for tp in b.tps))  # else fetched again
-        session.counters.optimizer_seconds += time.perf_counter() - t0
-        self.prefetch()
 
     def _release_fetched(self) -> None:
         """Give back the buckets fetched but not updated in this backward."""
