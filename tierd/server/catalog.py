@@ -198,7 +198,7 @@ class Catalog:
                 self.tiers.drop_entry(old)
             self.entries[(s.job, key)] = Entry(
                 key, s.job, spec, old.version + 1 if old else 1, Residency.IN_POOL, slot,
-                last_use=next(self.tiers.clock))
+                last_use=self.tiers.tick())
 
     def abort(self, s: Session, keys: tuple[str, ...]) -> None:
         for key in keys:
@@ -226,7 +226,7 @@ class Catalog:
                     self.tiers.start_swap_in(e, blocked, protect=entries)
         if blocked.wait:
             return blocked
-        tick = next(self.tiers.clock)
+        tick = self.tiers.tick()
         for e in entries:
             if write:
                 e.slot.lease_write()
@@ -288,9 +288,7 @@ class Catalog:
         """Evict these before the job's other tensors, the last demoted first
         ([Note: eviction by next use] in tierd.server.eviction); the next
         lease makes them ordinary again."""
-        tick = next(self.tiers.clock)
-        for e in [self._entry(s, k) for k in keys]:
-            e.last_use = -tick
+        self.tiers.demote([self._entry(s, k) for k in keys])
 
     def delete(self, s: Session, keys: tuple[str, ...]) -> None:
         entries = [self._entry(s, k) for k in keys]

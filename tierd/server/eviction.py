@@ -31,6 +31,22 @@ again (``last_use`` is the lease's tick). Not demoted: an fp32 parameter's
 own key (its master is the weight the next forward reads first, in the
 order least recently used already gets right), held keys (never evicted)
 and keys shared by ranks (their next version is a new entry).
+
+[Note: cold tensors go first]
+Demoted tensors go before ordinary ones, but a tensor nobody has used for
+longer than the job's cycle is needed later still, if ever: the bf16
+copies of units whose weights the GPU keeps ([Note: kept weights are
+written when the store is read] in tierd.updates.resident) are leased in
+the first step only. Ordinary, they outlived every demoted tensor and held
+pool room the streamed state needed, so that much more state crossed NVMe
+each way every step (tests/server/test_nvme_traffic.py). So the daemon
+measures the cycle: a key demoted again gives the ticks between its two
+demotes (the job's ``cycle_ticks``, the latest measure). A tensor neither
+leased nor demoted within twice that is *cold*, and goes before the
+demoted ones, least recently used first. Twice: the ticks of a step vary
+with what else the job and other jobs ask, and a tensor every step uses is
+never that far behind. A job that never demoted has no cycle and nothing
+is cold.
 """
 
 from __future__ import annotations
@@ -38,14 +54,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+#: a tensor unused for more than this many cycles is cold ([Note: cold tensors go first])
+COLD_CYCLES = 2
+
 
 class Evictable(Protocol):
     last_use: int
 
 
-def least_recently_used(candidates: Iterable[Evictable]) -> list:
-    """Candidates in eviction order: least recently used first."""
-    return sorted(candidates, key=lambda e: e.last_use)
+def rank(e: Evictable, now: int, cycle: int) -> tuple[int, int]:
+    """Where ``e`` goes in eviction order, lowest first: cold tensors (least
+    recently used first), then demoted ones (the last demoted first), then
+    the others (least recently used first). See [Note: eviction by next use]
+    and [Note: cold tensors go first]. ``cycle``: the job's cycle in ticks
+    (0: unknown, nothing is cold).
+
+    >>> class E:
+    ...     def __init__(self, last_use): self.last_use = last_use
+    >>> [rank(E(u), now=100, cycle=10) for u in (5, -95, -97, 99)]
+    [(0, 5), (1, -95), (1, -97), (2, 99)]
+    """
+    if cycle and now - abs(e.last_use) > COLD_CYCLES * cycle:
+        return (0, abs(e.last_use))
+    return (1, e.last_use) if e.last_use < 0 else (2, e.last_use)
+
+
+def by_next_use(candidates: Iterable[Evictable], now: int, cycle: int) -> list:
+    """Candidates in eviction order (see :func:`rank`)."""
+    return sorted(candidates, key=lambda e: rank(e, now, cycle))
 
 
 def fair_share(budget: int, usage: Mapping[str, int], requester: str) -> int:
@@ -65,13 +101,9 @@ def job_to_take_from(budget: int, usage: Mapping[str, int], requester: str) -> s
     return max(over, key=over.get) if over else None
 
 
-def coldest_segment(segments: Mapping[int, list[Evictable]]) -> int | None:
-    """Of fully evictable segments (id -> their tensors), the least recently used."""
-    if not segments:
-        return None
-    return min(segments, key=lambda sid: max((e.last_use for e in segments[sid]), default=0))
-
-
-def segments_coldest_first(segments: Mapping[int, list[Evictable]]) -> list[int]:
-    """Segment ids (id -> their tensors) from the least recently used."""
-    return sorted(segments, key=lambda sid: max((e.last_use for e in segments[sid]), default=0))
+def segments_by_next_use(segments: Mapping[int, list[Evictable]], now: int,
+                         cycle: int) -> list[int]:
+    """Segment ids (id -> their tensors) in eviction order: a segment ranks as
+    its tensor needed soonest (the highest :func:`rank`)."""
+    return sorted(segments, key=lambda sid: max((rank(e, now, cycle) for e in segments[sid]),
+                                                default=(0, 0)))

@@ -36,8 +36,24 @@ class Tiers:
         self.jobs: dict[str, Job] = {}
         self.entries: dict[tuple[str, str], Entry] = {}
         self.counters = TierCounters()
-        self.clock = itertools.count(1)   # last_use ticks for LRU
+        self.clock = itertools.count(1)   # last_use ticks: leases, publishes, demotes
+        self.now = 0                      # the last tick handed out
         self._started: list[Transfer] = []
+
+    def tick(self) -> int:
+        """The next tick of the clock that orders uses (see [Note: eviction by next use])."""
+        self.now = next(self.clock)
+        return self.now
+
+    def demote(self, entries: list[Entry]) -> None:
+        """Evict these before the job's other tensors, the last demoted first;
+        a key demoted before measures the job's cycle ([Note: cold tensors go
+        first] in :mod:`tierd.server.eviction`)."""
+        tick = self.tick()
+        for e in entries:
+            if e.demoted_at:
+                self.jobs[e.job].cycle_ticks = tick - e.demoted_at
+            e.last_use, e.demoted_at = -tick, tick
 
     def take_started(self) -> list[Transfer]:
         started, self._started = self._started, []
@@ -241,17 +257,18 @@ class Tiers:
         protected = {id(p) for p in protect}
         idle = [e for e in self.job_entries(job)
                 if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected]
+        now, cycle = self.now, self.jobs[job].cycle_ticks
         if 8 * nbytes <= self.pool.segment_size:
-            return eviction.least_recently_used(idle)
+            return eviction.by_next_use(idle, now, cycle)
         by_segment: dict[int, list[Entry]] = {}
         for e in idle:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
         clearable = {sid: es for sid, es in by_segment.items()
                      if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
-        first = [e for sid in eviction.segments_coldest_first(clearable)
-                 for e in eviction.least_recently_used(clearable[sid])]
+        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle)
+                 for e in eviction.by_next_use(clearable[sid], now, cycle)]
         chosen = {id(e) for e in first}   # then the rest, should a hole open there
-        return first + eviction.least_recently_used(e for e in idle if id(e) not in chosen)
+        return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now, cycle)
 
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
@@ -330,9 +347,9 @@ class Tiers:
             sid: ents for sid, ents in by_segment.items()
             if all(e.state is Residency.IN_POOL and e.slot.idle for e in ents)
             and sum(e.slot.nbytes for e in ents) == self.pool.segments[sid].extents.used}
-        sid = eviction.coldest_segment(movable)
-        if sid is None:
+        if not movable:
             return None
+        sid = eviction.segments_by_next_use(movable, self.now, self.jobs[job].cycle_ticks)[0]
         started = False
         for e in movable[sid]:
             if not e.dirty and e.disk is not None:

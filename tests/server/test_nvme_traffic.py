@@ -1,0 +1,65 @@
+"""NVMe traffic of a job whose state exceeds the pool: each byte beyond the
+pool crosses at most once each way per step ([Note: eviction by next use],
+[Note: cold tensors go first] in tierd.server.eviction).
+
+A real daemon; the steps are what ``tierd.optim`` asks of it for streamed
+state: lease a bucket's keys for writing, change them, release them as
+written, demote them. Besides the state, the store holds tensors a step
+never reads (the compute copies of units whose weights the GPU keeps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierd
+
+KiB, MiB = 1 << 10, 1 << 20
+POOL = 8 * MiB
+
+
+def _steps(c, state: list[str], bucket: int, steps: int) -> list[tuple[int, int]]:
+    """(bytes read from NVMe, bytes written to it) per step."""
+    out = []
+    for _ in range(steps):
+        before = c.stats()
+        for i in range(0, len(state), bucket):
+            keys = state[i:i + bucket]
+            for leased in c.lease(keys, write=True):
+                leased.tensor.add_(1)
+            c.release(keys, written=True)
+            c.demote_async(keys)
+        after = c.stats()
+        out.append((after["bytes_to_pool"] - before["bytes_to_pool"],
+                    after["bytes_to_nvme"] - before["bytes_to_nvme"]))
+    return out
+
+
+@pytest.mark.parametrize("key_bytes,bucket", [(256 * KiB, 3), (1 * MiB, 1)],
+                         ids=["small-keys", "segment-sized-keys"])
+def test_state_beyond_the_pool_crosses_once_each_way_per_step(daemon_factory, key_bytes,
+                                                               bucket):
+    # segment-sized keys (over an eighth of a segment) are evicted a segment at a time
+    d = daemon_factory(pool="8MiB", nvme_size="96MiB", extra=("--segment-size", "4MiB"))
+    state = [f"state/{i:03d}" for i in range(12 * MiB // key_bytes)]    # 1.5x the pool
+    unread = [f"weights/{i:03d}" for i in range(3 * MiB // key_bytes)]  # never read again
+    steps = 6
+    with tierd.connect(d.socket) as c:
+        for k in unread + state:
+            c.put(k, torch.zeros(key_bytes // 4))
+        for k in unread:   # read once (a first step that streamed everything), then never
+            c.lease([k])
+            c.release([k])
+        per_step = _steps(c, state, bucket, steps)
+        for k in state:
+            assert torch.equal(c.get(k), torch.full((key_bytes // 4,), float(steps))), k
+        for k in unread:
+            assert torch.equal(c.get(k), torch.zeros(key_bytes // 4)), k
+    beyond = len(state) * key_bytes - POOL
+    # the bytes a lease pins while it is served: one bucket of room the cycle cannot use
+    slack = bucket * key_bytes
+    for read, written in per_step[-2:]:   # the unread tensors have left the pool by now
+        assert beyond <= read <= beyond + slack, (per_step, beyond)
+        assert beyond <= written <= beyond + slack, (per_step, beyond)
+
