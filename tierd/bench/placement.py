@@ -82,7 +82,11 @@ synchronizations, then two diagnostic steps.
   busy time and the idle time beside copies or beside nothing
   (``attach_step.profile``); tierd's also has its hooks', optimizer's and
   waits' host seconds per synchronized step and the caching allocator's
-  reserved peak, retries and cudaMalloc/cudaFree over them.
+  reserved peak, retries and cudaMalloc/cudaFree over them;
+  ``first_step_diag``: the same host counters over the first (measuring)
+  step, with the GB it copied each way.
+
+A model process's output is kept in ``DIR/<model>/run.log``.
 
 What was predicted before this benchmark first ran, and measured then:
 ``benchmarks/results/HISTORY.md``, "Placement (tierd.bench.placement)".
@@ -353,10 +357,16 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         ids = batch_of(model, case.batch, args.seq, device)
         fn = steploop.train_step(built, opt, ids, device)
         session = session_of(built)
-        before_plan = plan_of(session)
+        before_plan, start, first = plan_of(session), session.stats(), {}
+
+        def observe():
+            if not first:   # the host's counters over the first (measuring) step
+                first.update(session.stats())
+            return plan_of(session)
+
         marks = []   # the counters and the allocator's after the back-to-back steps
         figures, loop, synced = timed(
-            fn, args.steps, args, device, lambda: plan_of(session),
+            fn, args.steps, args, device, observe,
             between=lambda: marks.append((session.stats(), allocator(device))))
         (before, alloc_before), after = marks[0], session.stats()
         alloc = {k: v if k == "reserved_peak_gb" else v - alloc_before[k]
@@ -381,9 +391,19 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / n / GB,
                 "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
                 "resident_gb": after["resident_bytes"] / GB, "placement": after["placement"],
-                "tierd_diag": diag}
+                "tierd_diag": diag, "first_step_diag": first_step_diag(start, first)}
     finally:
         detach(built)
+
+
+def first_step_diag(start: dict, first: dict) -> dict:
+    """Where the first step's host time went: the session's counters over it
+    (seconds in hooks, in the optimizer, waiting; GB copied each way)."""
+    out = {k: first[k] - start[k] for k in ("hook_seconds", "optimizer_seconds",
+                                             "wait_seconds", "lease_wait_seconds")}
+    out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
+                for k in ("h2d_bytes", "d2h_bytes")})
+    return out
 
 
 def floor(row: dict, bandwidth: float) -> float | None:
@@ -405,7 +425,8 @@ ROW_FIELDS = ("model", "params", "batch", "seq", "options", "allgpu_s", "allgpu_
               "tierd_s", "tierd_run_s", "tierd_sync_s", "worst_step_s", "first_step_s",
               "steady_steps", "tierd_steps_s", "clock", "tierd_peak_gb", "plan_changes",
               "plan_changed_at", "placement_replans", "pcie_in_gb", "pcie_out_gb",
-              "planned_pcie_gb", "resident_gb", "placement", "tierd_diag", "floor_s")
+              "planned_pcie_gb", "resident_gb", "placement", "tierd_diag", "first_step_diag",
+              "floor_s")
 
 
 def measure(args, cases: list[Case], device: torch.device) -> tuple[list[dict], float]:
@@ -462,9 +483,14 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
         cmd += [] if args.pool_gib is None else ["--pool-gib", str(args.pool_gib)]
         cmd += [] if args.nvme_gib is None else ["--nvme-gib", str(args.nvme_gib)]
         (out / "placement.json").unlink(missing_ok=True)
-        if subprocess.run(cmd).returncode != 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "run.log"   # kept: a process that dies leaves its reason here
+        with log.open("w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        print(log.read_text()[-4000:], flush=True)
+        if code != 0:
             rows += [{**{k: None for k in ROW_FIELDS}, "case": c.name, "commit": args.commit,
-                      "error": f"its process ({name}) failed; see its output above"}
+                      "error": f"its process ({name}) exited {code}; see {log}"}
                      for c in CASES if c.model == name and args.case in c.name]
             continue
         got = json.loads((out / "placement.json").read_text())
