@@ -179,8 +179,8 @@ class AttachSession:
 
     def _model_bytes(self) -> int:
         """Bytes of the model's values in the store (compute copies and fp32 masters)."""
-        return sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
-                   for tp in self.params.values())
+        return (sum(tp.nbytes for tp in self.params.values())
+                + self.updates.master_bytes(self.params.values()))
 
     def owns(self, tp: TieredParam) -> bool:
         """This rank keeps ``tp``'s optimizer state (always, without torch.distributed)."""

@@ -33,7 +33,8 @@ class TierdOptimizer:
 class UnitState:
     """The optimizer state of a unit's buckets, in bytes."""
 
-    #: fp32 masters and moments (what a fused update fetches, or placement keeps)
+    #: masters and moments, as stored (what placement keeps on the device; a
+    #: master that is the compute copy itself counts with the weights)
     state_bytes: int
     #: of which the moments (the store holds the masters with the weights)
     moment_bytes: int
@@ -69,6 +70,11 @@ class UpdateEngine(Protocol):
     def stored_state_bytes(self) -> int:
         """Bytes of optimizer state that exists now (made: in the store, or on
         the device until written back) besides the masters the weights count."""
+
+    def master_bytes(self, tps: Iterable[Any]) -> int:
+        """Store bytes of the fp32 masters of ``tps`` (TieredParams): none where
+        the compute copy is the master (fp32, or an optimizer's
+        ``master="bf16"``: [Note: compact optimizer state] in tierd.optim.compact)."""
 
     def host_choice(self) -> tuple[str, Costs | None]:
         """What the planner may do with CPU updates ([Note: choosing CPU

@@ -291,7 +291,7 @@ class Placer:
             state = self._updates.unit_state(members)
             # in the store: compute copies and fp32 masters (the compute copy
             # itself in fp32), moments ([Note: placement within the store])
-            stored = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master for tp in members)
+            stored = sum(tp.nbytes for tp in members) + self._updates.master_bytes(members)
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
                                  state.state_bytes, state.grad_bytes,
                                  stored + state.moment_bytes))
@@ -386,8 +386,8 @@ class Placer:
             return None
         # what the model's values take now: each parameter once (a tied one is
         # in two units), with the state of each optimizer that has it
-        values = sum(tp.nbytes + 4 * tp.param.numel() * tp.has_master
-                     for tp in session.params.values())
+        values = (sum(tp.nbytes for tp in session.params.values())
+                  + self._updates.master_bytes(session.params.values()))
         return room.free() + values + self._updates.stored_state_bytes()
 
     def _refuse(self, units: list[UnitBytes], plan: Placement, room: int) -> None:

@@ -1,4 +1,5 @@
-"""AdamW with fp32 master weights and moments kept in tierd."""
+"""AdamW with its master weights and moments kept in tierd: exact fp32 by
+default, or compact ([Note: compact optimizer state] in tierd.optim.compact)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from tierd.client.torch_internals import foreach_adamw, fused_adamw
 from tierd.optim.base import StreamedOptimizer
+from tierd.optim.compact import CompactState, adamw_step
 
 
 class AdamW(StreamedOptimizer):
@@ -20,6 +22,16 @@ class AdamW(StreamedOptimizer):
         >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
         ...                         max_grad_norm=1.0)                          # doctest: +SKIP
         >>> model(x).loss.backward(); opt.step(); opt.zero_grad()               # doctest: +SKIP
+
+    ``state`` and ``master`` choose compact state, never the default
+    ([Note: compact optimizer state] in tierd.optim.compact): ``state="bf16"``
+    (bf16 moments) or ``"8bit"`` (block-quantized 8-bit moments, torchao's
+    ``AdamW8bit``), ``master="bf16"`` (bf16 parameters are their own master,
+    updated with stochastic rounding). Those settings follow torchao's AdamW
+    math, not torch's: close to exact AdamW, not bitwise.
+
+        >>> opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, state="8bit",
+        ...                         master="bf16")                           # doctest: +SKIP
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -28,7 +40,10 @@ class AdamW(StreamedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  max_grad_norm: float | None = None, block_bytes: int = 64 << 20,
                  placement: str | None = None, fused: bool | None = None,
-                 accumulation_steps: int | None = None, prefetch_bytes: int | None = None) -> None:
+                 accumulation_steps: int | None = None, prefetch_bytes: int | None = None,
+                 state: str = "fp32", master: str = "fp32") -> None:
+        # an instance attribute before the base class sizes and makes the state
+        self.compact = CompactState(state=state, master=master)
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if eps < 0:
@@ -50,6 +65,9 @@ class AdamW(StreamedOptimizer):
         eps, weight_decay = group["eps"], group["weight_decay"]
         exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
         step = state["step"]
+        if not self.compact.exact:
+            self._compact_update(group, step, [param], [grad], [exp_avg], [exp_avg_sq])
+            return
         if param.is_cuda:   # the kernel update_params uses there: both paths agree bitwise
             fused_adamw([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -85,6 +103,9 @@ class AdamW(StreamedOptimizer):
         lr, (beta1, beta2) = group["lr"], group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
         exp_avgs, exp_avg_sqs = moments["exp_avg"], moments["exp_avg_sq"]
+        if not self.compact.exact:
+            self._compact_update(group, step, params, grads, exp_avgs, exp_avg_sqs)
+            return
         if params and params[0].is_cuda:
             fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
                         beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -93,3 +114,14 @@ class AdamW(StreamedOptimizer):
         foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
                       beta2=beta2, weight_decay=weight_decay, eps=eps,
                       maximize=group["maximize"])
+
+    def _compact_update(self, group: dict, step: float, params, grads, exp_avgs,
+                        exp_avg_sqs) -> None:
+        """Compact state's update, tensor by tensor (:func:`tierd.optim.compact.adamw_step`)."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        tables: dict = {}   # the quantization maps on the device, made once per call
+        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+            adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                       beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                       maximize=group["maximize"],
+                       stochastic=param.dtype == torch.bfloat16, tables=tables)

@@ -53,7 +53,12 @@ from tierd.errors import CapacityError, StateError
 from tierd.updates.cpu_update import overlapped
 from tierd.updates.fused import FusedUpdates
 from tierd.optim import state_dict as optim_state_dict
-from tierd.optim.state import UnmadeState, check_capacity
+from tierd.optim.compact import CompactState
+from tierd.optim.state import UnmadeState, check_capacity, check_compact, format_key
+
+
+def _nbytes(like: torch.Tensor) -> int:
+    return like.numel() * like.element_size()
 
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
@@ -137,6 +142,9 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
 
     #: names of the per-parameter state tensors this optimizer keeps in tierd
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: how moments and masters are kept ([Note: compact optimizer state] in
+    #: tierd.optim.compact); exact fp32 unless a subclass is asked otherwise
+    compact: CompactState = CompactState()
 
     def __init__(self, params, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
                  block_bytes: int = 64 << 20, placement: str | None = None,
@@ -176,6 +184,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         self._fused: list[FusedUpdates] = []
         #: its state not made yet ([Note: state made when first needed] in tierd.optim.state)
         self.unmade = UnmadeState(self)
+        check_compact(self)    # before anything is read as this setting's format
         check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
         self.unmade.create(self._owned())
@@ -188,10 +197,16 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 self._register(session, tps, prefetch_bytes, fusing=bool(use))
 
     def step_counts(self, session) -> dict[str, torch.Tensor]:
-        """Every parameter's step count of ``session`` as tensors to store at a commit."""
-        return {session.keys.step_count(tp.name):
-                torch.tensor(self.state[tp.outside].get("step", 0.0), dtype=torch.float64)
-                for tp in self._owned() if tp.session is session}
+        """Every parameter's step count of ``session`` as tensors to store at a
+        commit, and a compact optimizer's setting ([Note: compact state on
+        resume] in tierd.optim.compact)."""
+        counts = {session.keys.step_count(tp.name):
+                  torch.tensor(self.state[tp.outside].get("step", 0.0), dtype=torch.float64)
+                  for tp in self._owned() if tp.session is session}
+        if not self.compact.exact:
+            counts[format_key(session)] = torch.tensor(list(self.compact.record.encode()),
+                                                       dtype=torch.uint8)
+        return counts
 
     def has_unfinished_step(self) -> bool:
         """A fused update ran in backward and ``step()`` has not closed the window."""
@@ -350,8 +365,51 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             session.finish_update()
 
     def state_keys(self, tp: TieredParam) -> list[str]:
-        """The fp32 master key, then one key per state name."""
-        return [tp.master_key] + [self.state_key(tp, n) for n in self.state_names]
+        """The master key (:meth:`master_key`), then one key per state name."""
+        return [self.master_key(tp)] + [self.state_key(tp, n) for n in self.state_names]
+
+    # ------------------------------------------------------------- state forms
+    def master_in_compute(self, tp: TieredParam) -> bool:
+        """``tp`` has a lower-precision compute copy that is its master here
+        (``master="bf16"``): no fp32 master key ([Note: compact optimizer state])."""
+        return tp.has_master and self.compact.master_in_compute(tp.param)
+
+    def master_key(self, tp: TieredParam) -> str:
+        """The key this optimizer updates as ``tp``'s master: the fp32 master,
+        or the compute copy where that is the master (fp32, or ``master="bf16"``)."""
+        return tp.key if self.master_in_compute(tp) else tp.master_key
+
+    def separate_master(self, tp: TieredParam) -> bool:
+        """``tp``'s master is a key of its own, cast into the compute copy after an update."""
+        return tp.has_master and not self.master_in_compute(tp)
+
+    def master_on_device(self, tp: TieredParam) -> bool:
+        """``tp``'s master is its device copy: a resident parameter whose
+        compute copy is its master under ``master="bf16"`` (the store's copy
+        may be older: [Note: kept weights are written when the store is read]
+        in tierd.updates.resident)."""
+        return tp.resident and self.master_in_compute(tp)
+
+    def master_like(self, tp: TieredParam) -> torch.Tensor:
+        dtype = tp.param.dtype if self.master_in_compute(tp) else torch.float32
+        return torch.empty(tp.param.shape, dtype=dtype, device="meta")
+
+    def state_like(self, tp: TieredParam, name: str) -> torch.Tensor:
+        """A meta tensor with the dtype and shape of ``tp``'s stored state ``name``."""
+        return self.compact.moment_like(tp.param)
+
+    def master_nbytes(self, tp: TieredParam) -> int:
+        """Bytes of the master an update reads and writes."""
+        return tp.param.numel() * (tp.param.element_size() if self.master_in_compute(tp)
+                                   else 4)
+
+    def moment_nbytes(self, tp: TieredParam) -> int:
+        """Bytes of all of ``tp``'s stored states."""
+        return sum(_nbytes(self.state_like(tp, n)) for n in self.state_names)
+
+    def state_nbytes(self, tp: TieredParam) -> int:
+        """Bytes of ``tp``'s master and states (what an update moves in and out)."""
+        return self.master_nbytes(tp) + self.moment_nbytes(tp)
 
     def update_params(self, group: dict, tps: list[TieredParam], params: list[torch.Tensor],
                       grads: list[torch.Tensor], moments: dict[str, list[torch.Tensor]]) -> None:
@@ -416,8 +474,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             limit = min(self.block_bytes, session.lease_cap)
             block: list[TieredParam] = []
             size = 0
-            for tp in session_tps:
-                leased = tp.param.numel() * 4 * (2 + len(self.state_names)) + tp.nbytes
+            for tp in session_tps:   # master, moments, fp32 gradient, compute copy
+                leased = self.state_nbytes(tp) + tp.param.numel() * 4 + tp.nbytes
                 if block and size + leased > limit:
                     blocks.append(block)
                     block, size = [], 0
@@ -461,26 +519,31 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         if resident is not None:   # only the gradient comes from the pool
             return [tp.grad_key]
         keys = self.state_keys(tp) + [tp.grad_key]
-        if tp.has_master:
+        if self.separate_master(tp):
             keys.append(tp.key)
         return keys
 
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
                     coef: torch.Tensor | None, resident: dict | None = None) -> bool:
-        device = tp.session.device if resident is not None else self._compute_device(tp)
+        in_place = resident is None and self.master_on_device(tp)
+        device = (tp.session.device if resident is not None
+                  else tp.compute.device if in_place else self._compute_device(tp))
         on_device = device.type != "cpu"
         shared = tp.session.leases.shared
-        names = {"param": tp.master_key, "grad": tp.grad_key,
+        names = {"param": self.master_key(tp), "grad": tp.grad_key,
                  **{n: self.state_key(tp, n) for n in self.state_names}}
         if resident is not None:   # master and moments stay on the device, updated there
             names = {"grad": tp.grad_key}
-        # a shared key is never changed in place: its new version is published
+        # a shared key is never changed in place: its new version is published;
+        # a master on the device is updated there (the store's copy is written)
         work = {n: (views[k].to(device, non_blocking=True) if on_device
                     else views[k].clone() if k in shared else views[k])
-                for n, k in names.items()}
+                for n, k in names.items() if not (in_place and n == "param")}
         if resident is not None:
-            work["param"] = resident[tp.master_key]
+            work["param"] = resident[self.master_key(tp)]
             work.update({n: resident[self.state_key(tp, n)] for n in self.state_names})
+        elif in_place:
+            work["param"] = tp.compute
         ops = tp.session.grad_views.ops(tp)
         if ops:   # the loop's in-place changes of p.grad, replayed in order
             replay(ops, work["grad"])
@@ -490,10 +553,10 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         self.update_param(group, tp, work["param"], work["grad"],
                           {n: work[n] for n in self.state_names})
         changed = coef is not None or bool(ops)   # p.grad keeps the changed gradient
-        written = [] if resident is not None else ["param", *self.state_names]
+        written = [] if resident is not None else [n for n in names if n != "grad"]
         written += ["grad"] if changed else []
         new = [(names[n], work[n]) for n in written]
-        if tp.has_master and resident is None:
+        if self.separate_master(tp) and resident is None:
             new.append((tp.key, work["param"].to(tp.param.dtype)))
         publish = [(k, t) for k, t in new if k in shared]
         for k, t in new:
@@ -501,7 +564,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 views[k].copy_(t, non_blocking=on_device)
         if publish:
             tp.session.share.publish(publish)
-        if tp.resident:
+        if tp.resident and not in_place:
             tp.session.refresh_resident(tp, work["param"])
         return on_device
 

@@ -27,23 +27,39 @@ import torch
 from tierd.client.capacity import StoreNeed, device_room
 from tierd.client.embedded import room_problem
 from tierd.client.tiered_param import TieredParam
-from tierd.errors import CapacityError
+from tierd.errors import CapacityError, StateError
+from tierd.optim.compact import CompactState
 
 
-def _like(tp: TieredParam) -> torch.Tensor:
-    """Shape and dtype of one of ``tp``'s fp32 state tensors, with no bytes."""
-    return torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
+def _nbytes(like: torch.Tensor) -> int:
+    return like.numel() * like.element_size()
 
 
-def _zero_held(session, keys: list[str]) -> None:
-    """Zero held state keys in place (see :meth:`UnmadeState.create`)."""
+def format_key(session) -> str:
+    """The key of a compact optimizer's setting in a commit ([Note: compact
+    state on resume] in tierd.optim.compact)."""
+    return session.keys.state("format", "compact")
+
+
+def _zero_held(session, likes: dict[str, torch.Tensor]) -> list[str]:
+    """Zero held state keys in place (see :meth:`UnmadeState.create`); those
+    an earlier optimizer kept in another form (a compact setting) are no
+    longer held and are returned, to be made again."""
     session.settle()   # no copy out of an earlier optimizer still landing there
+    keys = list(likes)
     session.leases.acquire(keys)
     try:
-        for view in session.leases.views(keys).values():
-            view.zero_()
+        views = session.leases.views(keys)
+        other = [k for k, v in views.items()
+                 if v.dtype != likes[k].dtype or v.numel() != likes[k].numel()]
+        for k, view in views.items():
+            if k not in other:
+                view.zero_()
     finally:
         session.leases.release(keys, written=True)
+    if other:
+        session.held_bytes -= sum(_nbytes(views[k]) for k in session.leases.unhold(other))
+    return other
 
 
 class UnmadeState:
@@ -58,6 +74,7 @@ class UnmadeState:
     def __init__(self, opt) -> None:
         self.opt = opt
         self.keys: dict[str, TieredParam] = {}
+        self.likes: dict[str, torch.Tensor] = {}   # key -> meta tensor of its stored form
         self._hold_later: set = set()   # sessions whose made keys are held
 
     def __contains__(self, key: str) -> bool:
@@ -69,16 +86,23 @@ class UnmadeState:
         made now only under torch.distributed or where an earlier optimizer
         left keys (zeroed); the stored ones are held if they fit."""
         opt = self.opt
+        _drop_masters(opt, owned)
         existing = {session: set(session.client.keys(session.keys.all))
                     for session in opt._by_session(owned)}
-        self.keys.update({tp.master_key: tp for tp in owned if not tp.master_made})
+        masters = {tp.master_key: tp for tp in owned if not tp.master_made
+                   and opt.separate_master(tp)}
+        self.keys.update(masters)
+        self.likes.update({k: opt.master_like(tp) for k, tp in masters.items()})
+        likes = {opt.state_key(tp, n): opt.state_like(tp, n) for tp in owned
+                 for n in opt.state_names}
         for block in opt._blocks(owned):
             session = block[0].session
             fresh = {opt.state_key(tp, n): tp for tp in block for n in opt.state_names
                      if opt.state_key(tp, n) not in session.resumed_keys}
             if session.share is None:
-                self.keys.update({k: tp for k, tp in fresh.items()
-                                  if k not in existing[session]})
+                made_later = {k: tp for k, tp in fresh.items() if k not in existing[session]}
+                self.keys.update(made_later)
+                self.likes.update({k: likes[k] for k in made_later})
                 fresh = {k: tp for k, tp in fresh.items() if k not in self.keys}
             # held by an earlier optimizer of this model: the held view is what
             # every update reads, so it is zeroed in place (a put would make a
@@ -86,14 +110,17 @@ class UnmadeState:
             held = [k for k in fresh if session.leases.is_held(k)
                     and k not in session.leases.shared]
             if held:
-                _zero_held(session, held)
-            rest = {k: _like(tp) for k, tp in fresh.items() if k not in held}
+                held = [k for k in held
+                        if k not in _zero_held(session, {k: likes[k] for k in held})]
+            rest = {k: likes[k] for k in fresh if k not in held}
             if rest:
                 session.client.put_zeros(rest)
         for session, tps in opt._by_session(owned).items():
             self._load_step_counts(session, tps)
-            keys = {k: tp.param.numel() * 4 for tp in tps for k in opt.state_keys(tp)
-                    if not session.leases.is_held(k)}
+            sizes = {opt.state_key(tp, n): _nbytes(likes[opt.state_key(tp, n)])
+                     for tp in tps for n in opt.state_names}
+            sizes.update({opt.master_key(tp): opt.master_nbytes(tp) for tp in tps})
+            keys = {k: n for k, n in sizes.items() if not session.leases.is_held(k)}
             # all or nothing, as if every key were made now: the ones made
             # later are held as they come only if all of them fit
             stored = {k: n for k, n in keys.items() if k not in self.keys}
@@ -135,9 +162,10 @@ class UnmadeState:
                 session.leases.release(keys)
         out.update({tp.master_key: tp.compute.to(device, torch.float32, copy=True)
                     for tp in masters if tp.resident})
-        if moments:
+        if moments:   # zero bytes are zero moments in every form
             opt = self.opt
-            out.update({k: torch.zeros(tp.param.shape, dtype=torch.float32, device=device)
+            out.update({k: torch.zeros(self.likes[k].shape, dtype=self.likes[k].dtype,
+                                       device=device)
                         for tp in tps for n in opt.state_names
                         if (k := opt.state_key(tp, n)) in self.keys})
         return out
@@ -146,13 +174,14 @@ class UnmadeState:
         """State keys now made (stored, or kept on the device until written back)."""
         for k in keys:
             tp = self.keys.pop(k, None)
+            self.likes.pop(k, None)
             if tp is not None and k == tp.master_key:
                 tp.master_made = True
 
     def nbytes(self, tps: list[TieredParam]) -> int:
         """Bytes of the state of ``tps`` not made yet."""
         mine = set(tps)
-        return sum(tp.param.numel() * 4 for tp in self.keys.values() if tp in mine)
+        return sum(_nbytes(self.likes[k]) for k, tp in self.keys.items() if tp in mine)
 
     def ensure_stored(self, tps: list[TieredParam]) -> None:
         """Put the state of ``tps`` not made yet, before their keys are leased."""
@@ -162,7 +191,7 @@ class UnmadeState:
             masters = [tp for tp in mine if tp.has_master and tp.master_key in self.keys]
             fresh = self.values(masters, torch.device("cpu"), moments=False)
             wanted = set(mine)
-            zeros = {k: _like(tp) for k, tp in self.keys.items()
+            zeros = {k: self.likes[k] for k, tp in self.keys.items()
                      if k not in fresh and tp in wanted}
             if fresh:
                 session.client.put_many(fresh)
@@ -173,7 +202,7 @@ class UnmadeState:
                 self.made(fresh)
                 if session in self._hold_later and session.held_bytes \
                         and session.leases.hold(fresh):
-                    session.held_bytes += sum(t.numel() * 4 for t in fresh.values())
+                    session.held_bytes += sum(_nbytes(t) for t in fresh.values())
 
 
 def check_capacity(opt) -> None:
@@ -187,11 +216,11 @@ def check_capacity(opt) -> None:
         ranks = session.share.ranks if session.share is not None else None
         text = None
         if ranks is None or ranks.leader:
-            items = [(kind, key, tp.param.numel() * 4) for tp in tps
-                     for kind, key in ([("optimizer", opt.state_key(tp, n))
-                                        for n in opt.state_names]
-                                       + [("gradients", tp.grad_key)])]
-            unmade = [tp for tp in tps if not tp.master_made]   # made by the first update
+            items = [("optimizer", opt.state_key(tp, n), _nbytes(opt.state_like(tp, n)))
+                     for tp in tps for n in opt.state_names]
+            items += [("gradients", tp.grad_key, tp.param.numel() * 4) for tp in tps]
+            # made by the first update (none where the compute copy is the master)
+            unmade = [tp for tp in tps if not tp.master_made and opt.separate_master(tp)]
             later = [tp.master_key for tp in unmade]
             items += [("master", tp.master_key, tp.param.numel() * 4) for tp in unmade]
             kept = opt.keeps_gradients or (
@@ -206,3 +235,62 @@ def check_capacity(opt) -> None:
             text = ranks.from_leader(text, "the optimizer's capacity check")
         if text:
             raise CapacityError(text)
+
+
+def _drop_masters(opt, owned: list[TieredParam]) -> None:
+    """Delete the fp32 masters of parameters whose compute copy is their
+    master under ``master="bf16"`` ([Note: compact optimizer state] in
+    tierd.optim.compact): attach stored them (a model built in fp32), or an
+    earlier optimizer made them; the compute copy is their rounding."""
+    for session, tps in opt._by_session(owned).items():
+        stale = [tp for tp in tps if opt.master_in_compute(tp) and tp.master_made]
+        if not stale:
+            continue
+        session.settle()
+        stored = set(session.client.keys(session.keys.all))
+        keys = [tp.master_key for tp in stale if tp.master_key in stored]
+        if keys:
+            session.drop_keys(keys, {tp.master_key: tp.param.numel() * 4 for tp in stale})
+        for tp in stale:
+            tp.master_made = False   # values are read from the compute copy
+
+
+def check_compact(opt) -> None:
+    """Refuse, before anything is read or written, a compact setting this
+    model cannot take, or one that differs from the state a resumed job
+    holds ([Note: compact state on resume] in tierd.optim.compact)."""
+    owned = opt._owned()
+    setting = opt.compact
+    if setting.master == "bf16" and owned and not any(opt.master_in_compute(tp)
+                                                      for tp in owned if tp.has_master):
+        dtypes = sorted({str(tp.param.dtype) for tp in owned})
+        raise ValueError(f"master='bf16' keeps bf16 parameters as their own master, and "
+                         f"this optimizer's trainable parameters compute in {dtypes}; "
+                         "attach with compute_dtype=torch.bfloat16, or leave master='fp32'")
+    for session, tps in opt._by_session(owned).items():
+        if session.share is not None and setting.master == "bf16":
+            raise StateError("master='bf16' under torch.distributed is not supported: every "
+                             "rank reads its owner's fp32 master from the store; use "
+                             "master='fp32' (compact moments work)")
+        resumed = session.resumed_keys
+        key = format_key(session)
+        states = [opt.state_key(tp, n) for tp in tps for n in opt.state_names]
+        if key in resumed:
+            stored = CompactState.from_text(bytes(session.client.get(key).tolist()).decode())
+        elif any(k in resumed for k in states):
+            stored = CompactState()
+        else:
+            stored = None
+        if stored is not None and stored != setting:
+            raise StateError(f"the job's commit holds {type(opt).__name__} state kept with "
+                             f"{stored.text}; this optimizer keeps {setting.text}. Build it "
+                             f"with {stored.text} (as the run that committed), or start a "
+                             "new job: a setting is not changed on resume")
+        masters = [tp.name for tp in tps if opt.master_in_compute(tp)
+                   and tp.master_key in resumed]
+        if masters:
+            raise StateError(f"the job's commit holds fp32 masters ({masters[0]!r} and "
+                             f"{len(masters) - 1} more); this optimizer keeps master='bf16'. "
+                             "Build it with master='fp32', as the run that committed")
+        if key not in resumed and setting.exact and key in set(session.client.keys(key)):
+            session.client.delete([key])   # an earlier optimizer's, not this one's

@@ -18,6 +18,17 @@ written, so bad input changes nothing. A ``torch.optim.AdamW`` (or ``SGD``)
 dict of the same model loads the same way, which moves a run from torch to
 tierd. ``tierd.commit`` stays the fast path: it copies nothing through the
 client.
+
+[Note: compact state in a state dict]
+A compact optimizer's dict ([Note: compact optimizer state] in
+tierd.optim.compact) holds each moment in its stored form (a bf16 tensor, or
+the packed uint8 codes and scales of an 8-bit one), so saving and loading
+round-trips its bytes exactly, and the setting at the top level
+(``"compact": {"state": ..., "master": ...}``). Loading it needs the same
+setting (StateError otherwise: bytes of one format are not read as
+another). A dict without the setting (torch's, or a default tierd
+optimizer's: fp32 moments) loads into any setting, each moment converted to
+this optimizer's form, as building a compact optimizer from an fp32 run.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from itertools import chain
 import torch
 
 from tierd.errors import StateError
+from tierd.optim.compact import CompactState
 
 
 def _indexed(groups: list[dict]) -> list:
@@ -55,7 +67,47 @@ def state_dict(opt, base: dict) -> dict:
         if i in stepped:
             entry.update({n: values[opt.state_key(stepped[i], n)] for n in opt.state_names})
         state[i] = entry
-    return {"state": state, "param_groups": base["param_groups"]}
+    out = {"state": state, "param_groups": base["param_groups"]}
+    if not opt.compact.exact:   # [Note: compact state in a state dict]
+        out["compact"] = {"state": opt.compact.state, "master": opt.compact.master}
+    return out
+
+
+def _saved_setting(loaded: dict) -> CompactState:
+    saved = loaded.get("compact")
+    if saved is None:
+        return CompactState()
+    if not isinstance(saved, dict):
+        raise StateError(f"the state dict's 'compact' is {type(saved).__name__}; a tierd "
+                         "state dict has a dict {'state': ..., 'master': ...} there")
+    try:
+        return CompactState(state=saved.get("state", "fp32"), master=saved.get("master", "fp32"))
+    except ValueError as exc:
+        raise StateError(f"the state dict's compact setting is not one tierd knows: {exc}") \
+            from None
+
+
+def _moment(opt, tp, n: str, value, exact: bool, where: str) -> torch.Tensor:
+    """A loaded moment in ``opt``'s stored form for ``tp`` (CPU), or StateError:
+    with ``exact`` the dict holds that form already; else fp32 values, converted."""
+    like = opt.state_like(tp, n)
+    if exact:
+        if not isinstance(value, torch.Tensor) or value.dtype != like.dtype \
+                or value.shape != like.shape:
+            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise StateError(f"{n!r} of {where} in the state dict is {what}; with "
+                             f"{opt.compact.text} it is a {like.dtype} tensor of shape "
+                             f"{tuple(like.shape)}: it was saved for a different model")
+        return value.detach().to("cpu")
+    if not isinstance(value, torch.Tensor) or value.shape != tp.param.shape \
+            or not value.is_floating_point():
+        what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise StateError(f"{n!r} of {where} in the state dict is {what}; it was saved for "
+                         "a different model")
+    value = value.detach().to("cpu", torch.float32)
+    return opt.compact.encode(value, like, signed=n != "exp_avg_sq")
 
 
 def _describe(tp, index: int) -> str:
@@ -63,8 +115,9 @@ def _describe(tp, index: int) -> str:
 
 
 def checked(opt, loaded: dict) -> dict:
-    """The state ``loaded`` gives each parameter ({tp: (step, {name: fp32 CPU
-    tensor})}), or StateError naming what does not fit ``opt``; reads only."""
+    """The state ``loaded`` gives each parameter ({tp: (step, {name: CPU
+    tensor in ``opt``'s stored form})}), or StateError naming what does not
+    fit ``opt``; reads only."""
     if not isinstance(loaded, dict) or "param_groups" not in loaded or "state" not in loaded:
         got = sorted(loaded) if isinstance(loaded, dict) else type(loaded).__name__
         raise StateError(f"an optimizer state dict has the keys 'state' and 'param_groups'; "
@@ -87,6 +140,11 @@ def checked(opt, loaded: dict) -> dict:
         if saved.get("amsgrad"):
             raise StateError(f"group {i} of the state dict is torch's AdamW with amsgrad=True, "
                              "which tierd.optim.AdamW does not implement")
+    saved = _saved_setting(loaded)
+    if not saved.exact and saved != opt.compact:
+        raise StateError(f"the state dict was saved by an optimizer with {saved.text}; this "
+                         f"one keeps {opt.compact.text}. Build it with {saved.text} to load "
+                         "it ([Note: compact state in a state dict])")
     by_id = dict(zip(chain.from_iterable(g["params"] for g in groups),
                      chain.from_iterable(g["params"] for g in opt.param_groups)))
     owned = set(opt._owned())
@@ -105,16 +163,8 @@ def checked(opt, loaded: dict) -> dict:
             raise StateError(f"the state of {_describe(tp, index)} lacks {missing} (it has "
                              f"{sorted(entry)}); it is not a {type(opt).__name__} state dict "
                              "with the same hyper-parameters")
-        moments = {}
-        for n in opt.state_names:
-            value = entry[n]
-            if not isinstance(value, torch.Tensor) or value.shape != tp.param.shape \
-                    or not value.is_floating_point():
-                what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-                        if isinstance(value, torch.Tensor) else type(value).__name__)
-                raise StateError(f"{n!r} of {_describe(tp, index)} in the state dict is "
-                                 f"{what}; it was saved for a different model")
-            moments[n] = value.detach().to("cpu", torch.float32)
+        moments = {n: _moment(opt, tp, n, entry[n], not saved.exact, _describe(tp, index))
+                   for n in opt.state_names}
         out[tp] = (opt.loaded_step(entry, tp.name), moments)
     return out
 

@@ -245,7 +245,7 @@ class HostUpdates:
         session, opt = self._fused.session, self._fused.opt
         opt.unmade.ensure_stored([tp for tp, _ in items])
         keys = list(dict.fromkeys(k for tp, _ in items for k in (
-            *opt.state_keys(tp), tp.grad_key, *([tp.key] if tp.has_master else []))))
+            *opt.state_keys(tp), tp.grad_key, *([tp.key] if opt.separate_master(tp) else []))))
         session.leases.acquire(keys)
         try:
             views = session.leases.views(keys)
@@ -260,16 +260,17 @@ class HostUpdates:
         for tp, _ in items:
             by_step.setdefault(opt.state[tp.outside].get("step", 0.0), []).append(tp)
         batches = tuple(
-            (tps, [views[tp.master_key] for tp in tps], [views[tp.grad_key] for tp in tps],
+            (tps, [views[opt.master_key(tp)] for tp in tps], [views[tp.grad_key] for tp in tps],
              {n: [views[opt.state_key(tp, n)] for tp in tps] for n in opt.state_names})
             for tps in by_step.values())
-        casts = tuple((views[tp.key], views[tp.master_key]) for tp, _ in items if tp.has_master)
+        casts = tuple((views[tp.key], views[tp.master_key]) for tp, _ in items
+                      if opt.separate_master(tp))
         for tp, _ in items:
             tp.to_no_gradient()
             updated.add(tp)
         job = HostJob(b.index, b.tps[0].name, {k: v for k, v in b.group.items() if k != "params"},
                       batches, grads_in, casts, copy,
-                      sum(tp.param.numel() * 4 * (1 + len(opt.state_names)) for tp, _ in items),
+                      sum(opt.state_nbytes(tp) for tp, _ in items),
                       after)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(_THREADS, thread_name_prefix="tierd-cpu-update")

@@ -54,13 +54,14 @@ class SessionUpdates:
     # ------------------------------------------------------------- sizes
     def unit_state(self, members: Iterable) -> UnitState:
         members = set(members)
-        mine = [b for f in self._updates for b in f.buckets
+        mine = [(f, b) for f in self._updates for b in f.buckets
                 if all(tp in members for tp in b.tps)]
+        # (a master that is the compute copy adds nothing to what the unit keeps)
         return UnitState(
-            state_bytes=sum(b.nbytes for b in mine),
-            moment_bytes=sum(b.nbytes - 4 * sum(tp.param.numel() for tp in b.tps)
-                             for b in mine),
-            grad_bytes=sum(b.grad_bytes for b in mine))
+            state_bytes=sum(f.opt.state_nbytes(tp) - f.opt.master_in_compute(tp)
+                            * f.opt.master_nbytes(tp) for f, b in mine for tp in b.tps),
+            moment_bytes=sum(f.opt.moment_nbytes(tp) for f, b in mine for tp in b.tps),
+            grad_bytes=sum(b.grad_bytes for _, b in mine))
 
     def stored_state_bytes(self) -> int:
         # each optimizer's moments of its parameters, less its state not made yet
@@ -68,9 +69,17 @@ class SessionUpdates:
         total = 0
         for f in self._updates:
             tps = list(f.bucket_of)
-            total += sum(4 * tp.param.numel() * len(f.opt.state_names) for tp in tps)
+            total += sum(f.opt.moment_nbytes(tp) for tp in tps)
             total -= f.opt.unmade.nbytes(tps)
         return total
+
+    def master_bytes(self, tps: Iterable) -> int:
+        # an fp32 master of its own, unless an optimizer keeps the compute
+        # copy as the master ([Note: compact optimizer state] in tierd.optim.compact)
+        in_compute = {tp for f in self._updates for tp in f.bucket_of
+                      if f.opt.master_in_compute(tp)}
+        return sum(4 * tp.param.numel() for tp in tps
+                   if tp.has_master and tp not in in_compute)
 
     def resident_bytes(self) -> int:
         return sum(f.resident_bytes() for f in self._updates)

@@ -104,7 +104,7 @@ class FusedUpdates:
 
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
-        states = len(self.opt.state_names)
+        size = self.opt.state_nbytes   # master and moments, in their stored forms
         # a bucket per module of a unit (a unit is a whole block: its state at
         # once would be a large bubble), split further to a lease's worth
         registry = self.session.registry
@@ -117,8 +117,8 @@ class FusedUpdates:
                        if group_of.get(tp) == gi and tp not in self.bucket_of]
                 while tps:
                     piece, nbytes = [], 0
-                    while tps and (not piece or nbytes + _state_bytes(tps[0], states) <= most):
-                        nbytes += _state_bytes(tps[0], states)
+                    while tps and (not piece or nbytes + size(tps[0]) <= most):
+                        nbytes += size(tps[0])
                         piece.append(tps.pop(0))
                     b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes)
                     self.buckets.append(b)
@@ -313,7 +313,7 @@ class FusedUpdates:
         return b.state is BucketState.HOST
 
     def fetched_master(self, tp: TieredParam) -> torch.Tensor | None:
-        """``tp``'s fp32 master fetched for this backward's update, not yet
+        """``tp``'s master fetched for this backward's update, not yet
         updated ([Note: compute copy from the fetched master]); its bucket is
         fetched now if it was still to be and fits twice ``prefetch_bytes``
         (the most the fetches may hold). None otherwise."""
@@ -327,7 +327,7 @@ class FusedUpdates:
             if self._fetched_bytes + b.nbytes > 2 * self.prefetch_bytes:
                 return None
             self._fetch(b)
-        return b.work.get(tp.master_key)
+        return b.work.get(self.opt.master_key(tp))
 
     def read_master(self, tp: TieredParam, copy) -> None:
         """A compute copy of ``tp`` is being made from its fetched master by ``copy``."""
@@ -382,9 +382,14 @@ class FusedUpdates:
         fresh = opt.unmade.values(b.tps, session.device) if b.pinned else {}
         if not b.pinned:
             opt.unmade.ensure_stored(b.tps)
-        read = [k for tp in b.tps for k in opt.state_keys(tp) if k not in fresh]
+        # a master that is the resident device copy is updated there, not read
+        on_device = {tp.key: tp.compute for tp in b.tps if opt.master_on_device(tp)}
+        read = [k for tp in b.tps for k in opt.state_keys(tp)
+                if k not in fresh and k not in on_device]
         read += [tp.grad_key for tp in b.tps if tp.grad_in_pool]
-        b.keys = read + [tp.key for tp in b.tps if writes_compute_copy(session, tp)]
+        b.keys = read + list(on_device) + [tp.key for tp in b.tps
+                                           if writes_compute_copy(session, opt, tp)]
+        fresh = {**fresh, **on_device}
         session.leases.acquire(b.keys)
         views = session.leases.views(b.keys)
         copy = session.copy
@@ -459,19 +464,25 @@ class FusedUpdates:
             for tp, k, param in zip(tps, keys, params):
                 tp.to_no_gradient()
                 self._updated.add(tp)
-                if tp.resident:
+                on_device = opt.master_on_device(tp)   # ``param`` is the device copy
+                if tp.resident and not on_device:
                     session.refresh_resident(tp, param)
                 if b.pinned:
                     continue   # [Note: resident optimizer state] in tierd.updates.resident
-                written += [(key, b.work[key]) for key in k]
-                if tp.has_master and not writes_compute_copy(session, tp):
+                written += [(key, b.work[key]) for key in k[1:]]
+                # the next update changes a device copy in place: its copy out reads a clone
+                written.append((k[0], param.clone() if on_device else param))
+                if not opt.separate_master(tp):
+                    if not tp.resident:
+                        session.keep_new_value(tp, param)
+                    continue
+                if not writes_compute_copy(session, opt, tp):
                     # see [Note: kept weights are written when the store is read]
                     # in tierd.updates.resident
                     tp.stale_in_store = True
                     continue
-                new = param.to(tp.param.dtype) if tp.has_master else param
-                if tp.has_master:
-                    written.append((tp.key, new))
+                new = param.to(tp.param.dtype)
+                written.append((tp.key, new))
                 if not tp.resident:
                     session.keep_new_value(tp, new)
         return written
@@ -518,7 +529,3 @@ class FusedUpdates:
                 self._fetched_bytes -= b.nbytes
                 b.to_host()
 
-
-def _state_bytes(tp: TieredParam, states: int) -> int:
-    """Bytes of ``tp``'s fp32 master and optimizer states (a bucket's share)."""
-    return tp.param.numel() * 4 * (1 + states)

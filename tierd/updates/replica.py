@@ -56,12 +56,11 @@ class ReplicaUpdates(FusedUpdates):
     def _build(self, groups) -> None:
         """One bucket per unit and param group, as the owner's."""
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
-        states = len(self.opt.state_names)
         for unit in self._units:
             for gi in dict.fromkeys(group_of[tp] for tp in unit):
                 tps = [tp for tp in unit if group_of[tp] == gi]
                 b = Bucket(len(self.buckets), groups[gi][0], tps,
-                           sum(tp.param.numel() * 4 * (1 + states) for tp in tps))
+                           sum(self.opt.state_nbytes(tp) for tp in tps))
                 self.buckets.append(b)
                 self.bucket_of.update({tp: b for tp in tps})
 
@@ -142,16 +141,19 @@ def replicate(session, tps: list[TieredParam]) -> list[ReplicaUpdates]:
     units: dict[FusedUpdates, list[list[TieredParam]]] = {}
     for bucket in dict.fromkeys(share.bucket_tps(tp) for tp in tps):
         covering = [_covering(session, tp) for tp in bucket]
-        parts = [(tp, k) for tp, f in zip(bucket, covering) for k in f.opt.state_keys(tp)]
+        # (param, key, meta tensor of its stored form: compact state keeps its own)
+        parts = [(tp, k, like) for tp, f in zip(bucket, covering)
+                 for k, like in zip(f.opt.state_keys(tp), _likes(f.opt, tp))]
         flat = _from_owner(session, bucket, covering, parts)
         if share.owns(bucket[0]):
             continue
-        pieces = flat.split([tp.param.numel() for tp, _ in parts] + [1] * len(bucket))
-        for (tp, k), piece in zip(parts, pieces):
-            values[k] = piece.reshape(tp.param.shape).to(session.device, copy=True)
+        pieces = flat.split([_nbytes(like) for _, _, like in parts] + [8] * len(bucket))
+        for (tp, k, like), piece in zip(parts, pieces):   # cloned: aligned for the view
+            values[k] = piece.clone().view(like.dtype).reshape(like.shape).to(session.device)
         for tp, f, step in zip(bucket, covering, pieces[len(parts):]):
-            if step.item() > 0:   # a parameter that never stepped has no count, as in torch
-                f.opt.state[tp.outside]["step"] = step.item()
+            count = step.clone().view(torch.float64).item()
+            if count > 0:   # a parameter that never stepped has no count, as in torch
+                f.opt.state[tp.outside]["step"] = count
         for f in dict.fromkeys(covering):
             units.setdefault(f, []).append([tp for tp, c in zip(bucket, covering) if c is f])
     replicas = []
@@ -163,20 +165,32 @@ def replicate(session, tps: list[TieredParam]) -> list[ReplicaUpdates]:
     return replicas
 
 
+def _likes(opt, tp: TieredParam) -> list[torch.Tensor]:
+    """Meta tensors of the stored forms of ``opt.state_keys(tp)``, in order."""
+    return [opt.master_like(tp)] + [opt.state_like(tp, n) for n in opt.state_names]
+
+
+def _nbytes(like: torch.Tensor) -> int:
+    return like.numel() * like.element_size()
+
+
 def _from_owner(session, bucket, covering, parts) -> torch.Tensor:
-    """One gradient bucket's state (``parts``: (param, key) in order, then a
-    step count per parameter) in one fp32 CPU tensor, broadcast by its owner
-    over the node's gloo group. One bucket at a time, so the host holds one
-    unit's state at most (once per plan, never per step)."""
+    """One gradient bucket's state (``parts``: (param, key, form) in order,
+    then a float64 step count per parameter) as the bytes of one CPU tensor
+    (each key in its stored form: fp32, or compact state's), broadcast by its
+    owner over the node's gloo group. One bucket at a time, so the host holds
+    one unit's state at most (once per plan, never per step)."""
     share = session.share
     ranks = share.ranks
     if share.owns(bucket[0]):   # its state is in the pool: the plan settled first
-        stored = session.read([k for _, k in parts])
-        steps = [torch.tensor([float(f.opt.state[tp.outside].get("step", 0.0))])
-                 for tp, f in zip(bucket, covering)]
-        flat = torch.cat([stored[k].reshape(-1) for _, k in parts] + steps)
+        stored = session.read([k for _, k, _ in parts])
+        steps = [torch.tensor([float(f.opt.state[tp.outside].get("step", 0.0))],
+                              dtype=torch.float64) for tp, f in zip(bucket, covering)]
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8)
+                          for t in [stored[k] for _, k, _ in parts] + steps])
     else:
-        flat = torch.empty(sum(tp.param.numel() for tp, _ in parts) + len(bucket))
+        flat = torch.empty(sum(_nbytes(like) for _, _, like in parts) + 8 * len(bucket),
+                           dtype=torch.uint8)
     src = ranks.node_ranks[share.owner_of[bucket[0]]]
     collective(lambda: dist.broadcast(flat, src=src, group=ranks.node),
                "sending resident optimizer state to the replicas")

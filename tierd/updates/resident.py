@@ -50,9 +50,9 @@ from tierd.updates.buckets import BucketState
 
 def _values(opt, b) -> dict:
     """A resident bucket's device tensors by store key: masters, moments, and
-    the compute copies of parameters that have a master."""
+    the compute copies of parameters that have a master of their own."""
     values = {k: b.work[k] for tp in b.tps for k in opt.state_keys(tp)}
-    values.update({tp.key: tp.compute for tp in b.tps if tp.has_master})
+    values.update({tp.key: tp.compute for tp in b.tps if opt.separate_master(tp)})
     return values
 
 
@@ -125,10 +125,11 @@ def write_back(session, opt, b) -> None:
     b.written_back()
 
 
-def writes_compute_copy(session, tp) -> bool:
-    """Whether an update writes ``tp``'s new compute copy to the store
-    ([Note: kept weights are written when the store is read])."""
-    return tp.has_master and (not tp.resident or session.share is not None)
+def writes_compute_copy(session, opt, tp) -> bool:
+    """Whether an update by ``opt`` writes ``tp``'s new compute copy, cast
+    from its master, to the store ([Note: kept weights are written when the
+    store is read]); not where the compute copy is the master itself."""
+    return opt.separate_master(tp) and (not tp.resident or session.share is not None)
 
 
 def write_kept_weights(session) -> None:
@@ -162,14 +163,14 @@ def _write_kept(session, tps) -> None:
 
 
 def device_values(session, tps) -> dict:
-    """The fp32 masters of ``tps`` that resident buckets hold on the device
+    """The masters of ``tps`` that resident buckets hold on the device
     (newer than the pool's until written back), by TieredParam."""
     wanted = set(tps)
     out = {}
     for f in session.optimizers:
         for b in f.buckets:
             if b.state is BucketState.RESIDENT:
-                out.update({tp: b.work[tp.master_key] for tp in b.tps if tp in wanted})
+                out.update({tp: b.work[f.opt.master_key(tp)] for tp in b.tps if tp in wanted})
     return out
 
 
