@@ -12,6 +12,7 @@ attaches and its 0.5-1 s steps; about 9-10 minutes of device time)::
     python -m tierd.bench.compiled --out $OUT/gpt2 --model gpt2-1.3b
     python -m tierd.bench.compiled --out $OUT/llama --model llama-8b --compiled eager,regional
     python -m tierd.bench.compiled --out $OUT/llama-whole --model llama-8b --compiled whole
+    python -m tierd.bench.compiled --out $OUT/llama13 --model llama-13b --compiled eager,whole
 
 Every row compares tierd with all-GPU run the same way in the same process,
 so the rows of a way can be measured in a call of their own. Rows are
@@ -24,7 +25,12 @@ Hugging Face's cache code recompiles per layer under ``torch.compile``):
 - ``gpt2-1.3b``: ``GPT2LMHeadModel``, 24 x 2048, vocab 50257, B=8, T=1024;
 - ``llama-8b``: ``LlamaForCausalLM``, Llama-3-8B's shape (32 x 4096, 8 kv
   heads, vocab 128256), B=2, T=2048, gradient checkpointing; attached with
-  the defaults and again capped at 100 GB (``gpu_memory_bytes=100e9``).
+  the defaults and again capped at 100 GB (``gpu_memory_bytes=100e9``);
+- ``llama-13b``: ``LlamaForCausalLM`` in Llama-2-13B's shape (40 x 5120, MLP
+  13824, vocab 32000), B=4, T=2048, gradient checkpointing, default attach.
+  Its fp32 weights, gradients and AdamW moments do not fit the H200, so its
+  all-GPU rows record the error; its target compares tierd compiled with
+  tierd eager (``ratio`` stays null there: no reference ran).
 
 Each model runs in a process of its own on CUDA (a process keeps the pool
 segments it page-locked). In it, every case is run three ways: ``eager``,
@@ -141,6 +147,9 @@ MODELS = {
     "llama-8b": Model(kind="llama", layers=32, hidden=4096, heads=32, kv_heads=8,
                       intermediate=14336, vocab=128256, batch=2, seq=2048,
                       checkpointing=True),
+    "llama-13b": Model(kind="llama", layers=40, hidden=5120, heads=40, kv_heads=40,
+                       intermediate=13824, vocab=32000, batch=4, seq=2048,
+                       checkpointing=True),
     "gpt2-tiny": Model(kind="gpt2", layers=2, hidden=64, heads=2, vocab=1000, batch=2, seq=16),
     "llama-tiny": Model(kind="llama", layers=2, hidden=64, heads=4, kv_heads=2,
                         intermediate=128, vocab=256, batch=2, seq=16, checkpointing=True),
@@ -163,7 +172,8 @@ class Case:
 CASES = [Case("GPT-2 1.3B B=8 T=1024", "gpt2-1.3b"),
          Case("Llama 8B B=2 T=2048, checkpointing", "llama-8b"),
          Case("Llama 8B B=2 T=2048, checkpointing, cap 100 GB", "llama-8b",
-              {"gpu_memory_bytes": int(100e9)})]
+              {"gpu_memory_bytes": int(100e9)}),
+         Case("Llama 13B B=4 T=2048, checkpointing", "llama-13b")]
 TINY = [Case("tiny GPT-2 B=2 T=16", "gpt2-tiny"),
         Case("tiny Llama B=2 T=16, checkpointing", "llama-tiny"),
         Case("tiny Llama B=2 T=16, checkpointing, cap 2 MB", "llama-tiny",
