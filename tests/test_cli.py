@@ -140,7 +140,7 @@ def toml_value(text: str) -> str:
 #: Values for settings whose kind alone does not give a valid one.
 SPECIAL = {"log_level": "DEBUG", "log_format": "json", "metrics_host": "0.0.0.0",
            "metrics_port": "9100", "job_quotas": "a.b.pool_quota=1MiB,c.nvme_quota=3MiB",
-           "pool_threads": "3"}
+           "pool_threads": "3", "group": "trainers"}
 
 
 def unlike_default(name: str) -> str:

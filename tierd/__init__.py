@@ -27,8 +27,9 @@ _EXPORTS = {
     "Leased": "tierd.client.connection", "aconnect": "tierd.client.connection",
     "connect": "tierd.client.connection",
     **{name: "tierd.errors" for name in (
-        "Busy", "CapacityError", "DaemonUnavailable", "IntegrityError", "ProtocolError",
-        "RankFailed", "StateError", "TierIOError", "TierdError", "UnknownKey")},
+        "AccessDenied", "Busy", "CapacityError", "DaemonUnavailable", "IntegrityError",
+        "ProtocolError", "RankFailed", "StateError", "TierIOError", "TierdError",
+        "UnknownKey")},
 }
 _SUBMODULES = ("optim",)
 

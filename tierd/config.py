@@ -241,6 +241,12 @@ class ServeConfig:
     """Bytes preallocated for the NVMe data file."""
     socket: Path = dataclasses.field(default_factory=default_socket_path)
     """Request socket path (ZeroMQ ipc); the control socket is ``<socket>.ctl``."""
+    group: str | None = None
+    """Unix group (name or gid) whose members may use the daemon besides its own
+    user and root: the socket directory is then 0750 and the sockets 0660 of
+    that group, and each client's groups are checked when it connects; unset:
+    only the daemon's user and root (directory 0700). See [Note: group access]
+    in tierd.server.sockets."""
     log_level: str = "INFO"
     """Least severe log level written: DEBUG, INFO, WARNING or ERROR."""
     log_format: str = "text"
@@ -297,6 +303,10 @@ class ServeConfig:
         for name in ("pool", "nvme_size", "segment_size"):
             if getattr(self, name) < 4096:
                 raise ValueError(f"{name} = {getattr(self, name)} B is below one page (4096 B)")
+        if self.group is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?",
+                                                       self.group):
+            raise ValueError(f"group = {self.group!r} is not a group name or gid; write it "
+                             f"like tierd or 2000")
         if self.pool_threads is not None and self.pool_threads < 0:
             raise ValueError(f"pool_threads = {self.pool_threads}; use 0 (none) or more")
         for name in ("io_threads", "max_requests_per_client", "max_requests",

@@ -56,6 +56,13 @@ class StateError(TierdError):
     code = "state"
 
 
+class AccessDenied(TierdError):
+    """The daemon does not serve this user: it serves its own user, root and,
+    when started with ``--group``, the members of that group."""
+
+    code = "access"
+
+
 class RankFailed(TierdError):
     """Another rank of a data-parallel job stopped (or a collective among the
     ranks failed); this rank cannot go on with the job."""
@@ -81,8 +88,8 @@ class UnknownKey(TierdError, KeyError):
 
 _BY_CODE = {cls.code: cls for cls in (TierdError, CapacityError, ProtocolError,
                                        IntegrityError, DaemonUnavailable, Busy,
-                                       TierIOError, StateError, RankFailed, InternalError,
-                                       UnknownKey)}
+                                       TierIOError, StateError, AccessDenied, RankFailed,
+                                       InternalError, UnknownKey)}
 
 
 def from_wire(code: str, message: str) -> TierdError:

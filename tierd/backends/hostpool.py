@@ -191,6 +191,7 @@ def _make_memfd(label: str, size: int, populate: bool = False,
                             f"may be out of file descriptors (raise ulimit -n)") from None
     mm = None
     try:
+        os.fchmod(fd, 0o600)   # a memfd is 0777 whatever the umask: [Note: group access]
         os.ftruncate(fd, size)
         if not populate:
             os.posix_fallocate(fd, 0, size)

@@ -67,6 +67,16 @@ class Failpoints:
         raise OSError(armed[0], os.strerror(armed[0]))
 
 
+def _keep_private(fd: int, path: Path) -> None:
+    """Every job's bytes are in the data file: readable by the daemon's user
+    only (0600; [Note: group access] in tierd.server.sockets). A file found
+    wider (made by hand, copied) is narrowed."""
+    mode = os.fstat(fd).st_mode & 0o777
+    if mode & 0o077:
+        os.fchmod(fd, 0o600)
+        log.warning("NVMe file %s had mode %o, readable by other users; now 0600", path, mode)
+
+
 class NvmeStore:
     """A preallocated data file under ``directory`` with an extent allocator.
 
@@ -91,6 +101,13 @@ class NvmeStore:
         except OSError as exc:
             self._owner.release()
             raise TierIOError(f"cannot open NVMe file {path}: {exc.strerror}") from None
+        try:
+            _keep_private(self.fd, path)
+        except OSError as exc:
+            os.close(self.fd)
+            self._owner.release()
+            raise TierIOError(f"NVMe file {path} is readable by other users and cannot be made "
+                              f"0600 ({exc.strerror}); chmod 600 it as its owner") from None
         self.path = path
         self._preallocate()
         self.extents = ExtentAllocator(self.size)

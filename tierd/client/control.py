@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierd import protocol as P
-from tierd.errors import DaemonUnavailable, ProtocolError, TierdError, from_wire
+from tierd.errors import AccessDenied, DaemonUnavailable, ProtocolError, TierdError, from_wire
 
 CONNECT_TIMEOUT = 2.0
 
@@ -125,6 +125,13 @@ class ControlChannel:
         except FileNotFoundError:
             self.ctl.close()
             raise no_daemon(self.path, "socket file missing") from None
+        except PermissionError:   # the file modes: [Note: group access] in tierd.server.sockets
+            self.ctl.close()
+            raise AccessDenied(
+                f"permission denied at {self.path}.ctl for uid {os.getuid()}: the tierd daemon "
+                f"there serves its own user, root and, when started with --group, that group's "
+                f"members; ask its operator to add this user to the group (then log in again), "
+                f"or run the job as the daemon's user") from None
         except (OSError, EOFError) as exc:
             self.ctl.close()
             raise no_daemon(self.path, str(exc) or type(exc).__name__) from None

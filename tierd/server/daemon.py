@@ -60,8 +60,10 @@ class Daemon:
     def open(self) -> None:
         """Check the arguments and take the resources; raises TierdError."""
         cfg = self.config
+        os.umask(0o077)   # what it makes on disk is its user's: [Note: group access] in sockets
         sockets.set_not_dumpable()
-        sockets.prepare_socket_dir(cfg.socket)
+        self.access = sockets.GroupAccess.resolve(cfg.group) if cfg.group is not None else None
+        sockets.prepare_socket_dir(cfg.socket, self.access)
         # Owned before anything there is bound or removed: [Note: ownership
         # before binding] in tierd.backends.ownership. Held until the process ends.
         self.owner = Ownership.take(lock_path(cfg.socket), f"--socket {cfg.socket}",
@@ -81,6 +83,9 @@ class Daemon:
         log.info("tierd serving at %s: pool %s, NVMe %s in %s (%s)", cfg.socket,
                  format_size(self.pool.budget), format_size(self.nvme.size), cfg.nvme,
                  "O_DIRECT" if self.nvme.direct else "buffered I/O")
+        if self.access is not None:
+            log.info("serving uid %d, root and the members of group %s (gid %d)",
+                     self.access.daemon_uid, self.access.name, self.access.gid)
 
     def _open_resources(self, nvme_owner: Ownership) -> None:
         cfg = self.config
@@ -124,8 +129,11 @@ class Daemon:
         listener.listen(128)
         listener.setblocking(False)
         self._inodes = {p: sockets.inode_of(p) for p in (cfg.socket, ctl_path(cfg.socket))}
+        if self.access is not None:   # bound 0700 (the umask): the group gets them only now
+            for path in self._inodes:
+                sockets.give_to_group(path, self.access, 0o660)
         self.sessions = ControlSessions(listener, cfg, self.catalog, self.pool, self.metrics,
-                                        self._spawn)
+                                        self._spawn, self.access)
 
     def _own_nvme(self) -> tuple[Ownership, bool]:
         """The NVMe directory, made if missing, and owned (see [Note: ownership

@@ -1,7 +1,9 @@
 """Client sessions on the control socket: handshake, limits, segment hand-over.
 
 Each connection is served by its own task; whatever it sends or whatever goes
-wrong while serving it ends only that session. Exhaustion is refused per
+wrong while serving it ends only that session. A daemon serving a group first
+checks the peer's credentials ([Note: group access] in
+:mod:`tierd.server.sockets`). Exhaustion is refused per
 connection with a reply that says why: a uid over ``max_sessions_per_uid``,
 or the daemon out of file descriptors (answered through a descriptor kept
 spare for exactly that).
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from tierd import protocol as P
 from tierd.backends.hostpool import HostPool
 from tierd.config import ServeConfig
-from tierd.errors import Busy, InternalError, TierdError
+from tierd.errors import AccessDenied, Busy, InternalError, TierdError
 from tierd.server import sockets
 from tierd.server.catalog import Catalog, Session
 from tierd.server.metrics import Metrics
@@ -47,8 +49,10 @@ class ControlSessions:
     ZeroMQ routing id to its session for the request router."""
 
     def __init__(self, listener: socket.socket, config: ServeConfig, catalog: Catalog,
-                 pool: HostPool, metrics: Metrics, spawn: Callable) -> None:
+                 pool: HostPool, metrics: Metrics, spawn: Callable,
+                 access: sockets.GroupAccess | None = None) -> None:
         self.listener = listener
+        self.access = access   # None: the socket's file modes alone decide
         self.config = config
         self.catalog = catalog
         self.pool = pool
@@ -113,6 +117,12 @@ class ControlSessions:
             log.warning("cannot read a control peer's credentials: %s", exc)
             conn.close()
             return
+        if self.access is not None:
+            try:
+                self.access.check(peer)
+            except AccessDenied as exc:
+                await self._refuse_peer(conn, peer, exc)
+                return
         session = token = None
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         if peer.pidfd is not None:
@@ -147,6 +157,14 @@ class ControlSessions:
             await self._reply_error(conn, InternalError(f"internal error in the daemon: {exc!r}"))
         finally:
             self._end(conn, peer, session, token)
+
+    async def _refuse_peer(self, conn: socket.socket, peer: sockets.Peer,
+                           exc: AccessDenied) -> None:
+        log.warning("refused a control connection of pid %d: %s", peer.pid, exc)
+        self.metrics.error(exc.code)
+        if peer.pidfd is not None:
+            os.close(peer.pidfd)
+        await sockets.refuse(conn, exc.code, str(exc))
 
     def _open(self, job: str | None, peer: sockets.Peer) -> tuple[Session, bytes]:
         sid = self._next_session
