@@ -75,6 +75,16 @@ def test_unit_settings_that_matter():
     assert s["KillSignal"] == "SIGTERM"
 
 
+def test_unit_serves_its_own_group_through_a_directory_it_may_search():
+    """Jobs run as their own users in the unit's group: the daemon serves
+    Group= (so it needs no chown, which ~@privileged forbids), and the
+    runtime directory lets that group search it but not write it."""
+    s = unit_settings(UNIT.read_text())
+    assert re.search(r"--group (\S+)", s["ExecStart"]).group(1) == s["Group"]
+    assert s["RuntimeDirectoryMode"] == "0750"
+    assert "~@privileged" in UNIT.read_text()
+
+
 def test_sample_config_and_configmap_load_into_serve_config(tmp_path):
     for text in ((DEPLOY / "tierd.toml").read_text(), daemonset()[1]["data"]["tierd.toml"]):
         path = tmp_path / "tierd.toml"

@@ -63,17 +63,33 @@ def test_an_init_container_gives_the_host_dirs_to_the_daemon_user(node):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 def test_the_init_script_makes_fresh_root_dirs_the_daemons(node, tmp_path):
-    """What the kubelet leaves (root:root 0755) is what the daemon owns (0700) after it."""
+    """What the kubelet leaves (root:root 0755) is what the daemon owns after
+    it: the NVMe directory its alone (0700), the socket directory one its
+    group may search but not write (0750), as the daemon checks at start."""
     pod, cfg, _ = node
     script = pod["initContainers"][0]["command"][-1]
     for path in (cfg.nvme, cfg.socket.parent):
         (tmp_path / path.name).mkdir(mode=0o755)
         script = script.replace(str(path), str(tmp_path / path.name))
     subprocess.run(["sh", "-c", script], check=True, timeout=30)
-    uid = pod["securityContext"]["runAsUser"]
-    for path in (cfg.nvme, cfg.socket.parent):
+    uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
+    for path, mode in ((cfg.nvme, 0o700), (cfg.socket.parent, 0o750)):
         st = (tmp_path / path.name).stat()
-        assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (uid, gid, mode), path
+
+
+def test_the_daemon_serves_the_group_the_job_pods_are_in(node):
+    """Jobs run as their own uids: the daemon serves a group that is its own
+    (runAsGroup, so its sockets are that group's without a chown) and that
+    the job pod is in; a root pod may not join other uids' jobs."""
+    pod, cfg, _ = node
+    assert cfg.group is not None and cfg.group.isdigit()   # no group database in the pod
+    assert int(cfg.group) == pod["securityContext"]["runAsGroup"]
+    assert cfg.allow_root_join is False
+    job = documents("training-job.yaml")["Job"]["spec"]["template"]["spec"]["securityContext"]
+    assert int(cfg.group) in job["supplementalGroups"]
+    assert job["runAsUser"] != pod["securityContext"]["runAsUser"]   # its own uid
+    assert job["runAsNonRoot"] is True
 
 
 def test_pod_is_guaranteed_and_its_priority_class_is_its_own(node):
@@ -122,7 +138,7 @@ def test_training_job_reaches_the_daemon_socket(node):
     assert mounts == {str(cfg.socket.parent): host_paths(pod, pod["containers"][0])[
         str(cfg.socket.parent)]}
     assert {e["name"]: e["value"] for e in train["env"]}["TIERD_SOCKET"] == str(cfg.socket)
-    assert job["securityContext"]["runAsUser"] == pod["securityContext"]["runAsUser"]
+    assert int(cfg.group) in job["securityContext"]["supplementalGroups"]
     assert job["nodeSelector"] == pod["nodeSelector"]
     assert train["command"][0] == "tierd"
     args = build_parser().parse_args(train["command"][1:])

@@ -13,8 +13,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,13 +62,15 @@ def allowed_syscalls() -> set[str]:
     return allowed - denied
 
 
-def traced_daemon_session(tmp_path) -> str:
-    trace, log, sock = tmp_path / "trace", tmp_path / "log", tmp_path / "t.sock"
+def traced_daemon_session(tmp_path, run_dir) -> str:
+    """A daemon serving its own group, as the unit runs it (--group Group=)."""
+    trace, log, sock = tmp_path / "trace", tmp_path / "log", run_dir / "tierd" / "t.sock"
     with open(log, "wb") as out:
         strace = subprocess.Popen(
             ["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-m", "tierd", "serve",
              "--nvme", str(tmp_path / "nvme"), "--socket", str(sock), "--pool", "16MiB",
-             "--nvme-size", "128MiB", "--segment-size", "4MiB", "--metrics-port", "0"],
+             "--nvme-size", "128MiB", "--segment-size", "4MiB", "--metrics-port", "0",
+             "--group", str(os.getegid())],
             stdout=out, stderr=subprocess.STDOUT, env=subprocess_env())
     try:
         client = connect_when_up(sock, strace, log)
@@ -102,9 +106,14 @@ def connect_when_up(sock, strace: subprocess.Popen, log) -> tierd.Client:
 def test_the_daemon_stays_inside_the_units_sandbox(tmp_path):
     if subprocess.run(["strace", "-qq", "-o", "/dev/null", "true"], timeout=60).returncode:
         pytest.skip("strace cannot trace here (ptrace not permitted)")
-    text = traced_daemon_session(tmp_path)
+    run_dir = Path(tempfile.mkdtemp(prefix="tierd-run-"))   # the group may search it
+    os.chmod(run_dir, 0o755)
+    try:
+        text = traced_daemon_session(tmp_path, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     used = set(re.findall(r"^\d+ +([a-z0-9_]+)\(", text, re.M))
-    assert {"memfd_create", "fallocate", "accept4"} <= used     # the trace saw the daemon work
+    assert {"memfd_create", "fallocate", "accept4", "getsockopt"} <= used   # it worked
     assert not used - allowed_syscalls(), sorted(used - allowed_syscalls())
     families = set(re.findall(r"\bsocket\((AF_[A-Z0-9]+)", text))
     allowed = set(re.search(r"^RestrictAddressFamilies=(.+)$", UNIT.read_text(),
