@@ -26,7 +26,8 @@ from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
 from tierd.client.embedded import ensure_daemon, node_socket, room_problem
 from tierd.client.hooks import refuse_compiled
-from tierd.client.keys import ModelKeys
+from tierd.client.init_weights import InitPlan, plan_init
+from tierd.client.keys import ModelKeys, random_name
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.errors import CapacityError, StateError
@@ -53,7 +54,7 @@ def _join_ranks(group, model: nn.Module, client, job: str | None, config: Attach
 def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
            job: str | None = None, resume: bool = False, process_group=None,
            weights: str | os.PathLike | None = None, strict: bool = True,
-           **options) -> nn.Module:
+           init: bool = False, **options) -> nn.Module:
     """Move ``model``'s parameters into tierd and stream them in on use.
 
     Returns ``model`` itself; its parameters become :class:`TieredParameter`
@@ -91,12 +92,23 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     dtypes are checked before anything is stored. See
     ``tierd.client.weights``.
 
+    ``init=True`` gives a model built on the meta device its own
+    initialization instead (Hugging Face ``_init_weights``, else each
+    module's ``reset_parameters``), run one unit at a time on the compute
+    device, stored and freed before the next: the model never exists whole
+    in process or device memory. Every parameter must be on the meta device
+    (a model with values is attached without ``init=True``); not with
+    ``weights=``, ``resume=True`` or under torch.distributed. With the same
+    seed the values are the model's own init run on the whole model; see
+    ``tierd.client.init_weights`` for how that compares with a plain model.
+
     Example:
         >>> model = tierd.attach(model, compute_dtype="bf16", gpu_budget_bytes=1 << 30)  # doctest: +SKIP
         >>> model = tierd.attach(build_model(), job="run1", resume=True)                 # doctest: +SKIP
         >>> model = tierd.attach(model, job="run1")   # under torchrun, on every rank   # doctest: +SKIP
         >>> with torch.device("meta"): model = LlamaForCausalLM(cfg)                     # doctest: +SKIP
         >>> model = tierd.attach(model, weights="Llama-3-8B/", compute_dtype="bf16")    # doctest: +SKIP
+        >>> model = tierd.attach(model, init=True, compute_dtype="bf16")  # from config   # doctest: +SKIP
     """
     refuse_compiled(model)
     if config is not None and options:
@@ -123,6 +135,13 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     if group is not None and weights is not None:
         raise ValueError("weights= is not supported under torch.distributed yet: load the "
                          "checkpoint into the CPU model (load_state_dict) and attach that")
+    if init:
+        _check_init(weights, resume, group)
+        if config.name is None:   # init stores the keys before the session, under this name
+            config = replace(config, name=random_name())
+        plan = plan_init(model, config.unit_modules)   # a model it cannot init touches nothing
+        return _connect_and_build(model, client, config, job=job, resume=False, group=None,
+                                  plan=plan)
     plan = _plan_weights(model, weights, strict)   # a bad checkpoint touches nothing
     try:
         return _connect_and_build(model, client, config, job=job, resume=resume,
@@ -132,6 +151,18 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
             plan.reader.close()
 
 
+def _check_init(weights, resume: bool, group) -> None:
+    if weights is not None:
+        raise ValueError("pass init=True (the model's own initialization) or weights=PATH "
+                         "(a checkpoint's values), not both")
+    if resume:
+        raise ValueError("pass init=True (new values) or resume=True (the job's committed "
+                         "values), not both")
+    if group is not None:
+        raise ValueError("init=True is not supported under torch.distributed yet: "
+                         "initialize the model on the CPU and attach that")
+
+
 def _plan_weights(model: nn.Module, weights, strict: bool) -> WeightsPlan | None:
     if weights is None:
         meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
@@ -139,7 +170,8 @@ def _plan_weights(model: nn.Module, weights, strict: bool) -> WeightsPlan | None
             raise ValueError(
                 f"{type(model).__name__} has tensors on the meta device ({', '.join(meta[:3])}"
                 f"{', ...' if len(meta) > 3 else ''}) and no values to attach: pass "
-                "weights=PATH (a .safetensors file or a checkpoint directory)")
+                "weights=PATH (a .safetensors file or a checkpoint directory), or init=True "
+                "(the model's own initialization)")
         return None
     reader = CheckpointReader(weights)
     try:
@@ -150,7 +182,7 @@ def _plan_weights(model: nn.Module, weights, strict: bool) -> WeightsPlan | None
 
 
 def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, resume: bool,
-                       group, plan: WeightsPlan | None) -> nn.Module:
+                       group, plan: WeightsPlan | InitPlan | None) -> nn.Module:
     owns_client = client is None
     ranks = None
     device = config.resolved_device()
@@ -213,7 +245,7 @@ def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int)
 
 
 def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
-           resume: bool, ranks, plan: WeightsPlan | None = None) -> nn.Module:
+           resume: bool, ranks, plan: WeightsPlan | InitPlan | None = None) -> nn.Module:
     """Find what is stored already, then build the session (one place)."""
     keys = ModelKeys.for_name(config.name)
     expected = expected_keys(model, keys, config.compute_dtype, masters=ranks is not None)
@@ -228,7 +260,9 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
     elif shared_upload:   # the others use what the leader stored
         ranks.barrier("attach (the leader uploading the parameters)")
         resumed = Resumed(frozenset(expected))
-    if plan is not None:
+    if isinstance(plan, InitPlan):
+        _build_initialized(model, client, config, plan, owns_client=owns_client)
+    elif plan is not None:
         try:
             plan.load_buffers(model)
             AttachSession(model, client, config, owns_store=owns_client, resumed=resumed,
@@ -243,6 +277,25 @@ def _build(model: nn.Module, client, config: AttachConfig, *, owns_client: bool,
     if ranks is not None:   # every rank has its session: they agree on one cap
         session_of(model).placer.join_ranks()
     return model
+
+
+def _build_initialized(model: nn.Module, client, config: AttachConfig, plan: InitPlan, *,
+                       owns_client: bool) -> None:
+    """Initialize and store ``model`` unit by unit, then build the session
+    over the keys stored, as a resumed job's ([Note: initializing unit by
+    unit] in tierd.client.init_weights)."""
+    stored: frozenset[str] = frozenset()
+    try:
+        plan.load_buffers()
+        stored = plan.store(client, ModelKeys.for_name(config.name), config.compute_dtype,
+                            config.resolved_device())
+        AttachSession(model, client, config, owns_store=owns_client, resumed=Resumed(stored))
+    except BaseException:
+        plan.restore_buffers()
+        if stored:
+            with contextlib.suppress(Exception):   # the store may be what failed
+                client.delete(list(stored))
+        raise
 
 
 def detach(model: nn.Module) -> nn.Module:

@@ -27,7 +27,9 @@ the CPU (transformers 4.x computes them only in ``__init__``, and its
 ``from_pretrained`` never puts buffers on meta). A buffer still unset, or a
 model without ``_init_weights``, is an error naming the buffers: build such
 models with the buffers on the CPU (e.g. ``accelerate.init_empty_weights()``,
-which puts only parameters on meta).
+which puts only parameters on meta). ``attach(init=True)`` re-creates every
+meta buffer, persistent ones too, the same way (:class:`ReplacedBuffers`),
+each by the init its module gets there (``tierd.client.init_weights``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import copy
 import json
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,6 +252,66 @@ def _state_names(model: nn.Module):
                 yield prefix + attr, module, attr, b, kind
 
 
+class ReplacedBuffers:
+    """Buffers given new values on a model (checkpoint values, re-created
+    ones), kept so that a failed attach puts the old ones back
+    (:meth:`restore`)."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._aliases: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def replace(self, module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        self._undo.append((module, attr, module._buffers[attr]))
+        module._buffers[attr] = value
+
+    def recreate(self, model: nn.Module, targets: list[tuple[nn.Module, str, str]],
+                 init: Callable[[nn.Module], None]) -> None:
+        """Give the meta buffers ``targets`` (module, attribute, qualified
+        name) the values ``init(module)`` of their modules, or else a model
+        built from its config computes ([Note: buffers of a meta model]);
+        ValueError naming those still unset."""
+        owners, placeholders = {}, {}
+        for module, attr, name in targets:
+            old = module._buffers[attr]
+            # NaN where it can be: a wrong read of one shows; set or not is told
+            # by the version counter (a bool buffer has no NaN)
+            fill = float("nan") if old.dtype.is_floating_point else 0
+            placeholders[name] = torch.full(old.shape, fill, dtype=old.dtype)
+            self.replace(module, attr, placeholders[name])
+            owners[id(module)] = module
+        with torch.no_grad():
+            for module in owners.values():
+                init(module)
+
+        def unset():
+            return [(module, attr, name) for module, attr, name in targets
+                    if module._buffers[attr] is placeholders[name]
+                    and placeholders[name]._version == 0]
+        if unset():
+            _rebuilt_buffers(model, unset())
+        if unset():
+            raise ValueError(
+                f"{type(model).__name__}'s init did not re-create the buffers "
+                f"{_listed([n for _, _, n in unset()])} of the meta model; build it with "
+                "buffers on the CPU (e.g. accelerate.init_empty_weights())")
+        for module, attr, name in targets:   # plain attributes aliasing the old buffer
+            old = next(o for m, a, o in self._undo if m is module and a == attr)
+            for key, value in list(vars(module).items()):
+                if value is old:   # (4.x rotary's original_inv_freq)
+                    self._aliases.append((module, key, old))
+                    object.__setattr__(module, key, module._buffers[attr])
+
+    def restore(self) -> None:
+        """Put back every buffer replaced (a failed attach)."""
+        for module, attr, old in reversed(self._undo):
+            module._buffers[attr] = old
+        for module, key, old in self._aliases:
+            object.__setattr__(module, key, old)
+        self._undo.clear()
+        self._aliases.clear()
+
+
 @dataclass
 class WeightsPlan:
     """Which checkpoint tensor gives each parameter and buffer its value.
@@ -261,8 +324,7 @@ class WeightsPlan:
     params: dict[int, str] = field(default_factory=dict)    # id(param) -> checkpoint name
     buffers: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # module, attr, name
     recreate: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # non-persistent, meta
-    _undo: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
-    _aliases: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    replaced: ReplacedBuffers = field(default_factory=ReplacedBuffers)
 
     def __call__(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s value from the checkpoint (its own when not there and
@@ -284,62 +346,24 @@ class WeightsPlan:
         :meth:`restore_buffers`."""
         for module, attr, name in self.buffers:
             old = module._buffers[attr]
-            self._undo.append((module, attr, old))
             device = torch.device("cpu") if old.is_meta else old.device
             # a copy: a buffer lives on, a mapping of the file must not
-            module._buffers[attr] = self.reader.tensor(name).to(old.dtype).to(device, copy=True)
-        if self.recreate:
-            self._recreate(model)
-
-    def _recreate(self, model: nn.Module) -> None:
-        names = [name for _, _, name in self.recreate]
+            self.replaced.replace(module, attr,
+                                  self.reader.tensor(name).to(old.dtype).to(device, copy=True))
+        if not self.recreate:
+            return
         init = getattr(model, "_init_weights", None)
         if not callable(init):
             raise ValueError(
                 f"{type(model).__name__} was built on the meta device and its non-persistent "
-                f"buffers {_listed(names)} are not in checkpoints; build it with buffers on "
-                "the CPU (e.g. accelerate.init_empty_weights(), which puts only parameters "
-                "on meta)")
-        owners, placeholders = {}, {}
-        for module, attr, name in self.recreate:
-            old = module._buffers[attr]
-            self._undo.append((module, attr, old))
-            # NaN where it can be: a wrong read of one shows; set or not is told
-            # by the version counter (a bool buffer has no NaN)
-            fill = float("nan") if old.dtype.is_floating_point else 0
-            placeholders[name] = module._buffers[attr] = torch.full(old.shape, fill,
-                                                                    dtype=old.dtype)
-            owners[id(module)] = module
-        with torch.no_grad():
-            for module in owners.values():
-                init(module)
-
-        def unset():
-            return [(module, attr, name) for module, attr, name in self.recreate
-                    if module._buffers[attr] is placeholders[name]
-                    and placeholders[name]._version == 0]
-        if unset():
-            _rebuilt_buffers(model, unset())
-        if unset():
-            raise ValueError(
-                f"{type(model).__name__}._init_weights did not re-create the non-persistent "
-                f"buffers {_listed([n for _, _, n in unset()])} of the meta model; build it "
-                "with buffers on the CPU (e.g. accelerate.init_empty_weights())")
-        for module, attr, name in self.recreate:   # plain attributes aliasing the old buffer
-            old = next(o for m, a, o in self._undo if m is module and a == attr)
-            for key, value in list(vars(module).items()):
-                if value is old:   # (4.x rotary's original_inv_freq)
-                    self._aliases.append((module, key, old))
-                    object.__setattr__(module, key, module._buffers[attr])
+                f"buffers {_listed([n for _, _, n in self.recreate])} are not in checkpoints; "
+                "build it with buffers on the CPU (e.g. accelerate.init_empty_weights(), which "
+                "puts only parameters on meta)")
+        self.replaced.recreate(model, self.recreate, init)
 
     def restore_buffers(self) -> None:
         """Put back the buffers :meth:`load_buffers` replaced (a failed attach)."""
-        for module, attr, old in reversed(self._undo):
-            module._buffers[attr] = old
-        for module, key, old in self._aliases:
-            object.__setattr__(module, key, old)
-        self._undo.clear()
-        self._aliases.clear()
+        self.replaced.restore()
 
 
 def _rebuilt_buffers(model: nn.Module, unset: list[tuple[nn.Module, str, str]]) -> None:
