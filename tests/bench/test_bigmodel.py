@@ -288,3 +288,88 @@ def test_flops_per_token_counts_matmul_parameters_and_attention():
     s = shape_of("8B")
     assert s.flops_per_token(2048) == 6 * (s.params - s.vocab * s.hidden) + \
         12 * 32 * 4096 * 2048
+
+
+def test_tierd_rows_say_their_floor_and_what_crossed_nvme(tmp_path):
+    # a daemon whose pool is smaller than the tiny model's store: state crosses NVMe
+    proc = bench(tmp_path, "--tiny", "--systems", "tierd", "--models", "tiny-L2",
+                 "--compute-ref", "tiny-L2", "--tierd-pool-gib", str(1 / 1024),
+                 "--tierd-nvme-gib", "0.0625", "--steps", "3", timeout=400)
+    result = json.loads((tmp_path / "bigmodel.json").read_text())
+    ref, r = result["rows"]
+    assert (ref["system"], ref["error"]) == ("allgpu", None)
+    assert result["largest"] == {"tierd": shape_of("tiny-L2").params, "fsdp2": None,
+                                 "deepspeed": None}   # the reference is no peer
+    assert r["error"] is None, r["error"]
+    disk = result["disk"]
+    assert disk["mixed_each_way_GBps"] > 0 and r["disk_mixed_GBps"] == \
+        disk["mixed_each_way_GBps"]
+    # every step's bytes, and the measured steps' medians
+    assert len(r["traffic"]) == 1 + 3
+    assert r["nvme_read_gb"] == pytest.approx(
+        sorted(s["nvme_read_bytes"] for s in r["traffic"][1:])[1] / 1e9)
+    assert r["nvme_read_gb"] > 0 and r["nvme_write_gb"] > 0
+    # what must cross: the store bytes a step moves beyond the pool
+    assert r["pool_gb"] == pytest.approx(2**20 / 1e9)
+    assert r["nvme_must_cross_gb"] == pytest.approx(r["step_store_gb"] - r["pool_gb"])
+    assert r["nvme_s"] == pytest.approx(r["nvme_must_cross_gb"] / r["disk_mixed_GBps"])
+    assert r["compute_ref"] == "tiny-L2" and r["compute_s"] == pytest.approx(ref["step_s"])
+    assert r["pcie_s"] is None   # no PCIe on the CPU
+    assert r["floor_s"] == max(r["compute_s"], r["nvme_s"])
+    assert r["binding"] == ("nvme" if r["nvme_s"] > r["compute_s"] else "compute")
+    assert r["target_s"] == pytest.approx(1.25 * r["floor_s"])
+    assert r["to_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
+    assert "tiny-L2     tierd B=2: floor" in proc.stdout
+
+
+def test_the_floor_is_the_longest_part_and_names_it():
+    from tierd.bench import bigmodel_floor as bf
+    s8, s80 = shape_of("L8"), shape_of("L80")
+    ref = {"model": "L8", "system": "allgpu", "error": None, "step_s": 2.0, "hidden": 4096,
+           "seq": 2048, "batch": 4, "layers": 8, "flops_per_token": s8.flops_per_token(2048)}
+    row = {"model": "L80", "system": "tierd", "error": None, "step_s": 60.0, "hidden": 4096,
+           "seq": 2048, "batch": 4, "layers": 80, "flops_per_token": s80.flops_per_token(2048),
+           "pcie_both_ways_GBps": 100.0, "planned_pcie_gb": 268.0, "step_store_gb": 147.0,
+           "pool_gb": 112.0, "disk_mixed_GBps": 1.0}
+    other = {**ref, "batch": 8, "step_s": 1.0}          # another batch: not this row's
+    rows = [other, ref, row]
+    assert bf.compute_reference(row, rows) is ref
+    (_, _, got) = bf.with_floors(rows)
+    compute = 2.0 * s80.flops_per_token(2048) / s8.flops_per_token(2048)
+    assert got["compute_s"] == pytest.approx(compute)
+    assert got["pcie_s"] == pytest.approx(2.68)
+    assert got["nvme_must_cross_gb"] == pytest.approx(35.0)
+    assert got["nvme_s"] == pytest.approx(35.0)
+    assert (got["floor_s"], got["binding"]) == (pytest.approx(35.0), "nvme")
+    assert got["to_floor"] == pytest.approx(60 / 35)
+    # a pool holding everything a step moves: nothing must cross, compute binds
+    fits = bf.floor({**row, "pool_gb": 200.0}, ref)
+    assert fits["nvme_s"] == 0 and fits["binding"] == "compute"
+    # nothing to compute it from: no floor, said so
+    bare = bf.floor({**row, "pcie_both_ways_GBps": None, "step_store_gb": None}, None)
+    assert bare["floor_s"] is None and bare["binding"] is None
+    nothing = bf.floor({**row, "pcie_both_ways_GBps": None, "pool_gb": 200.0}, None)
+    assert nothing["nvme_s"] == 0 and nothing["floor_s"] is None and nothing["to_floor"] is None
+
+
+def test_a_step_moves_the_store_bytes_of_every_unit_not_on_the_gpu():
+    from tierd.bench.bigmodel_floor import step_store_bytes
+    from tierd.client.placement import Place, UnitBytes
+    units = [UnitBytes(i, param_bytes=2, state_bytes=12, grad_bytes=4) for i in range(5)]
+    places = {0: Place.RESIDENT, 1: Place.WEIGHTS, 2: Place.CPU, 3: Place.STREAM}
+    # 4 is in no plan: it streams
+    assert step_store_bytes(units, places) == 0 + 12 + (2 + 12 + 4) + 14 + 14
+
+
+def test_the_disk_probe_reads_and_writes_at_once(tmp_path):
+    from tierd.bench.nvme import MiB, mixed_probe
+    got = mixed_probe(tmp_path, 16 * MiB)
+    assert got["bytes"] == 16 * MiB
+    for key in ("write_GBps", "read_GBps", "mixed_read_GBps", "mixed_write_GBps",
+                "mixed_each_way_GBps"):
+        assert got[key] > 0, key
+    # both ways ended within the time the figure is over
+    assert got["mixed_each_way_GBps"] <= min(got["mixed_read_GBps"], got["mixed_write_GBps"])
+    assert list(tmp_path.iterdir()) == []   # its file is gone
+    with pytest.raises(ValueError, match="whole number of"):
+        mixed_probe(tmp_path, 12 * MiB + 1)

@@ -16,6 +16,26 @@ if its whole ``--timeout`` still fits, e.g.:
     python -m tierd.bench.bigmodel --out DIR --largest --systems tierd --ladder 48,64,72,80 \
         --ladder-from 64 --timeout 540 --budget-s 550   # one rung; the next call: --ladder-from 72
 
+Past the pool (L64, L80: the NVMe regime), one call per row into one DIR, each
+under 9 minutes (L64 ~5, L80 ~6-7 at 1 + 2 steps); the first also runs the
+all-GPU reference that gives both rows' compute floor (``--compute-ref``: L8
+at the same width and batch, ~1.5 minutes):
+
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models L64 --batch 4 \
+        --warmup 1 --steps 2 --compute-ref L8 --timeout 420 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models L80 --batch 4 \
+        --warmup 1 --steps 2 --timeout 500 --budget-s 560
+
+Each tierd row says its floor ([Note: a row's floor] in
+``tierd.bench.bigmodel_floor``): ``floor_s``, ``binding`` (compute, pcie or
+nvme), ``target_s`` (1.25x the floor), ``to_floor`` (step / floor), the
+parts (``compute_s``, ``pcie_s``, ``nvme_s``, ``nvme_must_cross_gb``) and
+what the daemon moved, ``nvme_read_gb`` / ``nvme_write_gb`` per step (median
+of the measured steps; every step's in ``traffic``). A call with tierd in it
+first probes the disk under ``--cache-dir`` (where the daemon's NVMe files
+go) for its mixed read + write bandwidth (``tierd.bench.nvme.mixed_probe``,
+``--disk-probe-gib`` each way; ~5 s); the file's ``disk`` is the last probe.
+
 Models are ``LlamaForCausalLM`` from config with random weights (names in
 ``tierd.bench.bigmodel_models``: 8B, 13B, L<layers> at the 8B width), sdpa
 attention, activation checkpointing, bf16 compute, labels = inputs (random
@@ -60,16 +80,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from tierd.bench import bigmodel_results as results
 from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt, sweep_scratch
 from tierd.bench.bigmodel_models import rung_name, shape_of
-from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
+from tierd.bench.bigmodel_systems import PEERS, SYSTEMS, RunSpec
 
 
 class Budget:
@@ -102,7 +124,7 @@ def best_batch(system: str, model: str, args, attempt) -> dict:
                        warmup=args.warmup, steps=args.steps, device=args.device,
                        tierd_pool_bytes=args.tierd_pool, tierd_nvme_bytes=args.tierd_nvme)
         raw = attempt(spec, timeout)
-        row = results.row(spec, raw, args.commit, notes)
+        row = results.row(spec, raw, args.commit, notes, args.disk)
         print(results.line(row), flush=True)
         if row["error"] is None or not raw.get("oom_in_step"):
             return row
@@ -123,6 +145,26 @@ def climb(system: str, rungs: list[str], run_model) -> list[dict]:
     return rows
 
 
+def probe_disk(args) -> dict | None:
+    """The mixed read + write bandwidth of the disk under ``--cache-dir`` (for
+    tierd's NVMe floor), or None when tierd is not in this call or the probe
+    is off (``--disk-probe-gib 0``)."""
+    if "tierd" not in args.systems or not args.disk_probe_gib:
+        return None
+    from tierd.bench.nvme import MiB, mixed_probe
+    nbytes = max(8 * MiB, int(args.disk_probe_gib * GiB) // (8 * MiB) * (8 * MiB))
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bigmodel-disk-probe-", dir=args.cache_dir))
+    try:
+        disk = mixed_probe(work, nbytes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"disk under {args.cache_dir}: write {disk['write_GBps']:.2f}, read "
+          f"{disk['read_GBps']:.2f}, mixed {disk['mixed_each_way_GBps']:.2f} GB/s each way "
+          f"({'O_DIRECT' if disk['direct_io'] else 'buffered'})", flush=True)
+    return disk
+
+
 def measure(args, record) -> None:
     """Every row this call asks for, each handed to ``record`` when done."""
     watch = Watch(timeout_s=args.timeout, host_floor_bytes=int(args.host_floor_gib * GiB),
@@ -134,6 +176,12 @@ def measure(args, record) -> None:
         row = best_batch(system, model, args, lambda spec, t: run_attempt(spec, watch, t))
         record(row)
         return row
+
+    if args.compute_ref is not None:   # at each batch tierd may run at
+        for batch in args.batches["tierd"]:
+            at = argparse.Namespace(**{**vars(args), "batches": {"allgpu": [batch]}})
+            record(best_batch("allgpu", args.compute_ref, at,
+                              lambda spec, t: run_attempt(spec, watch, t)))
 
     if args.largest:
         rungs = [rung_name(n, args.tiny) for n in args.ladder if n >= args.ladder_from]
@@ -149,8 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tierd.bench.bigmodel",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="where bigmodel.json and logs/ go")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of "
-                    f"{', '.join(SYSTEMS)} (default all)")
+    ap.add_argument("--systems", default=",".join(PEERS), help="comma-separated, of "
+                    f"{', '.join(SYSTEMS)} (default {','.join(PEERS)}; allgpu: everything on "
+                    "the GPU, the floor's compute reference)")
     ap.add_argument("--models", default="8B,13B", help="comma-separated: 8B, 13B, L<layers> "
                     "(8B width), tiny (default 8B,13B)")
     ap.add_argument("--batch", default=None, help="batches to try from the largest down, "
@@ -180,6 +229,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tierd-pool-gib", type=float, default=None, help="start tierd's daemon "
                     "with this pool (default: the embedded daemon's own sizing)")
     ap.add_argument("--tierd-nvme-gib", type=float, default=None, help="and this NVMe size")
+    ap.add_argument("--compute-ref", default=None, metavar="MODEL", help="first run the "
+                    "all-GPU reference (system allgpu) on MODEL at each of tierd's batches: "
+                    "its row gives the compute part of tierd rows' floors at that width "
+                    "(e.g. L8 for the L-rows)")
+    ap.add_argument("--disk-probe-gib", type=float, default=None, help="GiB each way of the "
+                    "mixed read + write probe of the disk under --cache-dir, run first when "
+                    "tierd is in the call (default 2; --tiny 0.0625; 0: no probe)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny model, T=32")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="default: cuda if present (cpu with --tiny)")
@@ -210,8 +266,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     tiny, largest = args.tiny, args.largest
     args.models = ["tiny"] if tiny and args.models == "8B,13B" else \
         [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in args.models:
+    for m in args.models + ([args.compute_ref] if args.compute_ref else []):
         shape_of(m)   # an unknown name is refused here
+    if args.disk_probe_gib is None:
+        args.disk_probe_gib = 0.0625 if tiny else 2.0
+    if args.disk_probe_gib < 0:
+        raise ValueError(f"--disk-probe-gib {args.disk_probe_gib}: give 0 (no probe) or more")
     args.seq = args.seq or (32 if tiny else 2048)
     args.warmup = args.warmup if args.warmup is not None else (1 if largest or tiny else 2)
     args.steps = args.steps if args.steps is not None else (2 if largest or tiny else 3)
@@ -233,6 +293,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--tierd-nvme-gib needs --tierd-pool-gib (the daemon is started "
                          "with both, or with neither by tierd itself)")
     args.budget = Budget(args.budget_s)
+    args.disk = None   # the probe's figures, once main has run it
     args.commit = args.commit or _git_commit()
     return args
 
@@ -268,8 +329,16 @@ def main(argv=None) -> int:
 
     def record(row: dict) -> None:   # written as it goes: a call cut short keeps its rows
         done.append(row)
-        results.save(path, results.merge(results.load(path), [row], args.commit))
+        merged = results.merge(results.load(path), [row], args.commit)
+        if args.disk is not None:
+            merged["disk"] = args.disk
+        results.save(path, merged)
+        mine = next(r for r in merged["rows"]
+                    if (r["model"], r["system"]) == (row["model"], row["system"]))
+        if mine["system"] == "tierd" and mine["error"] is None:
+            print(results.floor_line(mine), flush=True)
 
+    args.disk = probe_disk(args)
     measure(args, record)
     print(results.table(results.load(path)["rows"], done), file=sys.stderr)
     return 0

@@ -7,8 +7,11 @@ import os
 import statistics
 from pathlib import Path
 
+from tierd.bench import bigmodel_floor
 from tierd.bench.bigmodel_models import shape_of
-from tierd.bench.bigmodel_systems import SYSTEMS, RunSpec
+from tierd.bench.bigmodel_systems import PEERS, RunSpec
+
+GB = 1e9
 
 #: the issue's schema; every row has these keys (extra keys follow them)
 ROW_KEYS = ("model", "system", "params", "batch", "tokens_per_s", "tflops", "peak_gpu_gb",
@@ -21,8 +24,11 @@ def _base(model: str, system: str, seq: int) -> dict:
             "hidden": shape.hidden, "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
 
 
-def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str]) -> dict:
-    """The row of one attempt from what its worker wrote and its parent saw."""
+def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
+        disk: dict | None = None) -> dict:
+    """The row of one attempt from what its worker wrote and its parent saw;
+    ``disk``: the call's probe of the NVMe disk (``tierd.bench.nvme.mixed_probe``),
+    for tierd's floor ([Note: a row's floor] in tierd.bench.bigmodel_floor)."""
     base = _base(spec.model, spec.system, spec.seq)
     times = raw.get("step_s") or []
     measured = times[spec.warmup:]
@@ -45,7 +51,22 @@ def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str]) -> dict:
         "lowest_available_gib": raw.get("lowest_available_gib"),
         "notes": [*notes, *(raw.get("notes") or [])], "device": raw.get("device"),
         "commit": commit, "log": raw.get("log"),
+        **(_traffic(spec, raw, disk) if spec.system == "tierd" else {}),
     }
+
+
+def _traffic(spec: RunSpec, raw: dict, disk: dict | None) -> dict:
+    """tierd's measured bytes per step and what its floor is computed from."""
+    plan = raw.get("plan") or {}
+
+    def gb(key: str) -> float | None:
+        return None if plan.get(key) is None else plan[key] / GB
+
+    return {**bigmodel_floor.measured(raw.get("traffic") or [], spec.warmup),
+            "traffic": raw.get("traffic") or [], "planned_pcie_gb": gb("planned_pcie_bytes"),
+            "step_store_gb": gb("step_store_bytes"), "pool_gb": gb("pool_bytes"),
+            "pcie_both_ways_GBps": raw.get("pcie_both_ways_GBps"),
+            "disk_mixed_GBps": None if disk is None else disk["mixed_each_way_GBps"]}
 
 
 def _error(raw: dict, spec: RunSpec) -> str:
@@ -96,15 +117,15 @@ def merge(old: dict, new_rows: list[dict], commit: str | None) -> dict:
         elif not r.get("not_run"):
             rows[i] = r
     devices = [r.get("device") for r in new_rows if r.get("device")]
-    return {"commit": commit or old.get("commit"),
+    return {**old, "commit": commit or old.get("commit"),
             "device": devices[-1] if devices else old.get("device"),
-            "rows": rows, "largest": largest(rows)}
+            "rows": bigmodel_floor.with_floors(rows), "largest": largest(rows)}
 
 
 def largest(rows: list[dict]) -> dict:
-    """Per system, the parameters of the largest model it completed (None if none)."""
+    """Per system compared, the parameters of the largest model it completed (None if none)."""
     out = {}
-    for system in SYSTEMS:
+    for system in PEERS:
         sizes = [r["params"] for r in rows if r["system"] == system and r["error"] is None]
         out[system] = max(sizes) if sizes else None
     return out
@@ -133,15 +154,35 @@ def line(r: dict) -> str:
     return f"{what}: {r['error'][:300]}"
 
 
+def floor_line(r: dict) -> str:
+    """A tierd row's floor beside its step ([Note: a row's floor] in
+    tierd.bench.bigmodel_floor), for the progress output."""
+    what = f"{r['model']:>6} {r['system']:>9} B={r['batch']}"
+    if r.get("floor_s") is None:
+        return f"{what}: no floor (nothing it is computed from was measured)"
+    parts = ", ".join(f"{p} {_fmt(r[f'{p}_s'], '.1f')} s" for p in bigmodel_floor.PARTS)
+    cross = r.get("nvme_must_cross_gb")
+    return (f"{what}: floor {r['floor_s']:.1f} s ({r['binding']}-bound; {parts}; "
+            f"{_fmt(cross, '.1f')} GB must cross NVMe each way at "
+            f"{_fmt(r.get('disk_mixed_GBps'), '.2f')} GB/s mixed); step {r['step_s']:.1f} s = "
+            f"{r['to_floor']:.2f}x the floor (target <= {bigmodel_floor.TARGET}x: "
+            f"{r['target_s']:.1f} s); NVMe read {_fmt(r.get('nvme_read_gb'), '.1f')} GB, "
+            f"written {_fmt(r.get('nvme_write_gb'), '.1f')} GB per step")
+
+
 def table(rows: list[dict], this_call: list[dict]) -> str:
     """Every row of the file; those measured in this call marked with *."""
     keys = {(r["model"], r["system"]) for r in this_call}
     out = [f"  {'model':>6} {'system':>9} {'params':>7} {'B':>3} {'tokens/s':>9} {'TFLOPS':>7} "
-           f"{'GPU GB':>7} {'host GB':>7}  error"]
+           f"{'GPU GB':>7} {'host GB':>7} {'step s':>7} {'floor s':>7} {'binding':>7} "
+           f"{'x floor':>7} {'NVMe r GB':>9} {'w GB':>6}  error"]
     for r in rows:
         mark = "*" if (r["model"], r["system"]) in keys else " "
         out.append(f"{mark} {r['model']:>6} {r['system']:>9} {r['params'] / 1e9:6.2f}B "
                    f"{_fmt(r['batch'], '3d')} {_fmt(r['tokens_per_s'], '9.0f')} "
                    f"{_fmt(r['tflops'], '7.1f')} {_fmt(r['peak_gpu_gb'], '7.1f')} "
-                   f"{_fmt(r['peak_host_gb'], '7.1f')}  {(r['error'] or '')[:100]}")
+                   f"{_fmt(r['peak_host_gb'], '7.1f')} {_fmt(r.get('step_s'), '7.2f')} "
+                   f"{_fmt(r.get('floor_s'), '7.2f')} {(r.get('binding') or '-'):>7} "
+                   f"{_fmt(r.get('to_floor'), '7.2f')} {_fmt(r.get('nvme_read_gb'), '9.2f')} "
+                   f"{_fmt(r.get('nvme_write_gb'), '6.2f')}  {(r['error'] or '')[:100]}")
     return "\n".join(out)

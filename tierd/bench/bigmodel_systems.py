@@ -6,6 +6,11 @@ attempt ended and how long each part took), and returns a :class:`Trainer`
 whose ``step(ids)`` runs one training step (forward with labels = inputs,
 backward, optimizer step, gradients cleared) and returns the loss. Each runs
 in a fresh worker process (``tierd.bench.bigmodel_worker``), world size 1.
+
+``allgpu`` is no peer but the reference for a row's floor ([Note: a row's
+floor] in ``tierd.bench.bigmodel_floor``): the same model and step with
+everything on the GPU (fp32 weights, bf16 autocast, torch's fused AdamW),
+run on a model small enough for that at the width of the rows it serves.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from tierd.bench.bigmodel_models import Shape, build, build_meta, init_materialised
 
 BF16 = torch.bfloat16
-SYSTEMS = ("tierd", "deepspeed", "fsdp2")
+#: the systems compared (the default of ``--systems``)
+PEERS = ("tierd", "deepspeed", "fsdp2")
+SYSTEMS = (*PEERS, "allgpu")
 #: called by a setup as it enters each named part
 Mark = Callable[[str], None]
 
@@ -31,6 +38,12 @@ class Trainer:
 
     step: Callable[[torch.Tensor], torch.Tensor]
     notes: list[str] = field(default_factory=list)
+    #: tierd: its cumulative byte counters (``bigmodel_floor.traffic``), read
+    #: around each step
+    traffic: Callable[[], dict] | None = None
+    #: tierd: what its plan moves per step (``bigmodel_floor.plan_bytes``),
+    #: read after the steps
+    plan: Callable[[], dict] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +105,12 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
     model = tierd.attach(model, compute_dtype="bf16", **options)
     mark("optimizer")
     opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr)
-    return Trainer(step=_autocast_step(model, opt, device), notes=notes)
+    from tierd.bench import bigmodel_floor
+    from tierd.client.attach import session_of
+    session = session_of(model)
+    return Trainer(step=_autocast_step(model, opt, device), notes=notes,
+                   traffic=lambda: bigmodel_floor.traffic(session),
+                   plan=lambda: bigmodel_floor.plan_bytes(session))
 
 
 def _private_daemon(spec: RunSpec, notes: list[str]):
@@ -254,4 +272,18 @@ class CpuAdamW:
         self.opt.zero_grad()
 
 
-SETUPS = {"tierd": setup_tierd, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2}
+# ------------------------------------------------------------------ all on the GPU
+def setup_allgpu(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -> Trainer:
+    """The floor's compute reference: fp32 on the compute device, bf16
+    autocast, torch AdamW (fused on CUDA), checkpointing as every system."""
+    mark("build")
+    model = build(shape, spec.seq, device, torch.float32)
+    mark("optimizer")
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, **fused)
+    return Trainer(step=_autocast_step(model, opt, device),
+                   notes=[f"torch AdamW ({'fused' if fused else 'default'})"])
+
+
+SETUPS = {"tierd": setup_tierd, "deepspeed": setup_deepspeed, "fsdp2": setup_fsdp2,
+          "allgpu": setup_allgpu}

@@ -11,6 +11,12 @@ step, CUDA-synchronised), ``losses``, ``peak_gpu_gb`` /
 during the steps; ``setup_peak_gpu_gb`` while the system built the model),
 ``notes``, and at the end ``done`` or ``error`` (with ``oom_in_step``: the GPU
 ran out of memory during a training step, so a smaller batch may fit).
+tierd's attempts also write what its floor needs ([Note: a row's floor] in
+``tierd.bench.bigmodel_floor``): ``pcie_both_ways_GBps`` (measured before the
+model is built, on CUDA), ``traffic`` (per step: bytes NVMe -> pool and pool
+-> NVMe by the daemon's counters, host <-> device by the session's) and, after
+the steps, ``plan`` (the store bytes a step moves, the pool, the planned
+PCIe bytes).
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class Progress:
 def run(spec: RunSpec, progress: Progress) -> None:
     device = progress.device
     shape = shape_of(spec.model)
+    if spec.system == "tierd" and device.type == "cuda":
+        progress.update(pcie_both_ways_GBps=pcie_both_ways(device) / GB)
     t0 = time.perf_counter()
     trainer = SETUPS[spec.system](spec, shape, device, progress.setup_phase)
     progress.setup_phase("done")
@@ -90,18 +98,37 @@ def run(spec: RunSpec, progress: Progress) -> None:
     for i in range(total):
         progress.update(phase=f"step {i + 1}/{total}")
         sync(device)
+        before = trainer.traffic() if trainer.traffic else None
         t0 = time.perf_counter()
         loss = trainer.step(ids)
         value = float(loss)   # waits for the step's work
         sync(device)
         progress.state["step_s"].append(time.perf_counter() - t0)
+        if before is not None:
+            after = trainer.traffic()
+            progress.state.setdefault("traffic", []).append(
+                {k: after[k] - before[k] for k in after})
         if not math.isfinite(value):   # kept out of the JSON, which has no NaN
             progress.state["notes"].append(f"loss {value} at step {i + 1}")
         progress.state["losses"].append(value if math.isfinite(value) else None)
         progress.update()
         print(f"[bigmodel] step {i + 1}/{total}: {progress.state['step_s'][-1]:.3f} s, loss "
               f"{value:.4f}, peak GPU {progress.state['peak_gpu_gb']:.1f} GB", flush=True)
+    if trainer.plan is not None:
+        progress.update(plan=trainer.plan())
     progress.update(phase="done", done=True)
+
+
+def pcie_both_ways(device: torch.device) -> float:
+    """Bytes/s of pinned host <-> device copies both ways at once (best of
+    six), with the buffers given back (the model needs every byte after)."""
+    from tierd.bench.placement import both_ways_bandwidth
+    rate = both_ways_bandwidth(device, 512 << 20)
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)   # the pinned buffers' cache
+    if host_empty is not None:
+        host_empty()
+    return rate
 
 
 def sync(device: torch.device) -> None:

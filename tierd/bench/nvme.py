@@ -188,6 +188,55 @@ def best(points: list[dict], way: str) -> dict:
     return max(points, key=lambda p: p[f"{way}_GBps"])
 
 
+def mixed_probe(directory: Path, nbytes: int, request: int = 8 * MiB, depth: int = 8) -> dict:
+    """The disk under ``directory`` read and written at once: what NVMe costs
+    a training step whose pool spills (reads of the next units while the last
+    ones are written; [Note: a row's floor] in tierd.bench.bigmodel_floor).
+
+    On a file of ``2 * nbytes`` (O_DIRECT, ``request``-sized calls,
+    ``depth`` at a time each way): a sequential write of all of it (so the
+    later writes go over written blocks, as a running daemon's do), a read of
+    the first half, then a read of the first half and a write of the second
+    at once. ``mixed_each_way_GBps``: ``nbytes`` / the seconds until both
+    ended. Bytes come from and go to two 256 MiB buffers of the probe's own,
+    reused along the file.
+
+    >>> mixed_probe(Path("/tmp"), 64 * MiB)["direct_io"]       # doctest: +SKIP
+    True
+    """
+    if nbytes < request or nbytes % request:
+        raise ValueError(f"nbytes={nbytes} must be a whole number of {request} B requests")
+    span = min(nbytes, 256 * MiB)
+    raw = RawFile(directory, 2 * nbytes)
+    bufs = [SweepBuffer(span), SweepBuffer(span)]
+    first, second = [], []
+
+    def pieces(start: int, buf: SweepBuffer) -> list[tuple[int, memoryview]]:
+        return split([(start + off, buf.view[:min(span, nbytes - off)])
+                      for off in range(0, nbytes, span)], request)
+
+    try:
+        first, second = pieces(0, bufs[0]), pieces(nbytes, bufs[1])
+        write = (raw.run(True, first, depth) + raw.run(True, second, depth)) / 2
+        read = raw.run(False, first, depth)
+        with ThreadPoolExecutor(2) as both:
+            t0 = time.perf_counter()
+            jobs = [both.submit(raw.run, False, first, depth),
+                    both.submit(raw.run, True, second, depth)]
+            mixed_read, mixed_write = (j.result() for j in jobs)
+            seconds = time.perf_counter() - t0
+    finally:
+        for _, view in first + second:
+            view.release()
+        for b in bufs:
+            b.close()
+        raw.close()
+    return {"dir": str(directory), "direct_io": raw.direct, "bytes": nbytes,
+            "request_bytes": request, "depth": depth, "write_GBps": write, "read_GBps": read,
+            "mixed_read_GBps": mixed_read, "mixed_write_GBps": mixed_write,
+            "mixed_each_way_GBps": nbytes / seconds / GB}
+
+
 # ---------------------------------------------------------------- tierd
 class TierdRun:
     """A real daemon with room for every key in its pool and its NVMe file."""
