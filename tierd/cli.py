@@ -285,9 +285,14 @@ def _why_not(path: Path) -> str | None:
     None when something listens there (the probe's own error says the rest)."""
     import socket
     ctl = path.with_name(path.name + ".ctl")
-    if not ctl.exists():
-        return (f"no daemon: {ctl} does not exist (none was started with --socket {path}, "
-                "or it stopped)")
+    denied = (f"permission denied on {ctl}: run as the daemon's user or, when it serves a "
+              f"group (--group), as a member of it")
+    try:
+        if not ctl.exists():
+            return (f"no daemon: {ctl} does not exist (none was started with --socket {path}, "
+                    "or it stopped)")
+    except PermissionError:   # a directory this user may not search
+        return denied
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -296,7 +301,7 @@ def _why_not(path: Path) -> str | None:
         return (f"refused: nothing listens on {ctl} (the daemon died without removing it; "
                 "start it again)")
     except PermissionError:
-        return f"permission denied on {ctl}: run as the daemon's user (or its group)"
+        return denied
     except OSError as exc:
         return f"{ctl}: {exc.strerror or exc}"
     finally:

@@ -12,7 +12,9 @@ else); as root, one test creates OS users and connects as each of them.
 
 from __future__ import annotations
 
+import contextlib
 import grp
+import io
 import os
 import pwd
 import shutil
@@ -32,6 +34,7 @@ import tierd
 from tests.conftest import DaemonProcess, subprocess_env
 from tierd import protocol as P
 from tierd.backends.nvme import DATA_FILE, LOCK_FILE
+from tierd.cli import main
 from tierd.config import ServeConfig, resolve
 from tierd.errors import AccessDenied, DaemonUnavailable, StateError, TierdError
 from tierd.server import sockets
@@ -387,6 +390,16 @@ def run_as(user: pwd.struct_passwd, fn) -> str:
     return out
 
 
+def health(sock: Path):
+    """``tierd health`` on ``sock``: its exit status and what it wrote to stderr."""
+    def run() -> str:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["health", "--socket", str(sock), "--timeout", "5"])
+        return f"{code} {err.getvalue()}"
+    return run
+
+
 @pytest.fixture
 def users():
     """OS users: alice and carol in group tierd-acc, bob outside it."""
@@ -430,6 +443,8 @@ def test_os_users_in_the_group_work_others_are_refused(reachable, daemons, users
     out = run_as(u["bob"], try_connect(None))
     assert out.startswith("AccessDenied: permission denied at") and f"uid {u['bob'].pw_uid}" \
         in out, out
+    assert run_as(u["bob"], health(sock)).startswith("1 tierd health: unhealthy: permission "
+                                                     "denied on")
     # carol: in the group, so she connects, but alice's job is alice's
     assert run_as(u["carol"], try_connect(None)) == "CONNECTED"
     out = run_as(u["carol"], try_connect("alice-job"))
