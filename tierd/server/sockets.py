@@ -1,5 +1,6 @@
 """The daemon's edge with the operating system: socket paths, the control
-socket's framing, who a peer is, and keeping the process's memory private.
+socket's framing, who a peer is and whether it may connect, and keeping the
+process's memory private.
 
 [Note: socket path safety]
 ``--socket PATH`` names two files, ``PATH`` (the
@@ -25,7 +26,9 @@ the members of G may use it too, so jobs run as their own users:
   sockets and impersonate the daemon. An existing directory (and every one
   above it) must let G search it (group G with g+x, or o+x, or an ACL), else
   the daemon refuses to start and names the directory, rather than serve a
-  socket the members cannot reach.
+  socket the members cannot reach. So does a daemon whose user is not in G
+  (it could not give its files to G); simplest, G is its own group, and what
+  it makes is G's with no chown.
 - The file modes are the first gate; each control connection is also checked
   (:meth:`GroupAccess.admits`, plain code over a uid and its groups): the
   daemon's uid, root, or a process in G. The groups are the peer's when it
@@ -154,9 +157,8 @@ def give_to_group(path: Path, access: GroupAccess, mode: int) -> None:
         except OSError as exc:
             raise TierdError(
                 f"--group {access.name}: cannot give {path} to group {access.name} (gid "
-                f"{access.gid}): {exc.strerror}; the daemon's user (uid {os.getuid()}) must be "
-                f"in that group (usermod -aG {access.name} USER, or make it the daemon's group: "
-                f"systemd Group=, a pod's runAsGroup), or run it as root") from None
+                f"{access.gid}): {exc.strerror}; make it the daemon's group (systemd Group=, a "
+                f"pod's runAsGroup), which needs no chown") from None
     os.chmod(path, mode)
 
 
