@@ -102,6 +102,46 @@ def test_hugging_face_values_have_the_plain_models_distribution(make):
             assert value.mean().abs() < 4 * want.std() / want.numel() ** 0.5, name
 
 
+def _lora(init_lora_weights=True):
+    from peft import LoraConfig
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=init_lora_weights)
+
+
+def test_peft_adapters_start_as_peft_makes_them():
+    # get_peft_model on the meta model: the base by its model's init, the
+    # adapters by peft's (A kaiming-uniform, B zero: the model starts as its base)
+    from peft import get_peft_model
+    model = _initialized(lambda: get_peft_model(llama(), _lora()))
+    plain = get_peft_model(llama(seed=SEED), _lora())
+    got = dict(model.named_parameters())
+    adapters = 0
+    for name, want in plain.named_parameters():
+        assert got[name].requires_grad == want.requires_grad, name   # only adapters train
+        value = got[name].detach()
+        if ".lora_B." in name:
+            assert torch.equal(value, torch.zeros_like(want)), name
+        elif ".lora_A." in name:
+            adapters += 1
+            bound = want.shape[1] ** -0.5   # kaiming_uniform_(a=sqrt(5))
+            assert value.abs().max() <= bound and value.abs().max() > 0.9 * bound, name
+            torch.testing.assert_close(value.std(), want.detach().std(), rtol=0.1, atol=0)
+    assert adapters == 4
+    ids = batches(1)[0]
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert torch.equal(adapted, base)
+
+
+def test_peft_adapters_initialized_from_the_base_weights():
+    from peft import get_peft_model
+    _refused(_on_meta(lambda: get_peft_model(llama(), _lora(init_lora_weights=False))),
+             r"adapter 'default' has init_lora_weights=False; init=True initializes LoRA "
+             r"adapters as \(True, 'gaussian'\) do")
+
+
 class _Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,17 +65,10 @@ from torch import nn
 from tierd.client.keys import ModelKeys
 from tierd.client.registry import unit_roots
 from tierd.client.store import Store
-from tierd.client.weights import ReplacedBuffers
-
-_SHOWN = 5   # names listed in an error
+from tierd.client.weights import ReplacedBuffers, listed
 
 #: The rest of the model (everything outside the blocks) is unit 0 here.
 _REST = 0
-
-
-def _listed(names: list[str]) -> str:
-    head = ", ".join(names[:_SHOWN])
-    return f"{head}, ... ({len(names)} in all)" if len(names) > _SHOWN else head
 
 
 def _pretrained_base() -> type | None:
@@ -95,21 +88,56 @@ def _reset(module: nn.Module) -> Callable[[], None] | None:
     return None
 
 
+#: peft's LoRA initializations that need nothing but the adapter's shape.
+_LORA_INITS = (True, "gaussian")
+
+
+def _adapter_names(module: nn.Module) -> list[str]:
+    """The adapters of a peft LoRA layer (none for any other module)."""
+    if not callable(getattr(module, "reset_lora_parameters", None)):
+        return []
+    return [*getattr(module, "lora_A", {}).keys(), *getattr(module, "lora_embedding_A", {}).keys()]
+
+
 @dataclass(frozen=True, eq=False)
 class _Call:
     """One init, in walk order: ``module``'s, by ``owner._init_weights`` (a
-    Hugging Face model) or by its own reset."""
+    Hugging Face model) or by its own reset; a peft LoRA layer's adapters
+    then by peft's ``reset_lora_parameters`` with their config's
+    ``init_lora_weights`` (``adapters``), as ``get_peft_model`` inits them."""
 
     module: nn.Module
     name: str
     owner: nn.Module | None
     unit: int
+    adapters: dict | None = None   # adapter name -> its peft config
 
     def run(self) -> None:
         if self.owner is not None:
             self.owner._init_weights(self.module)
         elif (reset := _reset(self.module)) is not None:
             reset()
+        for name in _adapter_names(self.module):
+            self.module.reset_lora_parameters(name, self.adapters[name].init_lora_weights)
+
+    def adapters_unsupported(self) -> str | None:
+        """Why peft adapters of this module cannot be initialized here, if so."""
+        names = _adapter_names(self.module)
+        if not names:
+            if getattr(self.module, "adapter_layer_names", None):
+                return (f"{self.name} is a peft {type(self.module).__name__} layer: init=True "
+                        "initializes LoRA adapters only")
+            return None
+        for name in names:
+            config = (self.adapters or {}).get(name)
+            if config is None:
+                return f"{self.name}'s adapter {name!r} has no peft config above it"
+            init = config.init_lora_weights
+            if (init.lower() if isinstance(init, str) else init) not in _LORA_INITS:
+                return (f"adapter {name!r} has init_lora_weights={init!r}; init=True "
+                        f"initializes LoRA adapters as {_LORA_INITS} do (build the model on "
+                        "the CPU for the others, which read the base weights)")
+        return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,26 +151,8 @@ class _Holder:
     param: nn.Parameter
 
 
-def _walk(model: nn.Module, unit_of: dict[int, int]) -> list[_Call]:
-    """Every module's init in Hugging Face's ``smart_apply`` order
-    ([Note: initializing unit by unit])."""
-    base = _pretrained_base()
-    calls: list[_Call] = []
-
-    def visit(module: nn.Module, name: str, owner: nn.Module | None, unit: int) -> None:
-        if base is not None and isinstance(module, base):
-            owner = module
-        unit = unit_of.get(id(module), unit)
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, owner, unit)
-        calls.append(_Call(module, name or "<root>", owner, unit))
-
-    visit(model, "", None, _REST)
-    return calls
-
-
 def _tie_targets(model: nn.Module) -> set[str]:
-    """Names Hugging Face ties to another parameter (after its inits)."""
+    """Names (in ``model``) Hugging Face ties to another parameter after its inits."""
     for attr in ("all_tied_weights_keys", "_tied_weights_keys"):
         tied = getattr(model, attr, None)
         if tied:
@@ -150,10 +160,33 @@ def _tie_targets(model: nn.Module) -> set[str]:
     return set()
 
 
-def _holders(model: nn.Module, calls: list[_Call]) -> dict[int, list[_Holder]]:
+def _walk(model: nn.Module, unit_of: dict[int, int]) -> tuple[list[_Call], set[str]]:
+    """Every module's init in Hugging Face's ``smart_apply`` order ([Note:
+    initializing unit by unit]), and the qualified names of tie targets."""
+    base = _pretrained_base()
+    calls: list[_Call] = []
+    targets: set[str] = set()
+
+    def visit(module: nn.Module, name: str, owner: nn.Module | None, unit: int,
+              adapters: dict | None) -> None:
+        if base is not None and isinstance(module, base):
+            owner = module
+            targets.update(f"{name}.{t}" if name else t for t in _tie_targets(module))
+        config = getattr(module, "peft_config", None)
+        adapters = config if isinstance(config, dict) else adapters
+        unit = unit_of.get(id(module), unit)
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, owner, unit, adapters)
+        calls.append(_Call(module, name or "<root>", owner, unit, adapters))
+
+    visit(model, "", None, _REST, None)
+    return calls, targets
+
+
+def _holders(model: nn.Module, calls: list[_Call],
+             targets: set[str]) -> dict[int, list[_Holder]]:
     """id(param) -> its holders in walk order, its source first ([Note:
     initializing unit by unit])."""
-    targets = _tie_targets(model)
     holders: dict[int, list[_Holder]] = {}
     seen: set[tuple[int, str]] = set()
     for call in calls:
@@ -184,10 +217,10 @@ def plan_init(model: nn.Module, unit_modules=None) -> "InitPlan":
     if valued:
         raise ValueError(
             f"init=True initializes a model built on the meta device, and {kind} has "
-            f"parameters with values ({_listed(valued)}): attach it without init=True "
+            f"parameters with values ({listed(valued)}): attach it without init=True "
             "(its values are used), or build it under `with torch.device(\"meta\"):`")
     blocks = unit_roots(model, unit_modules)
-    calls = _walk(model, {id(b): i + 1 for i, b in enumerate(blocks)})
+    calls, targets = _walk(model, {id(b): i + 1 for i, b in enumerate(blocks)})
     first: dict[int, _Call] = {}
     for call in calls:
         seen = first.setdefault(id(call.module), call)
@@ -201,16 +234,19 @@ def plan_init(model: nn.Module, unit_modules=None) -> "InitPlan":
             and any(p is not None for p in c.module._parameters.values())]
     if bare:
         raise ValueError(
-            f"init=True: {kind} has no initialization for the parameters of {_listed(bare)} "
+            f"init=True: {kind} has no initialization for the parameters of {listed(bare)} "
             "(no Hugging Face _init_weights above them, no reset_parameters of their own); "
             "give those modules a reset_parameters, or build the model on the CPU, or "
             "pass weights=PATH")
+    for call in calls:
+        if (why := call.adapters_unsupported()) is not None:
+            raise ValueError(f"init=True: {why}")
     names = {id(p): n for n, p in model.named_parameters()}
     meta_buffers = list({(id(m), attr): (m, attr, f"{mn}.{attr}" if mn else attr)
                          for mn, m in model.named_modules(remove_duplicate=False)
                          for attr, b in m._buffers.items()
                          if b is not None and b.is_meta}.values())
-    return InitPlan(model, calls, _holders(model, calls), names, meta_buffers)
+    return InitPlan(model, calls, _holders(model, calls, targets), names, meta_buffers)
 
 
 @dataclass
@@ -298,7 +334,7 @@ class _Walk:
         if moved:
             raise ValueError(
                 f"init=True: {type(self.plan.model).__name__}'s init wrote parameters "
-                f"{_listed(moved)} while their unit was not on the device (an init of a "
+                f"{listed(moved)} while their unit was not on the device (an init of a "
                 "module outside their unit); pass unit_modules= so that the module and the "
                 "parameters it initializes are one unit")
 
@@ -336,7 +372,7 @@ class _Walk:
         if unwritten:
             raise ValueError(
                 f"init=True: {type(self.plan.model).__name__}'s init does not set parameters "
-                f"{_listed(unwritten)} (their values come from __init__ only); build the "
+                f"{listed(unwritten)} (their values come from __init__ only); build the "
                 "model on the CPU, or pass weights=PATH")
         if values:
             self.pending = list(values)

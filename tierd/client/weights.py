@@ -65,7 +65,8 @@ _EXACT = frozenset((src, dst) for src in (torch.bfloat16, torch.float16)
                    for dst in (torch.float32, torch.float64)) | {(torch.float32, torch.float64)}
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
+    """Up to a few of ``names`` for an error, and how many there are."""
     head = ", ".join(names[:_SHOWN])
     return f"{head}, ... ({len(names)} in all)" if len(names) > _SHOWN else head
 
@@ -98,7 +99,7 @@ def _entries(path: Path) -> dict[str, "_Entry"]:
         header, base = _read_header(path)
     except (SafetensorError, OSError, ValueError) as e:
         cut = _past_end(path)
-        what = f"; tensors past its end: {_listed(cut)}" if cut else ""
+        what = f"; tensors past its end: {listed(cut)}" if cut else ""
         raise ValueError(f"cannot read safetensors file {path}: {e}{what} "
                          "(truncated or not a safetensors file?)") from e
     return {k: _Entry(path, v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0],
@@ -293,7 +294,7 @@ class ReplacedBuffers:
         if unset():
             raise ValueError(
                 f"{type(model).__name__}'s init did not re-create the buffers "
-                f"{_listed([n for _, _, n in unset()])} of the meta model; build it with "
+                f"{listed([n for _, _, n in unset()])} of the meta model; build it with "
                 "buffers on the CPU (e.g. accelerate.init_empty_weights())")
         for module, attr, name in targets:   # plain attributes aliasing the old buffer
             old = next(o for m, a, o in self._undo if m is module and a == attr)
@@ -356,7 +357,7 @@ class WeightsPlan:
         if not callable(init):
             raise ValueError(
                 f"{type(model).__name__} was built on the meta device and its non-persistent "
-                f"buffers {_listed([n for _, _, n in self.recreate])} are not in checkpoints; "
+                f"buffers {listed([n for _, _, n in self.recreate])} are not in checkpoints; "
                 "build it with buffers on the CPU (e.g. accelerate.init_empty_weights(), which "
                 "puts only parameters on meta)")
         self.replaced.recreate(model, self.recreate, init)
@@ -431,9 +432,9 @@ def plan_load(model: nn.Module, reader: CheckpointReader, *, strict: bool = True
             missing.append(names[0] if len(names) == 1 else " = ".join(names))
     unexpected = sorted(present - used) if strict else []
     if missing or unexpected:
-        parts = [f"missing keys ({len(missing)}): {_listed(missing)}"] if missing else []
+        parts = [f"missing keys ({len(missing)}): {listed(missing)}"] if missing else []
         if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+            parts.append(f"unexpected keys ({len(unexpected)}): {listed(unexpected)}")
         raise ValueError(f"checkpoint {reader.path} does not match {type(model).__name__}: "
                          + "; ".join(parts))
     return plan
