@@ -36,6 +36,26 @@ same number. A job resumed from a commit made before a parameter's first
 update has no master for it: made the same way. Under torch.distributed
 every rank reads its owner's master from the store, so attach stores it.
 
+[Note: parameters added after attach]
+Attach replaces every parameter of the model. One added later (peft's
+``get_peft_model`` on an attached model adds LoRA adapters) would be a plain
+tensor no part of tierd knows: not stored, not committed, refused by
+tierd.optim. So while attached the registry watches the model through
+torch's module and parameter registration hooks (process-wide; each
+registry acts on its own model's modules only, and removes them at
+detach): a module registered into the model has its plain parameters
+stored as attach stores them, in the unit of the module it joins (which
+then fetches them with the rest); a plain Parameter set where an attached
+one is (peft casting its adapters to fp32) gives that parameter its value
+and ``requires_grad``, and the module keeps tierd's tensor. What would
+change what an attached parameter is raises a StateError naming the order
+that works: an attached parameter placed somewhere new (tying after
+attach), one replaced by another shape, a new one under a name attached
+already (a replaced embedding), a module outside every unit, and any
+addition under torch.distributed (the ranks agreed on the parameters at
+attach). Keys are named where the parameter was added, so a job resumed
+from a commit adds them in the same order it did.
+
 [Note: attach's write path]
 Attach writes each stored byte once, from where the value is, converted to
 the stored dtype on its way into the pool: a CUDA parameter is copied from
@@ -52,17 +72,21 @@ client's path.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from tierd.client.keys import ModelKeys
 from tierd.client.store import Store
 from tierd.client.tiered_param import (MOVED_ATTR, DeviceParameter, ParamState, TieredParam,
                                        tiered_of)
 from tierd.client.torch_internals import weak_hook
+from tierd.errors import StateError
 
 #: Gives a parameter's value to store: a tensor on any device whose values,
 #: converted to the parameter's dtype, are the parameter's (``WeightsPlan``
@@ -166,6 +190,11 @@ class ParamRegistry:
         self._unit_holders: list[list[tuple[nn.Module, str, TieredParam]]] = []
         self.unit_modules: list[nn.Module] = []   # the module of each unit, by index
         self._names = {id(m): name or "<root>" for name, m in model.named_modules()}
+        # [Note: parameters added after attach]: what adopting one needs
+        self._session, self._store, self._on_grad = session, store, on_grad
+        self._qualnames: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._unit_index: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._watch_handles: list = []
         self._take(session, store, stored, on_grad, source)
 
     # ------------------------------------------------------------- attach
@@ -220,6 +249,11 @@ class ParamRegistry:
                     self.buffer_devices[(id(module), name)] = buf.device
                     module._buffers[name] = buf.to(session.device)
         self._build_units(session.config.unit_modules)
+        for name, module in self.model.named_modules():
+            self._qualnames[module] = name
+        self._watch_handles = [
+            register_module_module_registration_hook(weak_hook(self._module_added)),
+            register_module_parameter_registration_hook(weak_hook(self._parameter_added))]
 
     @staticmethod
     def _empty(taken: list[tuple[nn.Parameter, TieredParam]]) -> None:
@@ -314,6 +348,8 @@ class ParamRegistry:
             self._unit_holders.append(holders)
             self.unit_of[id(root)] = unit
             self.unit_modules.append(root)
+            for module in modules:
+                self._unit_index[module] = unit.index
 
     def module_groups(self, unit: Unit) -> list[tuple[TieredParam, ...]]:
         """``unit``'s streamed parameters grouped by the module holding them,
@@ -353,15 +389,135 @@ class ParamRegistry:
             for module, attr, tp in holders:
                 if tp in changed:
                     module._parameters[attr] = tp.between_uses
-        for mid, unit in list(self.unit_of.items()):
-            members = self._members[unit.index]
-            if not changed.intersection(members):
-                continue
-            params = tuple(tp for tp in members if not tp.resident)
-            new = Unit(index=unit.index, name=unit.name, params=params,
-                       nbytes=sum(tp.nbytes for tp in params))
-            self.units[unit.index] = new
-            self.unit_of[mid] = new
+        for unit in list(self.units):
+            if changed.intersection(self._members[unit.index]):
+                self._rebuild(unit.index)
+
+    def _rebuild(self, index: int) -> None:
+        """Unit ``index`` again from its members: its ``params`` are the
+        non-resident ones. It keeps its index and module."""
+        unit, params = self.units[index], tuple(tp for tp in self._members[index]
+                                                if not tp.resident)
+        new = Unit(index=index, name=unit.name, params=params,
+                   nbytes=sum(tp.nbytes for tp in params))
+        self.units[index] = new
+        self.unit_of[id(self.unit_modules[index])] = new
+
+    # ------------------------------------------------ added after attach
+    def _module_added(self, parent: nn.Module, name: str, sub: nn.Module | None) -> None:
+        """torch registers ``sub`` as ``parent.name``: in this model, its new
+        parameters become tierd's ([Note: parameters added after attach])."""
+        if sub is None or parent not in self._qualnames:
+            return
+        prefix = f"{self._qualnames[parent]}.{name}".lstrip(".")
+        index = self._unit_index.get(parent)
+        new: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+        fresh = []   # modules not in the model before
+        for path, module in sub.named_modules(prefix=prefix, remove_duplicate=False):
+            if module not in self._qualnames:
+                fresh.append((path, module))
+            for attr, param in module._parameters.items():
+                if param is None:
+                    continue
+                if tiered_of(param) is None:
+                    new.setdefault(id(param), (param, []))[1].append((module, attr,
+                                                                      f"{path}.{attr}"))
+                else:
+                    self._check_held(module, attr, param)
+        if new:
+            self._adopt(list(new.values()), index)
+        for path, module in fresh:
+            self._qualnames.setdefault(module, path)
+            if index is not None:
+                self._unit_index.setdefault(module, index)
+
+    def _parameter_added(self, module: nn.Module, name: str,
+                         param: nn.Parameter) -> torch.Tensor | None:
+        """torch registers ``param`` as ``module.name``; returns the tensor the
+        module holds instead ([Note: parameters added after attach])."""
+        if module not in self._qualnames:
+            return None
+        if tiered_of(param) is not None:
+            self._check_held(module, name, param)
+            return None
+        held = tiered_of(module._parameters.get(name))
+        if held is None:   # a new parameter
+            qual = f"{self._qualnames[module]}.{name}".lstrip(".")
+            return self._adopt([(param, [(module, name, qual)])],
+                               self._unit_index.get(module), install=False)[0]
+        if tuple(param.shape) != tuple(held.param.shape):
+            raise StateError(
+                f"replacing attached parameter {held.name!r} of shape "
+                f"{tuple(held.param.shape)} with one of shape {tuple(param.shape)}: tierd "
+                f"stores it under its name and shape; make such changes before tierd.attach "
+                f"(or tierd.detach(model) first)")
+        # a new Parameter object for an attached one (peft casting its adapters
+        # to fp32): its value, flag and dtype (what detach gives back); the
+        # module keeps the tensor tierd gave it
+        self._session.write_values({held: param.detach()})
+        held.set_requires_grad(param.requires_grad)
+        held.orig_dtype = param.dtype
+        return module._parameters[name]
+
+    def _state_dict_hook(self):
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            self._session.fill_state_dict(module, state_dict, prefix)
+        return hook   # a function per module: torch tags the hook object it is given
+
+    def _check_held(self, module: nn.Module, attr: str, param: torch.Tensor) -> None:
+        """An attached parameter placed where it was already held passes
+        (``tie_weights()`` on a tied model); anywhere else it is refused."""
+        tp = tiered_of(param)
+        if tp.session is self._session and any(
+                m is module and a == attr and t is tp
+                for holders in self._unit_holders for m, a, t in holders):
+            return
+        raise StateError(
+            f"placing attached parameter {tp.name!r} at {type(module).__name__}.{attr} "
+            f"after tierd.attach (tying or moving parameters): tierd holds each "
+            f"parameter where attach found it; tie or move them before tierd.attach")
+
+    def _adopt(self, new: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]],
+               index: int | None, *, install: bool = True) -> list[torch.Tensor]:
+        """Store ``new`` parameters (each with its holders: module, attribute,
+        qualified name) as attach stores one, in unit ``index``; with
+        ``install`` the holders hold them now. Returns the tensor each holder
+        holds between uses, by parameter."""
+        session = self._session
+        names = [holders[0][2] for _, holders in new]
+        if session.share is not None or index is None or any(n in self.aliases for n in names):
+            why = ("under torch.distributed the ranks agreed on the parameters at attach"
+                   if session.share is not None else
+                   "its module is in no unit of the model" if index is None else
+                   "a parameter of that name is attached already")
+            raise StateError(
+                f"parameters added to an attached model ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): {why}. Add them before tierd.attach, "
+                f"e.g. tierd.attach(get_peft_model(model, config))")
+        uploads: dict[str, torch.Tensor] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        made = [(param, holders, self._make(session, param, holders[0][2], (uploads, dtypes),
+                                            frozenset(), self._on_grad, _own_value))
+                for param, holders in new]
+        self._store.put_many(uploads, dtypes=dtypes)
+        for param, holders, tp in made:
+            if tp.param.requires_grad:   # what ModuleHooks hooks at attach
+                tp.hook_gradient_arrival()
+            for module, attr, qual in holders:
+                if install:
+                    module._parameters[attr] = tp.between_uses
+                self.aliases[qual] = tp
+                self._unit_holders[index].append((module, attr, tp))
+            self.params[tp.name] = tp
+            self._originals[tp] = param
+        for module in dict.fromkeys(m for _, holders, _ in made for m, _, _ in holders):
+            # what ModuleHooks registers at attach: state_dict() gives values
+            self._watch_handles.append(module.register_state_dict_post_hook(
+                self._state_dict_hook()))
+        self._members[index] += tuple(tp for _, _, tp in made)
+        self._empty([(param, tp) for param, _, tp in made])
+        self._rebuild(index)
+        return [tp.between_uses for _, _, tp in made]
 
     def resident(self) -> list[TieredParam]:
         return [tp for tp in self.params.values() if tp.resident]
@@ -370,6 +526,8 @@ class ParamRegistry:
         """Put the model's own Parameters back, holding ``values`` (original
         dtype and device; a new Parameter for one that was on the meta
         device), and its buffers (original device)."""
+        for handle in self._watch_handles:
+            handle.remove()
         fresh = {}
         for tp, value in values.items():
             param = self._originals.get(tp)

@@ -34,6 +34,23 @@ updates it. ``p.data`` of a resident parameter is its TieredParameter view
 (``.data`` has a version counter of its own, so a write through it would go
 unseen): the write goes to every copy at once.
 
+[Note: frozen parameters]
+A parameter that does not require grad (a LoRA base model, a frozen
+embedding) costs its compute copy only: attach stores no fp32 master for it
+and hooks no gradient, so no gradient key is made for it; an optimizer keeps
+no state for it (as torch, which makes state on a gradient only); capacity
+and placement count it at the compute dtype. ``requires_grad`` is one flag
+for both tensors of the parameter: set on either (``p.requires_grad =
+False``, ``p.requires_grad_()``, ``model.requires_grad_()``, peft's
+``get_peft_model``), :meth:`TieredParam.set_requires_grad` sets both, so
+the compute tensor a unit runs with never computes a gradient the user
+froze. Frozen after attach, it keeps what it has (a made master holds its
+exact value); attached frozen and then unfrozen, it gets the gradient
+hooks then, and below fp32 compute a master made at its first update from
+the stored compute copy, which is its exact value. An optimizer built while
+a parameter was frozen keeps no state for it: build the optimizer after
+unfreezing, as torch's would only update it once it has a gradient.
+
 [Note: why resize the storage instead of swapping ``.data``]
 Autograd saves parameters (or views of them, e.g. ``weight.t()``) for the
 backward pass. Those saved tensors share the parameter's ``StorageImpl``.
@@ -53,7 +70,8 @@ import torch
 from torch import nn
 
 from tierd.client.keys import ModelKeys
-from tierd.client.values import TieredParameter, refuse_data_assignment
+from tierd.client.torch_internals import weak_hook
+from tierd.client.values import TieredParameter, assigns_itself, refuse_data_assignment
 from tierd.errors import StateError
 
 if TYPE_CHECKING:
@@ -116,9 +134,18 @@ class DeviceParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        if value is self:   # module.to() where nothing changes (a Trainer moving the model)
-            return
-        raise refuse_data_assignment(self.tiered.name)
+        if value is not self and not assigns_itself(self.tiered, value):
+            raise refuse_data_assignment(self.tiered.name)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DeviceParameter":
+        self.tiered.set_requires_grad(requires_grad)   # both tensors: [Note: frozen parameters]
+        return self
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "requires_grad" and "tiered" in self.__dict__:
+            self.tiered.set_requires_grad(value)
+        else:
+            super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         if self.untyped_storage().nbytes() or not self.numel():
@@ -155,6 +182,9 @@ class TieredParam:
         self.resident = resident
         self.key = keys.param(name)
         self.grad_key = keys.grad(name)
+        # attach hooked its gradients (the registry and ModuleHooks hook every
+        # parameter that requires grad then): it may train ([Note: frozen parameters])
+        self.grad_hooked = param.requires_grad
         self.has_master = param.dtype != torch.float32 and param.requires_grad
         self.master_key = keys.master(name) if self.has_master else self.key
         # False while the fp32 master is the compute copy's exact upcast and was
@@ -178,6 +208,51 @@ class TieredParam:
         self.outside = TieredParameter(self, parameter=True)
         # param's version counter when tierd last knew its values were stored
         self.seen_version = param._version
+
+    # ------------------------------------------------------------- training
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        """Freeze or unfreeze the parameter: ``p.requires_grad = flag`` or
+        ``p.requires_grad_(flag)`` on either of its tensors (peft freezes a base
+        model that way) lands here, and both tensors take the flag
+        ([Note: frozen parameters])."""
+        requires_grad = bool(requires_grad)
+        unfrozen = requires_grad and not self.grad_hooked
+        if unfrozen and self.session.share is not None:
+            raise StateError(
+                f"making {self.name!r} trainable after tierd.attach under torch.distributed: "
+                "the ranks agreed at attach on which parameters train (gradient "
+                "reduction, owners); set requires_grad before tierd.attach on every rank")
+        for tensor in (self.param, self.outside):
+            with torch._C.DisableTorchFunctionSubclass():
+                torch.Tensor.requires_grad.__set__(tensor, requires_grad)
+        if unfrozen:
+            self._make_trainable()
+
+    def _make_trainable(self) -> None:
+        """A parameter attached frozen starts to train: it gets the gradient
+        hooks attach gives a trainable one and, below fp32 compute, an fp32
+        master made from the stored compute copy at its first update (which
+        is its exact value: [Note: masters made when first needed] in
+        tierd.client.registry)."""
+        session = self.session
+        for tensor in (self.param, self.outside):
+            tensor.register_post_accumulate_grad_hook(weak_hook(session.on_grad))
+        self.hook_gradient_arrival()
+        if self.param.dtype != torch.float32:
+            self.has_master = True
+            self.master_key = session.keys.master(self.name)
+            self.master_made = False
+        self.grad_hooked = True
+
+    def hook_gradient_arrival(self) -> None:
+        """Before autograd accumulates a gradient of either tensor, the session
+        hears of it (what ModuleHooks hooks at attach for a trainable one:
+        [Note: gradients users touch] in tierd.client.grad_view)."""
+        for tensor in (self.param, self.outside):
+            tensor.register_hook(weak_hook(self._gradient_arrives))
+
+    def _gradient_arrives(self, grad: torch.Tensor) -> None:
+        self.session.gradient_arrives()
 
     @property
     def compute(self) -> torch.Tensor:

@@ -35,10 +35,21 @@ def refuse_data_assignment(name: str) -> StateError:
         "model.load_state_dict(...), or tierd.detach(model) first")
 
 
+def assigns_itself(tp: "TieredParam", value: torch.Tensor) -> bool:
+    """``p.data = value`` changes nothing: ``value`` is a tensor of the same
+    parameter, whose in-place op has already written into tierd
+    (``module.to()`` where nothing moves; peft's ``merge_and_unload``:
+    ``weight.data += delta``, which assigns ``weight.data`` back)."""
+    return isinstance(value, TieredParameter) and value.tiered is tp
+
+
 #: Tensor methods that hand the bytes to something torch does not dispatch
 #: (numpy, Python lists): they get the value read from the tiers.
 _READ_OUT = frozenset({torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.__array__,
                        torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__})
+
+#: ``p.requires_grad = flag`` and ``p.requires_grad_(flag)``
+_SETS_REQUIRES_GRAD = frozenset({torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_})
 
 
 class TieredParameter(torch.Tensor):
@@ -81,13 +92,17 @@ class TieredParameter(torch.Tensor):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        if value is self:
-            return
-        raise refuse_data_assignment(self.tiered.name)
+        if not assigns_itself(self.tiered, value):
+            raise refuse_data_assignment(self.tiered.name)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SETS_REQUIRES_GRAD and getattr(args[0], "_is_param", False):
+            # freezing or unfreezing the parameter: both its tensors
+            args[0].tiered.set_requires_grad(args[1] if len(args) > 1
+                                             else kwargs.get("requires_grad", True))
+            return args[0] if func is torch.Tensor.requires_grad_ else None
         if func in _READ_OUT:
             return func(read_now([args[0]])[0], *args[1:], **kwargs)
         with torch._C.DisableTorchFunctionSubclass():

@@ -1,0 +1,207 @@
+"""LoRA with peft on an attached model: adapters added before or after
+``tierd.attach`` train as plain torch + peft bitwise, only the adapters get
+state, and ``merge_and_unload`` works while attached (CPU, fp32, in-process
+store). [Note: frozen parameters] in tierd.client.tiered_param and
+[Note: parameters added after attach] in tierd.client.registry."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd.optim
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.store import LocalStore
+from tierd.errors import StateError
+from tests.client.models import assert_same_weights, batches, gpt2, llama
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+BUILD = {"llama": llama, "gpt2": gpt2}
+
+
+def _lora(kind: str):
+    # dropout 0: the steps are deterministic without sharing an RNG stream
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[kind],
+                           fan_in_fan_out=kind == "gpt2")
+
+
+def _peft_model(kind: str, *, order: str, dtype: torch.dtype = torch.float32, **options):
+    """torch + peft, and the same on tierd with the adapters added ``order``
+    ("before" or "after") attach; same seed, so the same adapter values."""
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(BUILD[kind]().to(dtype), _lora(kind))
+    torch.manual_seed(3)
+    if order == "before":
+        model = attach(peft.get_peft_model(BUILD[kind]().to(dtype), _lora(kind)),
+                       client=LocalStore(), device="cpu", **options)
+        return model, ref, model
+    base = attach(BUILD[kind]().to(dtype), client=LocalStore(), device="cpu", **options)
+    return peft.get_peft_model(base, _lora(kind)), ref, base
+
+
+def _train(model, opt, data, *, clip: float | None = None, accumulate: int = 1):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses = []
+    for i, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss / accumulate
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(trainable, clip)
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def _adamw(model, torch_adamw: bool = False):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if torch_adamw:
+        return torch.optim.AdamW(trainable, lr=1e-2, foreach=False)
+    return tierd.optim.AdamW(trainable, lr=1e-2)
+
+
+def _stored_kinds(attached) -> dict[str, set[str]]:
+    """Parameter name -> the kinds of key the daemon holds for it (p, master, grad, ...)."""
+    session = session_of(attached)
+    prefix = session.keys.prefix
+    out: dict[str, set[str]] = {}
+    for key in session.client.keys(session.keys.all):
+        rest = key[len(prefix):].lstrip("/")
+        kind, _, name = rest.partition("/")
+        out.setdefault(name.split("/")[-1], set()).add(kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_trains_as_torch_peft_bitwise_in_either_order(kind, order):
+    model, ref, attached = _peft_model(kind, order=order)
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(4)
+    assert _train(model, opt, data) == _train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    # the adapters trained (lora_B starts at zero), the base did not
+    lora_b = [n for n, p in ref.named_parameters() if "lora_B" in n]
+    assert lora_b and all(ref.get_parameter(n).abs().sum() > 0 for n in lora_b)
+    # only the adapters are trainable and have optimizer state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert len(opt.state_dict()["state"]) == len(trainable)
+    # the frozen base stores its value only: no master, gradient or moments
+    session = session_of(attached)
+    frozen = [tp for tp in session.params.values() if not tp.param.requires_grad]
+    assert frozen and all(not tp.outside.requires_grad and not tp.has_master for tp in frozen)
+    kinds = _stored_kinds(attached)
+    for tp in frozen:
+        assert kinds[tp.name] == {"p"}, (tp.name, kinds[tp.name])
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_with_clipping_and_accumulation_matches_torch_peft(order):
+    model, ref, _ = _peft_model("llama", order=order)
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(6)
+    got = _train(model, opt, data, clip=0.05, accumulate=2)
+    assert got == _train(ref, ref_opt, data, clip=0.05, accumulate=2)
+    assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_merge_and_unload_while_attached_gives_torchs_values(order):
+    model, ref, attached = _peft_model("llama", order=order)
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(2)
+    _train(model, opt, data)
+    _train(ref, ref_opt, data)
+    merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+    # the base model with LoRA folded in, still attached (before: inside the
+    # attached PeftModel; after: the attached model itself)
+    assert merged is (attached.base_model.model if order == "before" else attached)
+    assert_same_weights(merged, ref_merged)
+    ids = batches(1, seed=7)[0]
+    with torch.no_grad():
+        assert torch.equal(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits)
+    detach(attached)
+    assert_same_weights(merged, ref_merged)
+
+
+def test_adapters_below_fp32_compute_train_the_same_in_either_order():
+    """A bf16 model: peft makes its adapters in bf16 and casts them to fp32
+    with new Parameters (after attach: tierd keeps its own, bf16 compute and
+    an fp32 master, and takes their values)."""
+    runs = []
+    for order in ("before", "after"):
+        model, _, attached = _peft_model("llama", order=order, dtype=torch.bfloat16,
+                                         compute_dtype="bf16")
+        opt = _adamw(model)
+        runs.append((_train(model, opt, batches(3)), model.state_dict(), attached))
+    (losses_a, state_a, _), (losses_b, state_b, attached) = runs
+    assert losses_a == losses_b
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+    kinds = _stored_kinds(attached)
+    lora = [n for n in kinds if "lora_" in n]
+    assert lora and all("master" in kinds[n] for n in lora)
+    assert all(kinds[n] == {"p"} for n in kinds if "lora_" not in n)
+
+
+def test_freezing_and_unfreezing_after_attach_train_as_torch():
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    for m in (model, ref):
+        m.model.embed_tokens.requires_grad_(False)
+        m.model.layers[0].self_attn.q_proj.weight.requires_grad = False
+    session = session_of(model)
+    frozen = {tp.name for tp in session.params.values() if not tp.param.requires_grad}
+    assert frozen == {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"}
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(3)
+    assert _train(model, opt, data) == _train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    kinds = _stored_kinds(model)
+    assert all(kinds[name] == {"p"} for name in frozen)   # no gradient was ever stored
+    # unfrozen: trains again, with an optimizer built after (as torch's gets a gradient)
+    for m in (model, ref):
+        m.model.embed_tokens.weight.requires_grad_(True)
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(3, seed=5)
+    assert _train(model, opt, data) == _train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
+def test_attached_frozen_then_unfrozen_gets_a_master_and_trains():
+    base = llama()
+    base.model.embed_tokens.weight.requires_grad_(False)
+    model = attach(base, client=LocalStore(), device="cpu", compute_dtype="bf16")
+    tp = session_of(model).params["model.embed_tokens.weight"]
+    assert not tp.has_master and "master" not in _stored_kinds(model)[tp.name]
+    model.model.embed_tokens.weight.requires_grad_(True)
+    assert tp.has_master and not tp.master_made
+    before = model.model.embed_tokens.weight.detach().clone()
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, batches(2))
+    assert tp.grad_hooked and tp.master_made
+    assert not torch.equal(model.model.embed_tokens.weight.detach(), before)
+
+
+def test_changes_that_would_lose_what_tierd_holds_raise_and_change_nothing():
+    ref = gpt2(tie=False)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    with pytest.raises(StateError, match="before tierd.attach"):
+        model.resize_token_embeddings(120)   # a new embedding under an attached name
+    with pytest.raises(StateError, match="tie or move them before tierd.attach"):
+        model.lm_head.weight = model.transformer.wte.weight
+    with pytest.raises(StateError, match="before tierd.attach"):
+        model.transformer.wte.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    assert_same_weights(model, ref)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
