@@ -19,7 +19,12 @@ In that order every block (a unit, [Note: units are the model's blocks] in
 block is materialized when its first module comes, stored and freed after
 its root's init. The rest is materialized module by module as they come and
 stored at the end, after the root's init (which may touch its children):
-at most the rest and one block are on the device at once.
+at most the rest and one block are on the device at once. A peft LoRA
+layer (``get_peft_model`` on the meta model) then initializes its adapters
+with peft's ``reset_lora_parameters`` and their config's
+``init_lora_weights``, as ``get_peft_model`` does on a model with values
+(B zero: the adapted model starts as its base); inits that read the base
+weights (PiSSA, OLoRA, ...) and other tuners are refused.
 
 A tied parameter is initialized through its source (the holder not named a
 tie target by Hugging Face's ``all_tied_weights_keys`` /
