@@ -10,10 +10,18 @@ never reads (the compute copies of units whose weights the GPU keeps).
 
 from __future__ import annotations
 
+import asyncio
+import mmap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 import tierd
+from tierd.backends import recordio
+from tierd.backends.nvme import NvmeStore
+from tierd.server.transfers import RecordTransfers
 
 KiB, MiB = 1 << 10, 1 << 20
 POOL = 8 * MiB
@@ -63,3 +71,58 @@ def test_state_beyond_the_pool_crosses_once_each_way_per_step(daemon_factory, ke
         assert beyond <= read <= beyond + slack, (per_step, beyond)
         assert beyond <= written <= beyond + slack, (per_step, beyond)
 
+
+
+class HeldWrites(NvmeStore):
+    """A store whose writes wait until ``go`` is set: a disk busy writing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.go = threading.Event()
+        self.writing = 0
+        self._count = threading.Lock()
+
+    def write_from(self, offset: int, bufs: list) -> None:
+        with self._count:
+            self.writing += 1
+        self.go.wait(30)
+        super().write_from(offset, bufs)
+
+
+def test_a_read_does_not_wait_behind_a_large_write(tmp_path):
+    """[Note: reads beside writes] in tierd.server.transfers: with a record of
+    many pieces being written, a read asked for after it still gets a thread."""
+    store = HeldWrites(tmp_path, 128 << 20)
+    io, sums = ThreadPoolExecutor(4), ThreadPoolExecutor(1)
+    rt = RecordTransfers(store, io, sums)
+    small = recordio.RecordMeta("small", "job", "uint8", (4096,), 4096, 1)
+    big = recordio.RecordMeta("big", "job", "uint8", (12 * recordio.CHUNK,),
+                              12 * recordio.CHUNK, 1)   # 12 pieces, more than the threads
+    small_at = store.extents.alloc_spans(small.record_len())
+    big_at = store.extents.alloc_spans(big.record_len())
+    src, back, data = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096), mmap.mmap(-1, big.nbytes)
+    src[:] = bytes(range(256)) * 16
+    store.go.set()
+    store.write_record(small_at, small, memoryview(src))   # on disk before the test
+    store.go.clear()
+    store.writing = 0
+
+    async def go():
+        write = asyncio.create_task(rt.write(big_at, big, memoryview(data)))
+        await asyncio.sleep(0.2)             # the write's pieces are queued and held
+        await asyncio.wait_for(rt.read(small_at, small, memoryview(back)), 20)
+        assert not write.done()              # the read went past the held write
+        held = store.writing
+        store.go.set()
+        await write
+        return held
+
+    try:
+        held = asyncio.run(go())
+    finally:
+        store.go.set()
+        io.shutdown()
+        sums.shutdown()
+        store.close()
+    assert held == 3       # every thread but one was writing
+    assert back[:] == src[:]

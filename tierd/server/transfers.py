@@ -23,6 +23,19 @@ back against the old daemon: spill 75-88 % vs 66-75 % under that load,
 91-98 % vs 90-96 % under a lighter one; fetches 95-105 % either way. What is
 left is the sums' memory traffic itself, which no arrangement removes.
 
+[Note: reads beside writes]
+A spilling job's step reads the next units' state while the last units'
+state is written back, and both go through one pool of I/O threads, which
+takes calls in the order they were queued. A record is many pieces, so an
+eviction that writes a few GB queued every piece of it at once, and a read
+asked for a moment later waited behind all of them: reads and writes took
+turns, each at its own bandwidth, instead of sharing the disk at its mixed
+one. So each direction has a gate: at most ``io_threads - 1`` of its calls
+are queued or running at a time, the rest wait in asyncio. Alone, a
+direction still keeps all but one thread busy; with both at work the
+threads interleave their calls, and a read never waits for more than the
+calls already running.
+
 The asyncio side only gathers the pieces. Nothing here touches the catalog.
 """
 
@@ -56,6 +69,9 @@ class RecordTransfers:
         self.nvme = nvme
         self.executor = executor
         self.checksums = checksums
+        # [Note: reads beside writes]; the executor's size is its thread count
+        self._depth = max(1, executor._max_workers - 1)
+        self._gates: tuple[asyncio.AbstractEventLoop, dict[bool, asyncio.Semaphore]] | None = None
 
     async def _all(self, aws) -> list:
         """Await every one; all finish before any error is raised, so no
@@ -66,8 +82,14 @@ class RecordTransfers:
                 raise r
         return results
 
-    def _io(self, fn, *args) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _io(self, write: bool, fn, *args):
+        """``fn(*args)`` on an I/O thread once its direction's gate lets it
+        ([Note: reads beside writes]; gates belong to the running loop)."""
+        loop = asyncio.get_running_loop()
+        if self._gates is None or self._gates[0] is not loop:
+            self._gates = (loop, {w: asyncio.Semaphore(self._depth) for w in (False, True)})
+        async with self._gates[1][write]:
+            return await loop.run_in_executor(self.executor, fn, *args)
 
     def _sum(self, data) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self.checksums, recordio.checksum, data)
@@ -82,12 +104,12 @@ class RecordTransfers:
         scatter = recordio.Scatter(spans)
         header = None
         try:
-            writes = [self._io(self.nvme.write_from, offset, bufs)
+            writes = [self._io(True, self.nvme.write_from, offset, bufs)
                       for (s, _), v in zip(pieces, views)
                       for offset, bufs in scatter.runs(hlen + s, [v])]
             sums = await self._all([*writes, *(self._sum(v) for v in views)])
             header = recordio.encode_header(meta, sums[len(writes):])
-            await self._all([self._io(self.nvme.write_from, offset, bufs)
+            await self._all([self._io(True, self.nvme.write_from, offset, bufs)
                              for offset, bufs in scatter.runs(0, [header])])
         finally:
             scatter.release()
@@ -98,7 +120,8 @@ class RecordTransfers:
     async def _read_piece(self, runs: list, piece) -> int:
         """Read one piece (on I/O threads, one call per run of its spans),
         then sum it on a checksum thread, so the I/O threads move on."""
-        await self._all([self._io(self.nvme.read_into, offset, bufs) for offset, bufs in runs])
+        await self._all([self._io(False, self.nvme.read_into, offset, bufs)
+                         for offset, bufs in runs])
         return await self._sum(piece)
 
     async def read(self, spans: Spans, meta: recordio.RecordMeta, data) -> None:
