@@ -14,9 +14,12 @@ import tierd.optim
 from tierd.client import embedded
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.attached import is_attached
+from tierd.client.attach_config import AttachConfig, check_cap
 from tierd.client.capacity import (
-    GiB, MiB, DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, record_bytes,
-    shortfall, slack, unsized_defaults)
+    GiB, MiB, DaemonRoom, Machine, Sizes, Sizing, StoreNeed, embedded_sizes, model_need,
+    record_bytes, shortfall, slack, unsized_defaults)
+from tierd.client.keys import ModelKeys
+from tierd.client.store import LocalStore
 from tierd.config import parse_size
 from tierd.errors import CapacityError
 
@@ -244,3 +247,66 @@ def test_gradients_count_after_the_first_step_only_where_they_stay():
     assert fused.total == max(80, 112 - 40) == 80      # freed as the first update uses them
     assert kept.total == 144 - 40                      # clipping, accumulation, CPU updates
     assert "freed as the update uses them" not in kept.describe()
+
+
+# ---------------------------------------------------------------- frozen parameters
+def _frozen_base(depth: int = 4) -> torch.nn.Sequential:
+    """A frozen base (LoRA's shape of training) under a trainable last layer."""
+    model = _mlp(width=64, depth=depth)
+    for layer in model[:-1]:
+        layer.requires_grad_(False)
+    return model
+
+
+def test_frozen_parameters_need_their_compute_copy_only():
+    """[Note: frozen parameters]: what attach sizes the store for."""
+    keys = ModelKeys.for_name("m")
+    model = _frozen_base()
+    need = model_need(model, torch.bfloat16, keys)
+    named = list(model.named_parameters())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    assert 0 < len(trainable) < len(named)
+    assert need.params == sum(record_bytes(keys.param(n), 2 * p.numel()) for n, p in named)
+    assert need.master == sum(record_bytes(keys.master(n), 4 * p.numel()) for n, p in trainable)
+    assert need.gradients == sum(record_bytes(keys.grad(n), 4 * p.numel())
+                                 for n, p in trainable)
+    assert need.optimizer == sum(record_bytes(keys.state(s, n), 4 * p.numel())
+                                 for n, p in trainable for s in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_frozen_unit_needs_its_compute_copy_on_the_device_only():
+    model = _mlp(width=64, depth=2).requires_grad_(False)
+    unit = 2 * sum(p.numel() for p in model[0].parameters())   # bf16, no optimizer state
+    check_cap(model, AttachConfig(compute_dtype="bf16", gpu_memory_bytes=unit), unit)
+    with pytest.raises(ValueError, match=f"{unit} bytes"):
+        check_cap(model, AttachConfig(compute_dtype="bf16", gpu_memory_bytes=unit), unit - 1)
+
+
+def test_training_a_frozen_base_stores_nothing_but_its_compute_copy():
+    model = attach(_frozen_base(), client=LocalStore(), device="cpu", compute_dtype="bf16")
+    opt = tierd.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                            accumulation_steps=2)   # gradients kept in the store
+    for i in range(4):
+        model(torch.randn(2, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    session = session_of(model)
+    frozen = [tp for tp in session.params.values() if not tp.param.requires_grad]
+    stored = set(session.client.keys(session.keys.all))
+    for tp in session.params.values():
+        held = {k for k in stored if k.endswith("/" + tp.name)}
+        if tp in frozen:   # no master, gradient or moments
+            assert held == {tp.key}, held
+        else:
+            assert {tp.master_key, tp.grad_key} <= held and len(held) >= 5, held
+    values = session.read([tp.key for tp in frozen])
+    assert all(values[tp.key].dtype == torch.bfloat16 for tp in frozen)
+    # placement counts a frozen unit at its compute copy: no state, no gradient
+    for unit in session.placer.unit_bytes():
+        members = session.registry.members(session.units[unit.index])
+        if all(tp in frozen for tp in members):
+            compute = sum(2 * tp.param.numel() for tp in members)
+            assert (unit.param_bytes, unit.state_bytes, unit.grad_bytes) == (compute, 0, 0)
+            assert unit.stored_bytes == compute
+    assert not any(tp in frozen for tp in opt._owned())
