@@ -1,0 +1,426 @@
+"""Compact optimizer state (``tierd.optim.AdamW(state=..., master=...)``):
+each kernel against torchao's (bitwise), an attached model trained through
+the real store on every update path against torchao's AdamW math, commit and
+resume with the compact bytes, the bytes a parameter keeps, and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, session_of
+from tierd.client.placement import Place
+from tierd.client.store import LocalStore
+from tierd.errors import StateError
+from tierd.optim import compact
+from tierd.optim.compact import CompactState
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+
+LR = 1e-2
+
+
+def _torchao():
+    return pytest.importorskip("torchao.optim")
+
+
+# ------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_is_torchaos(signed):
+    _torchao()
+    from torchao.optim.quant_utils import create_dynamic_map
+    assert compact.dynamic_map(signed) == create_dynamic_map(signed=signed)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_block_quantization_is_torchaos_bitwise(signed):
+    _torchao()
+    from torchao.optim.quant_utils import (dequant_with_qmap, quantize_8bit_with_qmap,
+                                           scale_tensor)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-6, 2, 96)
+    x = x if signed else x.abs()
+    x[:2] = 0.0                                 # a block of zeros (scale clipped)
+    table = compact.qmap(signed)
+    codes, scale = compact.quantize_blockwise(x, table)
+    scaled, want_scale = scale_tensor(x, compact.BLOCK)
+    want_codes = quantize_8bit_with_qmap(scaled, table)
+    assert codes.shape == x.shape and codes.dtype == torch.uint8
+    assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    back = compact.dequantize_blockwise(codes, scale, table)
+    assert torch.equal(back, dequant_with_qmap(want_codes, table, want_scale))
+    assert (back - x).abs().max() <= 0.1 * x.abs().max()   # 8 bits of a dynamic map
+
+
+def test_packed_moment_round_trips_codes_and_scales():
+    x = torch.randn(4096)
+    table = compact.qmap(True)
+    codes, scale = compact.quantize_blockwise(x, table)
+    packed = torch.empty(compact.packed_numel(x.numel()), dtype=torch.uint8)
+    assert packed.numel() == 4096 + 4 * 16
+    compact.pack_into(packed, codes, scale)
+    got_codes, got_scale = compact.unpack(packed, x.numel())
+    assert torch.equal(got_codes, codes) and torch.equal(got_scale, scale)
+    # a view at an odd offset (a pool slot need not be 4-aligned) reads the same
+    shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8)[1:]
+    shifted.copy_(packed)
+    assert torch.equal(compact.unpack(shifted, x.numel())[1], scale)
+
+
+def test_stochastic_rounding_is_torchaos_bitwise_and_unbiased():
+    _torchao()
+    from torchao.optim.quant_utils import _fp32_to_bf16_sr
+    x = torch.randn(10_000)
+    torch.manual_seed(3)
+    got = compact.stochastic_round_bf16(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, _fp32_to_bf16_sr(x))
+    # a value a third of a bf16 ulp above 1.0 rounds up a third of the time
+    third = torch.full((60_000,), 1.0 + 2.0 ** -7 / 3)
+    rounded = compact.stochastic_round_bf16(third).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+    assert abs(rounded.mean().item() - third[0].item()) < 2e-4
+
+
+def _reference_state(p: torch.Tensor, state: str, signed: bool):
+    """A moment as torchao keeps it, with tierd's rule for small tensors (fp32)."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+    if state == "8bit" and compact.quantizable(p.numel()):
+        return OptimState8bit.zeros(p.shape, signed, compact.BLOCK, p.device, dtype=p.dtype)
+    if state == "bf16":
+        return torch.zeros(p.shape, dtype=torch.bfloat16)
+    return torch.zeros(p.shape, dtype=torch.float32)
+
+
+def _stored(moment) -> torch.Tensor:
+    """A reference moment in tierd's stored form (packed codes and scales)."""
+    if hasattr(moment, "codes"):
+        out = torch.empty(compact.packed_numel(moment.codes.numel()), dtype=torch.uint8)
+        compact.pack_into(out, moment.codes, moment.scale)
+        return out
+    return moment
+
+
+class TorchaoAdamW:
+    """The reference: torchao's ``single_param_adam`` (eager, no compile),
+    with its 8-bit state subclass or plain bf16/fp32 moments."""
+
+    def __init__(self, params, state: str, lr: float = LR, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2):
+        from torchao.optim.adam import single_param_adam
+        self.step_fn = single_param_adam
+        self.params = list(params)
+        self.kind, self.lr, self.betas = state, lr, betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.state: dict = {}
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if p.grad is None:
+                continue
+            st = self.state.setdefault(p, {})
+            if not st:
+                st.update(step=torch.tensor(0.0),
+                          exp_avg=_reference_state(p, self.kind, True),
+                          exp_avg_sq=_reference_state(p, self.kind, False))
+            st["step"] += 1
+            self.step_fn(p.detach(), p.grad, st["step"], st["exp_avg"], st["exp_avg_sq"], None,
+                         torch.tensor(self.lr), self.betas[0], self.betas[1],
+                         self.weight_decay, self.eps, True, p.dtype is torch.bfloat16)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("master", ["fp32", "bf16"])
+def test_adamw_step_is_torchaos_single_param_adam_bitwise(state, master):
+    _torchao()
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    p = torch.randn(32, 256, generator=g).to(dtype)
+    ref_p = p.clone()
+    like = CompactState(state=state).moment_like(p)
+    m = torch.zeros(like.shape, dtype=like.dtype)
+    v = torch.zeros(like.shape, dtype=like.dtype)
+    ref = TorchaoAdamW([ref_p], state, lr=1e-3)
+    for step in range(1, 5):
+        grad = torch.randn(p.shape, generator=g).to(dtype)
+        torch.manual_seed(step)
+        compact.adamw_step(p, grad, m, v, step=float(step), lr=1e-3, beta1=0.9, beta2=0.999,
+                           weight_decay=1e-2, eps=1e-8, maximize=False,
+                           stochastic=dtype == torch.bfloat16)
+        ref_p.grad = grad
+        torch.manual_seed(step)
+        ref.step()
+        assert torch.equal(p, ref_p), step
+        st = ref.state[ref_p]
+        assert torch.equal(m, _stored(st["exp_avg"])) and torch.equal(v, _stored(st["exp_avg_sq"]))
+
+
+# ------------------------------------------------------------------ attached
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+@pytest.mark.parametrize("path", ["fused", "deferred", "cpu", "resident"])
+def test_attached_training_is_torchaos_adamw_bitwise_on_every_update_path(daemon, state, path):
+    """fp32 master weights (no rounding noise): tierd's compact update
+    through the store equals torchao's AdamW on the plain model, bitwise,
+    whichever path updates: fused into backward (streamed), in step()
+    (deferred), on host threads in the pool, or resident on the device."""
+    _torchao()
+    ref = llama() if path == "resident" else gpt2()
+    options: dict = {}
+    if path == "resident":
+        client = LocalStore()
+        options = dict(device="cpu", gpu_memory_bytes=1 << 30)
+    else:
+        client = tierd.connect(daemon)
+        if path == "cpu":
+            options = dict(optimizer_placement="cpu")
+    model = attach(copy.deepcopy(ref), client=client, **options)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state,
+                            fused=False if path == "deferred" else None)
+    ref_opt = TorchaoAdamW(ref.parameters(), state)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    if path == "resident":
+        assert set(session_of(model).placer.plan.places.values()) == {Place.RESIDENT}
+    saved = opt.state_dict()
+    for i, p in enumerate(ref.parameters()):
+        st = ref_opt.state[p]
+        assert torch.equal(saved["state"][i]["exp_avg"], _stored(st["exp_avg"])), i
+        assert torch.equal(saved["state"][i]["exp_avg_sq"], _stored(st["exp_avg_sq"])), i
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_bf16_master_is_torchaos_bitwise_with_the_same_rounding(state, resident, monkeypatch):
+    """bf16 masters, streamed or resident on the device (their compute copy
+    is updated in place there): torchao's AdamW bitwise once both round the
+    same way. Stochastic rounding draws follow the update order, which is
+    not the reference's; the rounding itself is torchao's bitwise (above)."""
+    torchao_adam = _torchao().adam
+    nearest = lambda x: x.bfloat16()   # noqa: E731
+    monkeypatch.setattr(compact, "stochastic_round_bf16", nearest)
+    monkeypatch.setattr(torchao_adam, "_fp32_to_bf16_sr", nearest)
+    options = dict(gpu_memory_bytes=1 << 30) if resident else {}
+    ref = llama().to(torch.bfloat16)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   compute_dtype=torch.bfloat16, **options)
+    session = session_of(model)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master="bf16")
+    ref_opt = TorchaoAdamW(ref.parameters(), state)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    places = set(session.placer.plan.places.values()) if session.placer.plan else set()
+    assert (places == {Place.RESIDENT}) == resident
+    kinds = {k[len(session.keys.prefix) + 1:].split("/")[0]
+             for k in session.client.keys(session.keys.all)}
+    assert "master" not in kinds   # no fp32 master anywhere
+
+
+def test_stochastic_rounding_moves_bf16_weights_by_updates_below_half_an_ulp():
+    """An update far below half a bf16 ulp leaves a weight as it was when
+    rounded to nearest; rounded stochastically, it moves some of them."""
+    ref = llama().to(torch.bfloat16)
+    start = copy.deepcopy(ref.state_dict())
+    model = attach(ref, client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, state="bf16",
+                            master="bf16")
+    train(model, opt, batches(3))
+    got = model.state_dict()
+    moved = sum(int((got[n] != v).sum()) for n, v in start.items())
+    total = sum(v.numel() for v in start.values())
+    assert 0 < moved < total // 10
+
+
+def test_the_default_is_exact_fp32_adamw_and_says_nothing_of_compact(daemon):
+    ref = gpt2()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    assert opt.compact.exact
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    saved = opt.state_dict()
+    assert "compact" not in saved and saved["state"][0]["exp_avg"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_state_dict_round_trips_the_compact_bytes_and_refuses_another_setting(daemon,
+                                                                              tmp_path):
+    data = batches(6)
+    start = gpt2()
+
+    def fresh(state):
+        model = attach(copy.deepcopy(start), client=tierd.connect(daemon))
+        return model, tierd.optim.AdamW(model.parameters(), lr=LR, state=state)
+
+    straight, straight_opt = fresh("8bit")
+    train(straight, straight_opt, data)
+    model, opt = fresh("8bit")
+    train(model, opt, data[:3])
+    saved = opt.state_dict()
+    assert saved["compact"] == {"state": "8bit", "master": "fp32"}
+    torch.save({"model": model.state_dict(), "optimizer": saved}, tmp_path / "ckpt.pt")
+    tierd.detach(model)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+
+    other = gpt2()
+    other.load_state_dict(ckpt["model"])
+    other = attach(other, client=tierd.connect(daemon))
+    wrong = tierd.optim.AdamW(other.parameters(), lr=LR, state="bf16")
+    with pytest.raises(StateError, match="state='8bit'.*Build it with"):
+        wrong.load_state_dict(ckpt["optimizer"])
+    assert wrong.state_dict()["state"] == {}          # nothing changed
+    resumed_opt = tierd.optim.AdamW(other.parameters(), lr=LR, state="8bit")
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    again = resumed_opt.state_dict()
+    for i, entry in saved["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(again["state"][i][k], v), (i, k)
+    train(other, resumed_opt, data[3:])
+    assert_same_weights(other, straight)
+
+
+def test_a_torch_fp32_state_dict_loads_into_a_compact_optimizer_converted(daemon):
+    ref = gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    train(ref, ref_opt, batches(2))
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="bf16")
+    opt.load_state_dict(ref_opt.state_dict())
+    got = opt.state_dict()
+    for i, entry in ref_opt.state_dict()["state"].items():
+        assert torch.equal(got["state"][i]["exp_avg"], entry["exp_avg"].bfloat16()), i
+        assert got["state"][i]["step"].item() == entry["step"].item()
+
+
+def test_commit_and_resume_keep_the_compact_state_and_refuse_a_change(daemon):
+    _torchao()
+    data = batches(6)
+    ref = gpt2()
+    ref_opt = TorchaoAdamW(ref.parameters(), "8bit")
+    want = train(ref, ref_opt, data)
+
+    model = attach(gpt2(), client=daemon.connect(job="c8"), name="m")
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="8bit")
+    assert train(model, opt, data[:3]) == want[:3]
+    tierd.commit(model, opt, 3)
+    session_of(model).client.close()   # the process ends without detaching
+
+    resumed = attach(gpt2(seed=5), client=daemon.connect(job="c8"), name="m", resume=True)
+    for state in ("fp32", "bf16"):
+        with pytest.raises(StateError, match="state='8bit'.*as the run that committed"):
+            tierd.optim.AdamW(resumed.parameters(), lr=LR, state=state)
+    with pytest.raises(StateError, match="fp32 masters"):   # fp32 compute: no bf16 master
+        tierd.optim.AdamW(resumed.parameters(), lr=LR, state="8bit", master="bf16")
+    opt = tierd.optim.AdamW(resumed.parameters(), lr=LR, state="8bit")
+    assert train(resumed, opt, data[3:]) == want[3:]
+    assert_same_weights(resumed, ref)
+
+
+def test_an_exact_commit_resumed_by_a_compact_optimizer_is_refused(daemon):
+    model = attach(gpt2(), client=daemon.connect(job="f32"), name="m",
+                   compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR)
+    train(model, opt, batches(2))
+    tierd.commit(model, opt, 2)
+    session_of(model).client.close()
+    resumed = attach(gpt2(), client=daemon.connect(job="f32"), name="m", resume=True,
+                     compute_dtype=torch.bfloat16)
+    with pytest.raises(StateError, match="state='fp32', master='fp32'"):
+        tierd.optim.AdamW(resumed.parameters(), lr=LR, state="bf16")
+    with pytest.raises(StateError, match="fp32 masters"):
+        tierd.optim.AdamW(resumed.parameters(), lr=LR, master="bf16")
+
+
+# ------------------------------------------------------------------ sizes
+def _bytes_per_param(model) -> float:
+    """Bytes the store holds for the model's trained state at rest (compute
+    copies, masters, moments) per trainable parameter."""
+    session = session_of(model)
+    keys = [k for k in session.client.keys(session.keys.all)
+            if k[len(session.keys.prefix) + 1:].split("/")[0] in ("p", "master", "optim")
+            and "/optim/step/" not in k and "/optim/format/" not in k]
+    values = session.read(keys)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(v.numel() * v.element_size() for v in values.values()) / n
+
+
+@pytest.mark.parametrize("state,master,most", [("bf16", "fp32", 10.0), ("8bit", "bf16", 6.0)])
+def test_bytes_per_parameter_in_the_store(daemon, state, master, most):
+    model = attach(gpt2(n_embd=128), client=tierd.connect(daemon),
+                   compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+    train(model, opt, batches(2))
+    measured = _bytes_per_param(model)
+    assert measured <= most
+    assert CompactState(state=state, master=master).bytes_per_param(torch.bfloat16) <= most
+    assert 2 < measured   # the compute copies at least
+
+
+def test_bytes_per_param_figures():
+    assert CompactState().bytes_per_param(torch.bfloat16) == 14.0
+    assert CompactState(state="bf16").bytes_per_param(torch.bfloat16) == 10.0
+    assert CompactState(state="8bit", master="bf16").bytes_per_param(torch.bfloat16) == 4.03125
+    # a tensor below a block's worth keeps fp32 moments
+    assert CompactState(state="8bit").bytes_per_param(torch.bfloat16, numel=1024) == 14.0
+
+
+def test_placement_counts_the_compact_sizes():
+    """What placement keeps per unit is what the setting stores."""
+    sizes = {}
+    for state, master in (("fp32", "fp32"), ("8bit", "bf16")):
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16)
+        opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+        session = session_of(model)
+        units = session.placer.unit_bytes()
+        sizes[state] = sum(u.state_bytes for u in units), sum(u.param_bytes for u in units)
+        del opt
+    (fp32_state, params), (compact_state, same_params) = sizes["fp32"], sizes["8bit"]
+    assert params == same_params
+    assert fp32_state == 6 * params             # fp32 master + two fp32 moments over bf16
+    # two moments as stored (8-bit, fp32 below 4096 elements), no master of its own
+    setting = CompactState(state="8bit", master="bf16")
+    assert compact_state == sum(2 * setting.moment_nbytes(p) for p in llama().parameters())
+    assert compact_state < 1.4 * params
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_settings_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="state='int4'.*'fp32', 'bf16', '8bit'"):
+        tierd.optim.AdamW([], state="int4")
+    with pytest.raises(ValueError, match="master='fp16'.*'fp32', 'bf16'"):
+        tierd.optim.AdamW([], master="fp16")
+
+
+def test_bf16_master_needs_bf16_parameters():
+    model = attach(gpt2(), client=LocalStore(), device="cpu")   # fp32 compute
+    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16"):
+        tierd.optim.AdamW(model.parameters(), lr=LR, master="bf16")
+
+
+def test_tensors_smaller_than_a_block_keep_fp32_moments_and_the_kernel_refuses_them():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        compact.quantize_blockwise(torch.randn(100), compact.qmap(True))
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        compact.packed_numel(4096 + 1)
+    model = attach(gpt2(), client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="8bit")
+    train(model, opt, batches(2))
+    saved = opt.state_dict()["state"]
+    for i, p in enumerate(model.parameters()):
+        moment = saved[i]["exp_avg"]
+        if compact.quantizable(p.numel()):
+            assert moment.dtype == torch.uint8 and moment.numel() < p.numel() * 1.02
+        else:   # biases, norms, the position embedding of 2048 elements
+            assert moment.dtype == torch.float32 and moment.shape == p.shape
+    assert {saved[i]["exp_avg"].dtype for i in saved} == {torch.uint8, torch.float32}
