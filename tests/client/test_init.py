@@ -62,7 +62,8 @@ def _train_like_torch(model, ref, steps: int = 2) -> None:
 def test_llama_equals_its_own_init_and_trains(monkeypatch):
     with _constructor_inits_off(monkeypatch):
         ref = llama(seed=SEED)
-    model = _initialized(llama)
+    model = _initialized(llama, resident_below_bytes=1024)   # the norms: read back at attach
+    assert any(tp.resident for tp in session_of(model).params.values())
     assert_same_weights(model, ref)
     want = dict(ref.named_buffers())   # rotary inv_freq, re-created
     for name, buf in model.named_buffers():
@@ -195,6 +196,21 @@ def test_bf16_compute_keeps_the_fp32_init_as_masters():
     assert torch.equal(model.state_dict()[w], master)   # state_dict reads the masters
 
 
+def test_a_bf16_model_stores_no_masters_and_trains():
+    # built in the compute dtype, as a model too large for fp32 is: each master
+    # is made from its compute copy at the first update ([Note: masters made
+    # when first needed] in tierd.client.registry)
+    model = _initialized(lambda: llama().to(torch.bfloat16), compute_dtype="bf16", name="b")
+    keys = session_of(model).client.keys("tierd-attach/b/")
+    assert keys and not [k for k in keys if "/master/" in k]
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.bfloat16 and 0.015 < w.detach().float().std() < 0.025
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = batches(1)[0]
+    losses = train(model, opt, [ids, ids])   # the same batch: the step lowers its loss
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
+
+
 class _Stack(nn.Module):
     """An embedding and a head (the rest) around ``layers`` blocks of two linears."""
 
@@ -272,7 +288,7 @@ def test_process_memory_does_not_grow_with_the_units_stored(daemon_factory):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_device_memory_is_bounded_by_a_unit():
+def test_device_memory_is_bounded_by_a_unit(daemon_factory):
     device = torch.device("cuda")
     model = _on_meta(lambda: _Stack(layers=16, width=2048))   # blocks of 32 MiB
     block, rest, whole = _bytes(model.blocks[0]), _bytes(model.embed, model.head), _bytes(model)
@@ -280,7 +296,8 @@ def test_device_memory_is_bounded_by_a_unit():
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     torch.manual_seed(SEED)
-    attach(model, client=LocalStore(pool_bytes=1 << 30), device=device, init=True,
+    client = tierd.connect(daemon_factory(pool="1GiB", nvme_size="1GiB"))
+    attach(model, client=client, device=device, init=True,
            gpu_memory_bytes=0)   # nothing stays on the device after attach
     grown = torch.cuda.max_memory_allocated(device) - base
     assert grown <= rest + block + (4 << 20) < whole, (grown, rest, block, whole)
