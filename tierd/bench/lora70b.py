@@ -186,11 +186,11 @@ def meta_model(shape: Shape, seq: int, rank: int | None, *, train: bool):
     with torch.device("meta"), default_dtype(torch.bfloat16):
         model = LlamaForCausalLM(llama_config(shape, seq))
     model = checkpointed(model) if train else model.eval()
-    if rank is None and not train:
-        model.requires_grad_(False)
     if rank is not None:
         from peft import get_peft_model
         model = get_peft_model(model, lora_config(rank))
+    elif not train:
+        model.requires_grad_(False)
     return model.train() if train else model.eval()
 
 
@@ -295,7 +295,10 @@ def pcie_bandwidths(device: torch.device, nbytes: int = 256 << 20) -> dict:
             torch.cuda.synchronize(device)
             out = max(out, (h2d + d2h) * nbytes / (time.perf_counter() - t0))
         return out
-    return {"h2d": best(True, False), "d2h": best(False, True), "both": best(True, True)}
+    rates = {"h2d": best(True, False), "d2h": best(False, True), "both": best(True, True)}
+    del host_in, host_out, dev_in, dev_out
+    torch.accelerator.empty_host_cache()   # the pool page-locks what the host allows
+    return rates
 
 
 def lora_loop(model, device: torch.device, ids, args, deadline: float, observe=None):
