@@ -355,6 +355,14 @@ class _HalfReset(nn.Linear):
         nn.init.normal_(self.weight)
 
 
+class _DataReset(nn.Linear):
+    """A reset writing through ``.data``, as transformers 4.x inits do."""
+
+    def reset_parameters(self) -> None:
+        self.weight.data.normal_()
+        self.bias.data.zero_()
+
+
 class _ResetsItsBlocks(nn.Module):
     """A root whose reset re-initializes its blocks (after they are stored)."""
 
@@ -371,7 +379,11 @@ class _ResetsItsBlocks(nn.Module):
 
 def test_an_init_that_misses_a_parameter_or_writes_outside_its_unit():
     _refused(_on_meta(lambda: nn.Sequential(nn.Linear(4, 4), _HalfReset(4, 4))),
-             r"does not set parameters 1\.bias \(their values come from __init__ only\)")
+             r"leaves parameters 1\.bias \(all or part\) unset")
+    torch.manual_seed(SEED)   # a write through .data sets it as well
+    ref = nn.Sequential(_DataReset(4, 4), _DataReset(4, 4))
+    assert_same_weights(_initialized(lambda: nn.Sequential(_DataReset(4, 4), _DataReset(4, 4))),
+                        ref)
     _refused(_on_meta(_ResetsItsBlocks),
              r"wrote parameters blocks\.0\.weight, blocks\.1\.weight while their unit was not "
              "on the device.*unit_modules=")

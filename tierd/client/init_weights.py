@@ -33,12 +33,14 @@ holders hold a scratch tensor during the inits. A plain model ties after
 its inits, so those draws went into a tensor that is then dropped: the
 scratch makes the same draws and drops them.
 
-Two checks keep a wrong value from being stored silently: a parameter the
-inits of its unit did not write (its version counter is unchanged: its
-value comes from ``__init__`` only) is an error before its unit is stored,
-and an init that writes a parameter already stored (one outside its unit:
-the meta tensor's version counter moves) is an error after the walk.
-Either way every stored key is deleted again.
+Two checks keep a wrong value from being stored silently. Floating
+tensors are materialized NaN-filled, so a parameter whose unit's inits left
+any of it unset (its value comes from ``__init__`` only) is an error before
+its unit is stored (the version counter would not tell: writes through
+``.data``, as transformers 4.x inits make them, do not move it). An init
+that writes a parameter already stored (one outside its unit) writes a meta
+tensor, whose version counter moves (unless written through ``.data``): an
+error after the walk. Either way every stored key is deleted again.
 
 [Note: init values and the plain model's]
 With the same seed, the values equal the model's own init run on the whole
@@ -344,15 +346,17 @@ class _Walk:
                 "parameters it initializes are one unit")
 
     def _materialize(self, modules: list[nn.Module]) -> None:
-        """Give the holders in ``modules`` empty device tensors: a source the
-        one to store, any other holder (a tie target) scratch."""
+        """Give the holders in ``modules`` device tensors, NaN where the dtype
+        has it (what the init leaves NaN it did not set): a source the one to
+        store, any other holder (a tie target) scratch."""
         for module in modules:
             for attr, param in list(module._parameters.items()):
                 if param is None or not param.is_meta:
                     continue   # held already
-                module._parameters[attr] = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device=self.device),
-                    requires_grad=param.requires_grad)
+                value = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                if value.is_floating_point():
+                    value.fill_(float("nan"))
+                module._parameters[attr] = nn.Parameter(value, requires_grad=param.requires_grad)
                 self.held.append(self.by_place[(id(module), attr)])
 
     def _finish(self, unit: int) -> None:
@@ -361,23 +365,26 @@ class _Walk:
         done = [h for h in self.held if h.unit == unit]
         values: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
-        unwritten = []
+        floats: dict[str, torch.Tensor] = {}   # name -> value, checked for NaN
         for holder in done:
             if self.plan.holders[id(holder.param)][0] is not holder:
                 continue   # a tie target: its scratch goes
             value = holder.module._parameters[holder.attr]
             name = self.plan.names[id(holder.param)]
-            if value._version == 0:
-                unwritten.append(name)
+            if value.is_floating_point():
+                floats[name] = value
             dtype = self.compute_dtype if value.is_floating_point() else value.dtype
             values[self.keys.param(name)], dtypes[self.keys.param(name)] = value, dtype
             if value.requires_grad and dtype != torch.float32 and value.dtype != dtype:
                 values[self.keys.master(name)] = value
                 dtypes[self.keys.master(name)] = torch.float32
-        if unwritten:
+        unset = [n for n, bad in zip(floats, torch.stack(
+            [v.isnan().any() for v in floats.values()]).tolist()) if bad] if floats else []
+        if unset:
             raise ValueError(
-                f"init=True: {type(self.plan.model).__name__}'s init does not set parameters "
-                f"{listed(unwritten)} (their values come from __init__ only); build the "
+                f"init=True: {type(self.plan.model).__name__}'s init leaves parameters "
+                f"{listed(unset)} (all or part) unset (their values come from __init__ "
+                "only); build the "
                 "model on the CPU, or pass weights=PATH")
         if values:
             self.pending = list(values)
