@@ -303,6 +303,20 @@ def test_device_memory_is_bounded_by_a_unit(daemon_factory):
     assert grown <= rest + block + (4 << 20) < whole, (grown, rest, block, whole)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_torch_model_equals_the_plain_model_built_there(daemon):
+    # the device's generator, drawn in the same order as the constructors draw
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        ref = _TorchLM()
+    torch.manual_seed(SEED)
+    model = attach(_on_meta(_TorchLM), client=tierd.connect(daemon), device="cuda", init=True)
+    got = model.state_dict()
+    for name, want in ref.state_dict().items():
+        assert torch.equal(got[name].cpu(), want.cpu()), name
+
+
 # ------------------------------------------------------------------ refused
 
 
