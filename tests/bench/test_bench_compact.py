@@ -1,0 +1,52 @@
+"""``python -m tierd.bench.compact`` end to end on a tiny GPT-2 on the CPU (a
+real embedded daemon): the JSON has a run per setting with its loss curve and
+figures. Checks the output's shape, never an accuracy: that is for the GPU run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierd.bench import compact
+
+
+def test_a_run_per_setting_with_its_curve_sizes_and_ratio_to_fp32(tmp_path):
+    out = tmp_path / "out"
+    compact.main(["--out", str(out), "--tiny", "--steps", "2", "--device", "cpu",
+                  "--settings", "8bit-bf16,fp32"])
+    result = json.loads((out / "compact.json").read_text())
+    assert result["device"] == "cpu" and result["commit"] is not None
+    assert result["args"]["steps"] == 2 and result["args"]["layers"] == 2
+    fp32, small = result["runs"]   # in the settings' own order
+    assert (fp32["setting"], fp32["state"], fp32["master"]) == ("fp32", "fp32", "fp32")
+    assert (small["setting"], small["state"], small["master"]) == ("8bit-bf16", "8bit", "bf16")
+    for run in (fp32, small):
+        assert len(run["losses"]) == 2 and all(loss > 0 for loss in run["losses"])
+        assert run["final_loss"] == run["losses"][-1] and run["eval_loss"] > 0
+        assert run["seconds"] > 0
+    assert fp32["final_vs_fp32"] == 0.0 and fp32["eval_vs_fp32"] == 0.0
+    assert small["final_vs_fp32"] == pytest.approx(small["final_loss"] / fp32["final_loss"] - 1)
+    assert fp32["bytes_per_param"] == 14.0      # bf16 copy, fp32 master, two fp32 moments
+    assert small["bytes_per_param"] < 6.0
+
+
+def test_the_corpus_is_the_same_for_every_setting_and_follows_its_chain():
+    import torch
+    batch = compact.corpus(vocab=1000, used=50, branch=3, seed=0)
+    a = batch(4, 20, torch.Generator().manual_seed(1))
+    b = batch(4, 20, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (4, 20)
+    assert len(a.unique()) <= 50
+    # every token is followed by at most three distinct successors
+    pairs: dict[int, set] = {}
+    for row in batch(64, 40, torch.Generator().manual_seed(2)).tolist():
+        for x, y in zip(row, row[1:]):
+            pairs.setdefault(x, set()).add(y)
+    assert max(len(s) for s in pairs.values()) <= 3
+
+
+def test_an_unknown_setting_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compact.main(["--out", str(tmp_path), "--settings", "int4"])
+    assert "fp32, bf16, 8bit, 8bit-bf16" in capsys.readouterr().err
