@@ -100,3 +100,21 @@ def test_compiled_model_with_activation_checkpointing_trains_as_eager():
         want = ref(input_ids=ids, labels=ids).loss
         want.backward(); ref_opt.step(); ref_opt.zero_grad()
         assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+
+
+def test_a_model_placed_on_the_device_compiles_whole_into_one_graph():
+    """Units placed whole run no hooks, so the compiled forward has no break:
+    Hugging Face Llama slices its ModuleList of layers in every forward, and
+    the registration hook tierd watches new modules with must not be traced
+    (it broke the forward into a frame per layer: 8B compiled whole ran
+    slower than eager on the H200)."""
+    model = attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1 << 40)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):   # measure, place, settle
+        model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()
+    assert session_of(model).placer.plan is not None
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        [b.reason for b in explained.break_reasons]

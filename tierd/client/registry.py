@@ -406,8 +406,11 @@ class ParamRegistry:
     # ------------------------------------------------ added after attach
     def _module_added(self, parent: nn.Module, name: str, sub: nn.Module | None) -> None:
         """torch registers ``sub`` as ``parent.name``: in this model, its new
-        parameters become tierd's ([Note: parameters added after attach])."""
-        if sub is None or parent not in self._qualnames:
+        parameters become tierd's ([Note: parameters added after attach]).
+        Not while compiling: a forward's temporary container (Llama slices its
+        ``ModuleList`` of layers in every forward) is no new part of the model,
+        and a traced call here was a graph break in every compiled forward."""
+        if torch.compiler.is_compiling() or sub is None or parent not in self._qualnames:
             return
         prefix = f"{self._qualnames[parent]}.{name}".lstrip(".")
         index = self._unit_index.get(parent)

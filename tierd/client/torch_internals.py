@@ -74,12 +74,14 @@ def weak_hook(method: Callable) -> Callable:
     object alive. torch holds a tensor's hooks from C++, out of the garbage
     collector's sight, so a hook whose object holds the tensor (an attach
     session holds its parameters) made a cycle never collected: a model
-    dropped without ``detach`` stayed in memory with its session."""
-    ref = weakref.WeakMethod(method)
+    dropped without ``detach`` stayed in memory with its session. (A plain
+    ``weakref.ref`` of the object, not a ``WeakMethod``: dynamo traces the
+    former, and a module hook runs inside compiled forwards.)"""
+    owner, func = weakref.ref(method.__self__), method.__func__
 
     def hook(*args):
-        target = ref()
-        return None if target is None else target(*args)
+        target = owner()
+        return None if target is None else func(target, *args)
     return hook
 
 
