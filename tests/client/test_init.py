@@ -71,6 +71,21 @@ def test_llama_equals_its_own_init_and_trains(monkeypatch):
     _train_like_torch(model, ref)
 
 
+def test_buffers_built_on_the_cpu_are_kept(monkeypatch):
+    # accelerate.init_empty_weights puts only parameters on meta
+    from accelerate import init_empty_weights
+    with _constructor_inits_off(monkeypatch):
+        ref = llama(seed=SEED)
+    with init_empty_weights():
+        model = llama()
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert model.lm_head.weight.is_meta and not inv_freq.is_meta
+    torch.manual_seed(SEED)
+    attach(model, client=LocalStore(), device="cpu", init=True)
+    assert_same_weights(model, ref)
+    assert model.model.rotary_emb.inv_freq is inv_freq
+
+
 def test_gpt2_tied_equals_its_own_init(monkeypatch, daemon):
     with _constructor_inits_off(monkeypatch):
         ref = gpt2(seed=SEED)
