@@ -425,3 +425,32 @@ def test_tensors_smaller_than_a_block_keep_fp32_moments_and_the_kernel_refuses_t
         else:   # biases, norms, the position embedding of 2048 elements
             assert moment.dtype == torch.float32 and moment.shape == p.shape
     assert {saved[i]["exp_avg"].dtype for i in saved} == {torch.uint8, torch.float32}
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state,master", [("bf16", "fp32"), ("8bit", "fp32"), ("8bit", "bf16")])
+def test_on_cuda_streamed_and_resident_compact_updates_agree_bitwise(daemon, state, master,
+                                                                     monkeypatch):
+    """The compact bytes streamed through the pool (fused into backward,
+    copied in and out) and kept resident on the GPU give the same training,
+    bitwise: the same kernels on the same device, whatever moves the bytes."""
+    from tierd.client.placer import Placer
+    monkeypatch.setattr(Placer, "_memory", lambda self: None)   # place from the cap alone
+    monkeypatch.setattr(compact, "stochastic_round_bf16", lambda x: x.bfloat16())
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    data = [ids.cuda() for ids in batches(5, batch=2, seq=16)]
+    runs = []
+    for cap in (0, 1 << 30):
+        model = attach(gpt2(n_layer=4, n_embd=128), client=tierd.connect(daemon),
+                       gpu_memory_bytes=cap, compute_dtype=dtype)
+        opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+        losses = train(model, opt, data)
+        runs.append((losses, model.state_dict(), set(session_of(model).placer.plan.places
+                                                        .values())))
+        tierd.detach(model)
+    (streamed, sd0, places0), (resident, sd1, places1) = runs
+    assert places0 == {Place.STREAM} and places1 == {Place.RESIDENT}
+    assert streamed == resident
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())

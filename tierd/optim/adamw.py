@@ -44,6 +44,9 @@ class AdamW(StreamedOptimizer):
                  state: str = "fp32", master: str = "fp32") -> None:
         # an instance attribute before the base class sizes and makes the state
         self.compact = CompactState(state=state, master=master)
+        #: the 8-bit quantization maps by device, then signedness (made once:
+        #: a new device tensor per update would copy, and on CUDA wait)
+        self._tables: dict[torch.device, dict[bool, torch.Tensor]] = {}
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if eps < 0:
@@ -119,8 +122,8 @@ class AdamW(StreamedOptimizer):
                         exp_avg_sqs) -> None:
         """Compact state's update, tensor by tensor (:func:`tierd.optim.compact.adamw_step`)."""
         lr, (beta1, beta2) = group["lr"], group["betas"]
-        tables: dict = {}   # the quantization maps on the device, made once per call
         for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+            tables = self._tables.setdefault(param.device, {})
             adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
                        beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                        maximize=group["maximize"],

@@ -281,25 +281,27 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                stochastic: bool, tables: dict[bool, torch.Tensor] | None = None) -> None:
     """One AdamW step of one tensor on compact state, in place: torchao's
     ``single_param_adam`` (AdamW, no amsgrad) op for op, with ``lr`` and
-    ``step`` as fp32 scalars as torchao holds them. ``exp_avg``/``exp_avg_sq``
-    are stored moments (fp32, bf16, or packed 8-bit uint8: see [Note:
-    compact optimizer state]); ``param`` is the master (fp32) or, with
-    ``stochastic``, a bf16 compute copy rounded stochastically."""
-    device = param.device
-    tables = tables or {}
+    ``step`` as fp32 CPU scalars as torchao holds them (on CUDA too: a CPU
+    scalar joins a device op without a copy or a sync). ``exp_avg`` and
+    ``exp_avg_sq`` are stored moments (fp32, bf16, or packed 8-bit uint8: see
+    [Note: compact optimizer state]); ``param`` is the master (fp32) or, with
+    ``stochastic``, a bf16 compute copy rounded stochastically. ``tables``
+    keeps the quantization maps on ``param``'s device between calls (by
+    signedness; made here when missing)."""
+    tables = {} if tables is None else tables
 
     def table(signed: bool, stored: torch.Tensor) -> torch.Tensor | None:
         if stored.dtype != torch.uint8:
             return None
         if signed not in tables:
-            tables[signed] = qmap(signed, device)
+            tables[signed] = qmap(signed, param.device)
         return tables[signed]
 
     shape = param.shape
     m = _Moment(exp_avg, shape, table(True, exp_avg))
     v = _Moment(exp_avg_sq, shape, table(False, exp_avg_sq))
-    lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
-    step_t = torch.tensor(step, dtype=torch.float32, device=device)
+    lr_t = torch.tensor(lr, dtype=torch.float32)
+    step_t = torch.tensor(step, dtype=torch.float32)
     p32 = param.float()
     g32 = grad.float()
     if maximize:
