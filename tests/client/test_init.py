@@ -350,6 +350,8 @@ def _refused(model: nn.Module, match: str, **options) -> None:
 
 
 def test_init_with_weights_or_resume(tmp_path):
+    with pytest.raises(TypeError, match="init='yes' must be True or False"):
+        attach(_on_meta(_Stack), client=LocalStore(), device="cpu", init="yes")
     _refused(_on_meta(_Stack), "init=True .* or weights=PATH .*not both", weights=tmp_path)
     _refused(_on_meta(_Stack), "init=True .* or resume=True .*not both", resume=True,
              name="run")

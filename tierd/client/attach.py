@@ -135,6 +135,8 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
     if group is not None and weights is not None:
         raise ValueError("weights= is not supported under torch.distributed yet: load the "
                          "checkpoint into the CPU model (load_state_dict) and attach that")
+    if not isinstance(init, bool):
+        raise TypeError(f"init={init!r} must be True or False")
     if init:
         _check_init(weights, resume, group)
         if config.name is None:   # init stores the keys before the session, under this name
