@@ -34,9 +34,8 @@ def _on_meta(make):
 @contextlib.contextmanager
 def _constructor_inits_off(monkeypatch):
     """Build a model without torch's constructor draws (``nn.Linear.__init__``'s
-    ``kaiming_uniform_``...): Hugging Face's ``_init_weights`` alone draws, as
-    ``from_pretrained`` has it for weights a checkpoint lacks (transformers
-    keeps its own references to the torch functions)."""
+    ``kaiming_uniform_``...): Hugging Face's ``_init_weights`` alone draws
+    (transformers keeps its own references to the torch functions)."""
     with monkeypatch.context() as m:
         for name in ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_",
                      "xavier_uniform_", "trunc_normal_", "constant_", "ones_", "zeros_"):

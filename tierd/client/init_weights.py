@@ -51,8 +51,7 @@ first draw torch's default inits (``nn.Linear.__init__``'s
 ``kaiming_uniform_``, ``nn.Embedding``'s ``normal_``), which
 ``post_init`` then draws over; a meta model never drew them, so the random
 generator is elsewhere when ``_init_weights`` runs. Its values are those of
-the plain model built with torch's constructor inits off (what
-``from_pretrained`` does for weights a checkpoint lacks), from the same
+the plain model built with torch's constructor inits off, from the same
 distributions as the plain model's; constants (norm weights, zero biases)
 are equal. Matching the plain model would mean drawing every constructor's
 init again, a whole second pass of the random generator, only to discard
