@@ -454,3 +454,25 @@ def test_on_cuda_streamed_and_resident_compact_updates_agree_bitwise(daemon, sta
     assert Place.RESIDENT not in places0 and places1 == {Place.RESIDENT}
     assert streamed == resident
     assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+
+
+# ------------------------------------------------------------------ attach
+def test_attach_counts_the_compact_setting_it_is_told_before_the_optimizer_exists():
+    from tierd.client.attach_config import AttachConfig
+    from tierd.client.capacity import model_need
+    from tierd.client.keys import ModelKeys
+    keys = ModelKeys.for_name("m")
+    model = gpt2(n_embd=128)
+    exact = model_need(model, torch.bfloat16, keys)
+    setting = CompactState(state="8bit", master="bf16")
+    small = model_need(model, torch.bfloat16, keys, optimizer_state=setting)
+    assert exact.master > 0 and small.master == 0          # no fp32 master to store
+    assert small.params == exact.params and small.gradients == exact.gradients
+    assert small.optimizer < exact.optimizer / 2
+    assert small.total < exact.total
+    with pytest.raises(ValueError, match="tierd.optim.CompactState"):
+        AttachConfig(optimizer_state="8bit")
+    # attach takes it as an option; the optimizer keeps its own setting
+    attached = attach(gpt2(), client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16,
+                      optimizer_state=setting)
+    assert session_of(attached).config.optimizer_state == setting

@@ -196,7 +196,8 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
         check_cap(model, config, cap)
     gpu = 0 if group is not None else device_room(cap)
     need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
-                      device=gpu, lazy_masters=group is None)
+                      device=gpu, lazy_masters=group is None,
+                      optimizer_state=config.optimizer_state)
     if group is not None:
         ranks, client = _join_ranks(group, model, client, job, config, need)
         if config.name is None:
@@ -237,7 +238,8 @@ def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int)
         keys = ModelKeys.for_name(config.name)
         existing = client.keys(keys.all) if config.name is not None else ()
         need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
-                          existing=existing, device=gpu, lazy_masters=ranks is None)
+                          existing=existing, device=gpu, lazy_masters=ranks is None,
+                          optimizer_state=config.optimizer_state)
         count = sum(p.numel() for p in model.parameters())
         text = room_problem(client, need, f"{type(model).__name__} ({count:,} parameters)")
     if ranks is not None:

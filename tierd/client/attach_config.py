@@ -62,6 +62,13 @@ class AttachConfig:
     #: overlapped with backward) or "auto" (placement chooses per unit by
     #: measured cost; [Note: choosing CPU updates] in tierd.client.placement).
     optimizer_placement: str = "gpu-stream"
+    #: The compact setting the optimizer will keep its state in
+    #: (``tierd.optim.CompactState(state="8bit", master="bf16")``), counted by
+    #: the capacity check and the embedded daemon's sizes at attach, before
+    #: the optimizer exists; None counts fp32 AdamW ([Note: what the store
+    #: holds for a model] in tierd.client.capacity). The optimizer's setting
+    #: is its own: this only sizes.
+    optimizer_state: object = None
     #: Keep lasting pool leases on the model's keys (compute-dtype params,
     #: then optimizer states) while they take at most this fraction of the
     #: pool: no daemon request per use. Above it, keys are leased per use and
@@ -111,6 +118,12 @@ class AttachConfig:
                              "memory free at attach")
         if not 0.0 <= self.hold_fraction <= 1.0:
             raise ValueError(f"hold_fraction={self.hold_fraction} must be in [0, 1]")
+        state = self.optimizer_state
+        if state is not None and not all(callable(getattr(state, m, None))
+                                         for m in ("master_in_compute", "moment_nbytes")):
+            raise ValueError(f"optimizer_state={state!r} is not a compact setting; pass "
+                             "tierd.optim.CompactState(state=..., master=...) as given to "
+                             "tierd.optim.AdamW, or None (fp32 AdamW)")
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")

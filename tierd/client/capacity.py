@@ -345,13 +345,15 @@ def device_room(cap: int | None) -> int:
 
 def model_need(model, compute_dtype, keys, *, job: str | None = None,
                existing: Iterable[str] = (), device: int = 0,
-               lazy_masters: bool = False) -> StoreNeed:
+               lazy_masters: bool = False, optimizer_state=None) -> StoreNeed:
     """What attaching ``model`` stores and its training adds, keys in
     ``existing`` (a resumed job's) excepted; ``keys`` is its
     :class:`~tierd.client.keys.ModelKeys` ([Note: what the store holds for a
     model]); ``device``: the GPU room counted ([Note: the GPU counted]);
     ``lazy_masters``: attach leaves out masters of parameters already in the
-    compute dtype ([Note: masters made when first needed] in tierd.client.registry)."""
+    compute dtype ([Note: masters made when first needed] in tierd.client.registry);
+    ``optimizer_state``: the optimizer's compact setting, whose sizes replace
+    AdamW's fp32 master and moments (:class:`tierd.client.optimizers.StateSizes`)."""
     import torch   # only here: the rest of this module is torch-free
 
     items: list[tuple[str, str, int]] = []
@@ -362,13 +364,17 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
         items.append(("params", keys.param(name), n * dtype.itemsize))
         if not p.requires_grad:
             continue
-        if dtype != torch.float32:
+        like = torch.empty(p.shape, dtype=dtype, device="meta")
+        in_compute = optimizer_state is not None and optimizer_state.master_in_compute(like)
+        if dtype != torch.float32 and not in_compute:
             items.append(("master", keys.master(name), n * 4))
             if lazy_masters and p.dtype == dtype:
                 later.append(keys.master(name))
         items.append(("gradients", keys.grad(name), n * GRAD_BYTES))
+        moment = (n * ADAMW_STATE_BYTES // 2 if optimizer_state is None
+                  else optimizer_state.moment_nbytes(like))
         for state in ("exp_avg", "exp_avg_sq"):
-            items.append(("optimizer", keys.state(state, name), n * ADAMW_STATE_BYTES // 2))
+            items.append(("optimizer", keys.state(state, name), moment))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = any(p.requires_grad for p in model.parameters())
     released = sum(p.numel() * p.element_size() for p in model.parameters()

@@ -42,6 +42,18 @@ class UnitState:
     grad_bytes: int
 
 
+class StateSizes(Protocol):
+    """The sizes of an optimizer's state in a compact setting
+    (``tierd.optim.CompactState``), for what attach counts before the
+    optimizer exists (``AttachConfig.optimizer_state``)."""
+
+    def master_in_compute(self, param: Any) -> bool:
+        """A trainable ``param`` (shape and compute dtype) keeps no fp32 master."""
+
+    def moment_nbytes(self, param: Any) -> int:
+        """Bytes of one stored moment of ``param``."""
+
+
 class UpdateEngine(Protocol):
     """The update engine of one attached model, as its session and placer see
     it: every optimizer's updates together (``tierd.updates.engine``).

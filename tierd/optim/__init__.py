@@ -6,6 +6,7 @@ Example:
 
 from tierd.optim.adamw import AdamW
 from tierd.optim.base import StreamedOptimizer
+from tierd.optim.compact import CompactState
 from tierd.optim.sgd import SGD
 
-__all__ = ["AdamW", "SGD", "StreamedOptimizer"]
+__all__ = ["AdamW", "CompactState", "SGD", "StreamedOptimizer"]
