@@ -11,11 +11,13 @@ import copy
 import pytest
 import torch
 
+import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.store import LocalStore
 from tierd.errors import StateError
 from tests.client.models import assert_same_weights, batches, gpt2, llama
+from tests.faults import harness
 
 peft = pytest.importorskip("peft")
 
@@ -205,3 +207,32 @@ def test_changes_that_would_lose_what_tierd_holds_raise_and_change_nothing():
     ids = batches(1)[0]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_adapters_added_after_a_resumed_attach_take_their_committed_values(tmp_path):
+    """Commit at step 2 with adapters added after attach, kill the daemon,
+    resume: the same order of calls brings the committed adapters back (fresh
+    ones, from another seed, must lose), and steps 3-4 are the uninterrupted ones."""
+    data = batches(4)
+    d = harness.start(tmp_path)
+    base = attach(llama(), client=d.connect(job="lora"), name="m")
+    model = peft.get_peft_model(base, _lora("llama"))
+    opt = _adamw(model)
+    _train(model, opt, data[:2])
+    tierd.commit(base, opt, 2)
+    want = _train(model, opt, data[2:])
+    want_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    d.kill()
+    d = harness.start(tmp_path)   # same NVMe dir: recovers the commit
+    try:
+        base = attach(llama(seed=5), client=d.connect(job="lora"), name="m", resume=True)
+        torch.manual_seed(11)
+        model = peft.get_peft_model(base, _lora("llama"))
+        opt = _adamw(model)
+        assert _train(model, opt, data[2:]) == want
+        got = model.state_dict()
+        assert got.keys() == want_weights.keys()
+        for name, value in want_weights.items():
+            assert torch.equal(got[name], value), name
+    finally:
+        d.stop()

@@ -53,8 +53,9 @@ that works: an attached parameter placed somewhere new (tying after
 attach), one replaced by another shape, a new one under a name attached
 already (a replaced embedding), a module outside every unit, and any
 addition under torch.distributed (the ranks agreed on the parameters at
-attach). Keys are named where the parameter was added, so a job resumed
-from a commit adds them in the same order it did.
+attach). Keys are named where the parameter was added; a job resumed from a
+commit that adds them the same way gets their committed values, as attach
+gives a parameter its committed value.
 
 [Note: attach's write path]
 Attach writes each stored byte once, from where the value is, converted to
@@ -192,6 +193,7 @@ class ParamRegistry:
         self._names = {id(m): name or "<root>" for name, m in model.named_modules()}
         # [Note: parameters added after attach]: what adopting one needs
         self._session, self._store, self._on_grad = session, store, on_grad
+        self._stored = stored   # a resumed job's keys: their committed values win
         self._qualnames: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._unit_index: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._watch_handles: list = []
@@ -500,9 +502,16 @@ class ParamRegistry:
         uploads: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
         made = [(param, holders, self._make(session, param, holders[0][2], (uploads, dtypes),
-                                            frozenset(), self._on_grad, _own_value))
+                                            self._stored, self._on_grad, _own_value))
                 for param, holders in new]
-        self._store.put_many(uploads, dtypes=dtypes)
+        if uploads:
+            self._store.put_many(uploads, dtypes=dtypes)
+        resumed = [tp for _, _, tp in made if tp.resident and tp.key in self._stored]
+        if resumed:   # as attach: a resident one takes the committed value
+            values = self._store.get_many([tp.key for tp in resumed])
+            with torch.no_grad():
+                for tp in resumed:
+                    tp.compute.copy_(values[tp.key])
         for param, holders, tp in made:
             if tp.param.requires_grad:   # what ModuleHooks hooks at attach
                 tp.hook_gradient_arrival()
