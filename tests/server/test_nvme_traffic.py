@@ -126,3 +126,45 @@ def test_a_read_does_not_wait_behind_a_large_write(tmp_path):
         store.close()
     assert held == 3       # every thread but one was writing
     assert back[:] == src[:]
+
+
+def test_training_past_the_pool_moves_what_does_not_fit_once_each_way(daemon_factory):
+    """The same through tierd.attach and tierd.optim (on the CPU, with a
+    device cap that keeps some units' weights there while their state
+    streams): the compute copies those units never read again leave the
+    pool, so after a few steps only the state that does not fit crosses NVMe,
+    besides the buckets fetched ahead (the optimizer's prefetch window)."""
+    from tierd.bench import bigmodel_floor
+    from tierd.bench.bigmodel_models import Shape, build
+    from tierd.client.attach import session_of
+    import tierd.optim
+
+    d = daemon_factory(pool="32MiB", nvme_size="512MiB", extra=("--segment-size", "4MiB"))
+    shape = Shape(hidden=256, intermediate=512, layers=8, heads=4, kv_heads=2, vocab=1024)
+    model = tierd.attach(build(shape, 32, "cpu", torch.bfloat16), client=tierd.connect(d),
+                         device="cpu", compute_dtype="bf16", gpu_memory_bytes=40 * MiB)
+    window = 1 * MiB
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, prefetch_bytes=window)
+    session = session_of(model)
+    ids = torch.randint(0, shape.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    per_step = []
+    for _ in range(7):
+        before = bigmodel_floor.traffic(session)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after = bigmodel_floor.traffic(session)
+        per_step.append({k: after[k] - before[k] for k in after})
+        assert torch.isfinite(loss)
+    plan = bigmodel_floor.plan_bytes(session)
+    places = {p.value for p in session.placer.plan.places.values()}
+    assert "weights" in places   # units whose compute copies the store keeps unread
+    beyond = bigmodel_floor.must_cross(plan["step_store_bytes"], plan["pool_bytes"])
+    assert beyond > 0, plan
+    # at most two windows of buckets fetched ahead, and one bucket, above it
+    slack = 3 * window
+    for step in per_step[-2:]:
+        assert step["nvme_read_bytes"] <= beyond + slack, (per_step, beyond)
+        assert step["nvme_write_bytes"] <= beyond + slack, (per_step, beyond)

@@ -122,11 +122,14 @@ class UnmadeState:
             sizes.update({opt.master_key(tp): opt.master_nbytes(tp) for tp in tps})
             keys = {k: n for k, n in sizes.items() if not session.leases.is_held(k)}
             # all or nothing, as if every key were made now: the ones made
-            # later are held as they come only if all of them fit
+            # later are held as they come only if all of them fit (and are
+            # counted now). Past the hold budget, try_hold ends every hold
+            # when the model spills: a held key is never evicted, and the
+            # compute copies held since attach would keep pool room from the
+            # state that streams through NVMe (those of units whose weights
+            # the GPU keeps are not read again at all)
             stored = {k: n for k, n in keys.items() if k not in self.keys}
-            budget = session.config.hold_fraction * session.pool_bytes
-            if session.held_bytes + sum(keys.values()) <= budget \
-                    and session.try_hold(list(stored), sum(stored.values())):
+            if session.try_hold(list(stored), sum(keys.values())):
                 self._hold_later.add(session)
 
     def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
@@ -201,8 +204,8 @@ class UnmadeState:
             if fresh:
                 self.made(fresh)
                 if session in self._hold_later and session.held_bytes \
-                        and session.leases.hold(fresh):
-                    session.held_bytes += sum(_nbytes(t) for t in fresh.values())
+                        and not session.leases.hold(fresh):   # counted when planned
+                    session.held_bytes -= sum(_nbytes(t) for t in fresh.values())
 
 
 def check_capacity(opt) -> None:

@@ -42,11 +42,12 @@ pool room the streamed state needed, so that much more state crossed NVMe
 each way every step (tests/server/test_nvme_traffic.py). So the daemon
 measures the cycle: a key demoted again gives the ticks between its two
 demotes (the job's ``cycle_ticks``, the latest measure). A tensor neither
-leased nor demoted within twice that is *cold*, and goes before the
-demoted ones, least recently used first. Twice: the ticks of a step vary
-with what else the job and other jobs ask, and a tensor every step uses is
-never that far behind. A job that never demoted has no cycle and nothing
-is cold.
+leased nor demoted within one and a half of that is *cold*, and goes before
+the demoted ones, least recently used first. A tensor every step uses is
+at most a cycle behind; the half is for the ticks of a step, which vary with
+what else the job and other jobs ask. Not more: a cold tensor keeps its
+room until then, and the cycle is known only from the second updating step
+on. A job that never demoted has no cycle and nothing is cold.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 #: a tensor unused for more than this many cycles is cold ([Note: cold tensors go first])
-COLD_CYCLES = 2
+COLD_CYCLES = 1.5
 
 
 class Evictable(Protocol):
