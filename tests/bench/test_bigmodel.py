@@ -373,3 +373,15 @@ def test_the_disk_probe_reads_and_writes_at_once(tmp_path):
     assert list(tmp_path.iterdir()) == []   # its file is gone
     with pytest.raises(ValueError, match="whole number of"):
         mixed_probe(tmp_path, 12 * MiB + 1)
+
+
+def test_help_gives_the_past_the_pool_commands(capsys):
+    with pytest.raises(SystemExit):
+        bigmodel.main(["--help"])
+    out = capsys.readouterr().out
+    for model in ("L64", "L80"):
+        line = next(x for x in out.splitlines() if f"--models {model}" in x)
+        args = bigmodel.parse_args(line.split("python -m tierd.bench.bigmodel ")[1].split())
+        assert args.systems == ["tierd"] and args.batches["tierd"] == [4]
+        assert args.timeout <= args.budget_s <= 560   # one device call: 10 minutes at most
+    assert "--compute-ref L8" in out

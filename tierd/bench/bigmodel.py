@@ -196,8 +196,11 @@ def measure(args, record) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    past_the_pool = doc[doc.find("Past the pool"):doc.find("Each tierd row says its floor")]
     ap = argparse.ArgumentParser(prog="python -m tierd.bench.bigmodel",
-                                 description=__doc__.split("\n")[0])
+                                 description=doc.split("\n")[0], epilog=past_the_pool,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="where bigmodel.json and logs/ go")
     ap.add_argument("--systems", default=",".join(PEERS), help="comma-separated, of "
                     f"{', '.join(SYSTEMS)} (default {','.join(PEERS)}; allgpu: everything on "
