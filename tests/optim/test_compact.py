@@ -198,28 +198,35 @@ def test_attached_training_is_torchaos_adamw_bitwise_on_every_update_path(daemon
 
 
 @pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
-@pytest.mark.parametrize("resident", [False, True])
-def test_bf16_master_is_torchaos_bitwise_with_the_same_rounding(state, resident, monkeypatch):
-    """bf16 masters, streamed or resident on the device (their compute copy
-    is updated in place there): torchao's AdamW bitwise once both round the
-    same way. Stochastic rounding draws follow the update order, which is
-    not the reference's; the rounding itself is torchao's bitwise (above)."""
+@pytest.mark.parametrize("path", ["fused", "deferred", "cpu", "resident"])
+def test_bf16_master_is_torchaos_bitwise_with_the_same_rounding(state, path, monkeypatch):
+    """bf16 masters, streamed (fused into backward, or in step()), updated
+    by host threads in the pool, or resident on the device (their compute
+    copy is updated in place there): torchao's AdamW bitwise once both round
+    the same way. Stochastic rounding draws follow the update order, which
+    is not the reference's; the rounding itself is torchao's bitwise (above)."""
     torchao_adam = _torchao().adam
     nearest = lambda x: x.bfloat16()   # noqa: E731
     monkeypatch.setattr(compact, "stochastic_round_bf16", nearest)
     monkeypatch.setattr(torchao_adam, "_fp32_to_bf16_sr", nearest)
+    resident = path == "resident"
     options = dict(gpu_memory_bytes=1 << 30) if resident else {}
+    if path == "cpu":
+        options = dict(optimizer_placement="cpu")
     ref = llama().to(torch.bfloat16)
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
                    compute_dtype=torch.bfloat16, **options)
     session = session_of(model)
-    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master="bf16")
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master="bf16",
+                            fused=False if path == "deferred" else None)
     ref_opt = TorchaoAdamW(ref.parameters(), state)
     data = batches(5)
     assert train(model, opt, data) == train(ref, ref_opt, data)
     assert_same_weights(model, ref)
     places = set(session.placer.plan.places.values()) if session.placer.plan else set()
     assert (places == {Place.RESIDENT}) == resident
+    if path == "cpu":
+        assert opt._fused[0].host.nbytes > 0   # updates ran on host threads
     kinds = {k[len(session.keys.prefix) + 1:].split("/")[0]
              for k in session.client.keys(session.keys.all)}
     assert "master" not in kinds   # no fp32 master anywhere
