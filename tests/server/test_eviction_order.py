@@ -51,3 +51,54 @@ def test_demote_names_unknown_keys_and_changes_nothing(daemon):
         with pytest.raises(UnknownKey, match="nope"):
             c.demote_async(["a", "nope"]).result()
         assert torch.equal(c.get("a"), torch.ones(4))
+
+
+def test_a_tensor_unused_for_longer_than_the_cycle_goes_before_demoted_state(tmp_path):
+    """[Note: cold tensors go first], on the catalog itself: the job's cycle
+    comes from keys demoted twice; a tensor not used since then leaves
+    first, and among the rest the last demoted does."""
+    from tierd.backends.hostpool import HostPool
+    from tierd.backends.nvme import NvmeStore
+    from tierd.protocol import TensorSpec
+    from tierd.server.catalog import Blocked, Catalog, Residency
+
+    MiB = 1 << 20
+    nvme, pool = NvmeStore(tmp_path, 32 * MiB), HostPool(8 * MiB, segment_size=8 * MiB)
+    cat = Catalog(pool, nvme)
+    try:
+        s = cat.open_session(1, "job", pid=10, uid=0)
+
+        def put(key: str) -> None:
+            """Reserve (retried once the evictions' writes land, as the daemon
+            does) and publish a 1 MiB tensor."""
+            while isinstance(cat.reserve(s, (TensorSpec(key, "uint8", (MiB,), MiB),)),
+                             Blocked):
+                for t in cat.take_started():
+                    view = t.slot.segment.view(t.slot.offset, t.nbytes)
+                    cat.nvme.write_record(t.disk.spans, t.entry.meta(), view)
+                    view.release()
+                    cat.finish(t, None)
+            cat.publish(s, (key,))
+
+        state = [f"s{i}" for i in range(7)]   # with "weights": the pool is full
+        for k in ["weights", *state]:
+            put(k)
+        cat.lease(s, ("weights",), True)   # used once, then never again
+        cat.release(s, ("weights",), True)
+        assert cat.jobs["job"].cycle_ticks == 0   # nothing demoted yet
+        for _ in range(3):   # three updating steps, all in the pool
+            for k in state:
+                cat.lease(s, (k,), True)
+                cat.release(s, (k,), True)
+                cat.demote(s, (k,))
+        assert cat.jobs["job"].cycle_ticks > 0
+        put("new")   # one must go
+        where = {k: cat.entries[("job", k)].state for k in ["weights", *state]}
+        assert where["weights"] is Residency.ON_NVME
+        assert all(where[k] is Residency.IN_POOL for k in state), where
+        put("more")   # then the last demoted
+        assert cat.entries[("job", "s6")].state is Residency.ON_NVME
+        assert all(cat.entries[("job", k)].state is Residency.IN_POOL for k in state[:6])
+    finally:
+        pool.close()
+        nvme.close()
