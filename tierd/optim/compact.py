@@ -245,14 +245,6 @@ class CompactState:
             return out
         return value.to(like.dtype).reshape(like.shape)
 
-    def decode(self, stored: torch.Tensor, shape: torch.Size, signed: bool) -> torch.Tensor:
-        """The fp32 values of a stored moment (param-shaped)."""
-        if stored.dtype == torch.uint8:
-            numel = shape.numel()
-            codes, scale = unpack(stored, numel)
-            return dequantize_blockwise(codes, scale, qmap(signed, stored.device)).view(shape)
-        return stored.float().view(shape)
-
 
 class _Moment:
     """One stored moment during an update: its fp32 values, written back
@@ -262,10 +254,9 @@ class _Moment:
         self.stored, self.shape, self.table = stored, shape, table
         if table is None:
             self.values = stored.float().view(shape)
-            self.codes = self.scale = None
         else:
-            self.codes, self.scale = unpack(stored, shape.numel())
-            self.values = dequantize_blockwise(self.codes, self.scale, table).view(shape)
+            codes, scale = unpack(stored, shape.numel())
+            self.values = dequantize_blockwise(codes, scale, table).view(shape)
 
     def store(self, new: torch.Tensor) -> None:
         if self.table is None:
