@@ -41,13 +41,18 @@ the first step only. Ordinary, they outlived every demoted tensor and held
 pool room the streamed state needed, so that much more state crossed NVMe
 each way every step (tests/server/test_nvme_traffic.py). So the daemon
 measures the cycle: a key demoted again gives the ticks between its two
-demotes (the job's ``cycle_ticks``, the latest measure). A tensor neither
-leased nor demoted within one and a half of that is *cold*, and goes before
-the demoted ones, least recently used first. A tensor every step uses is
-at most a cycle behind; the half is for the ticks of a step, which vary with
-what else the job and other jobs ask. Not more: a cold tensor keeps its
-room until then, and the cycle is known only from the second updating step
-on. A job that never demoted has no cycle and nothing is cold.
+demotes (its ``cycle``), and the job's cycle is the longest of those of keys
+still cycling (demoted again within two of their cycles): the longest, so a
+bucket updated in two parts within one step (two demotes a few ticks apart)
+does not make the whole step's state look cold; of keys still cycling, so a
+pause (an evaluation) long past stops counting once the keys cycle again. A
+tensor neither leased nor demoted within one and a half of the job's cycle
+is *cold*, and goes before the demoted ones, least recently used first. A
+tensor every step uses is at most a cycle behind; the half is for the ticks
+of a step, which vary with what else the job and other jobs ask. Not more: a
+cold tensor keeps its room until then, and the cycle is known only from the
+second updating step on. A job that never demoted has no cycle and nothing
+is cold.
 """
 
 from __future__ import annotations
@@ -61,6 +66,25 @@ COLD_CYCLES = 1.5
 
 class Evictable(Protocol):
     last_use: int
+
+
+class Cycling(Protocol):
+    demoted_at: int   # tick of its last demote (0: never)
+    cycle: int        # ticks between its two latest demotes (0: unknown)
+
+
+def job_cycle(entries: Iterable[Cycling], now: int) -> int:
+    """The job's cycle in ticks: the longest of its keys' that still cycle
+    (demoted again within two of their cycles); 0 when none does. See
+    [Note: cold tensors go first].
+
+    >>> class E:
+    ...     def __init__(self, demoted_at, cycle): self.demoted_at, self.cycle = demoted_at, cycle
+    >>> job_cycle([E(95, 10), E(97, 3), E(20, 30), E(0, 0)], now=100)
+    10
+    """
+    return max((e.cycle for e in entries if e.cycle and now - e.demoted_at <= 2 * e.cycle),
+               default=0)
 
 
 def rank(e: Evictable, now: int, cycle: int) -> tuple[int, int]:

@@ -39,6 +39,7 @@ class Entry:
     dirty: bool = True     # pool bytes newer than ``disk``
     last_use: int = 0      # tick of its last lease; minus that of a later demote
     demoted_at: int = 0    # tick of its last demote (0: never), kept across leases
+    cycle: int = 0         # ticks between its two latest demotes (0: not demoted twice)
     transfer: "Transfer | None" = None
 
     def meta(self) -> RecordMeta:
@@ -147,9 +148,6 @@ class Job:
     pool_quota: int = 0      # bytes of pool it may use; 0: no quota
     nvme_quota: int = 0      # bytes of NVMe it may use; 0: no quota
     nvme_used: int = 0
-    #: ticks between a key's two latest demotes: the job's step, as the daemon
-    #: sees it (0: unknown); see [Note: cold tensors go first] in tierd.server.eviction
-    cycle_ticks: int = 0
     stored_bytes: int = 0    # as Catalog.stored_bytes, for this job
     largest: int = 0         # largest tensor it ever stored (its swap headroom)
     committed: list[DiskExtent] = field(default_factory=list)  # records of the last commit

@@ -47,12 +47,12 @@ class Tiers:
 
     def demote(self, entries: list[Entry]) -> None:
         """Evict these before the job's other tensors, the last demoted first;
-        a key demoted before measures the job's cycle ([Note: cold tensors go
+        a key demoted before measures its cycle ([Note: cold tensors go
         first] in :mod:`tierd.server.eviction`)."""
         tick = self.tick()
         for e in entries:
             if e.demoted_at:
-                self.jobs[e.job].cycle_ticks = tick - e.demoted_at
+                e.cycle = tick - e.demoted_at
             e.last_use, e.demoted_at = -tick, tick
 
     def take_started(self) -> list[Transfer]:
@@ -255,9 +255,10 @@ class Tiers:
         reserved or in transfer pins them), coldest first, each wholly; the
         other idle entries follow, least recently used first."""
         protected = {id(p) for p in protect}
-        idle = [e for e in self.job_entries(job)
+        entries = self.job_entries(job)
+        idle = [e for e in entries
                 if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected]
-        now, cycle = self.now, self.jobs[job].cycle_ticks
+        now, cycle = self.now, eviction.job_cycle(entries, self.now)
         if 8 * nbytes <= self.pool.segment_size:
             return eviction.by_next_use(idle, now, cycle)
         by_segment: dict[int, list[Entry]] = {}
@@ -349,7 +350,8 @@ class Tiers:
             and sum(e.slot.nbytes for e in ents) == self.pool.segments[sid].extents.used}
         if not movable:
             return None
-        sid = eviction.segments_by_next_use(movable, self.now, self.jobs[job].cycle_ticks)[0]
+        cycle = eviction.job_cycle(self.job_entries(job), self.now)
+        sid = eviction.segments_by_next_use(movable, self.now, cycle)[0]
         started = False
         for e in movable[sid]:
             if not e.dirty and e.disk is not None:
