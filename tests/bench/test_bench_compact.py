@@ -31,6 +31,21 @@ def test_a_run_per_setting_with_its_curve_sizes_and_ratio_to_fp32(tmp_path):
     assert small["bytes_per_param"] < 6.0
 
 
+def test_settings_in_separate_calls_compare_to_the_first_calls_fp32_run(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--tiny", "--steps", "2", "--device", "cpu"]
+    compact.main(["--out", str(first), *common, "--settings", "fp32"])
+    compact.main(["--out", str(second), *common, "--settings", "bf16",
+                  "--reference", str(first / "compact.json")])
+    result = json.loads((second / "compact.json").read_text())
+    fp32, bf16 = result["runs"]
+    assert fp32["setting"] == "fp32" and fp32["reference"] == str(first / "compact.json")
+    assert bf16["final_vs_fp32"] == pytest.approx(bf16["final_loss"] / fp32["final_loss"] - 1)
+    with pytest.raises(SystemExit, match="other arguments"):
+        compact.main(["--out", str(tmp_path / "third"), *common, "--steps", "3",
+                      "--settings", "bf16", "--reference", str(first / "compact.json")])
+
+
 def test_the_corpus_is_the_same_for_every_setting_and_follows_its_chain():
     import torch
     batch = compact.corpus(vocab=1000, used=50, branch=3, seed=0)

@@ -5,6 +5,14 @@ bf16 moments, 8-bit moments, and 8-bit moments with bf16 masters.
     python -m tierd.bench.compact --out DIR --settings bf16,8bit --steps 2000
     python -m tierd.bench.compact --out DIR --tiny --steps 3 --device cpu   # smoke run
 
+On the H200 the settings can go in separate device calls (each is a few
+minutes at 2,000 steps; the compact updates run as plain torch ops per
+tensor), the later ones given the first's JSON as the fp32 reference::
+
+    python -m tierd.bench.compact --out $OUT/fp32 --settings fp32,bf16
+    python -m tierd.bench.compact --out $OUT/8bit --settings 8bit,8bit-bf16 \
+        --reference $OUT/fp32/compact.json
+
 The model is Hugging Face's ``GPT2LMHeadModel`` from a config (GPT-2 small's
 shape: 12 x 768, 12 heads, vocab 50257; random weights, the same for every
 setting), attached with ``compute_dtype="bf16"`` and trained with
@@ -34,7 +42,9 @@ loss), "final_loss" (mean of the last twentieth), "eval_loss",
 "final_vs_fp32" and "eval_vs_fp32" (relative to the fp32 run's, when it
 ran), "bytes_per_param" (what the setting keeps at rest per trained
 parameter, from the optimizer's own sizes), "seconds"}]}``, and
-``DIR/compact.png`` with the curves (when matplotlib is installed).
+``DIR/compact.png`` with the curves (when matplotlib is installed). With
+``--reference``, that file's fp32 run (same arguments required) is the
+reference, and is copied into ``runs`` first.
 """
 
 from __future__ import annotations
@@ -161,6 +171,21 @@ def plot(result: dict, path: Path) -> str | None:
     return None
 
 
+def reference_run(path: Path, args: dict) -> dict:
+    """The fp32 run of an earlier ``compact.json``, made with the same arguments."""
+    earlier = json.loads(path.read_text())
+    same = ("steps", "batch", "seq", "lr", "branch", "used", "seed", "layers", "width", "vocab")
+    differ = {k: (earlier["args"].get(k), args[k]) for k in same
+              if earlier["args"].get(k) != args[k]}
+    if differ:
+        raise SystemExit(f"--reference {path}: made with other arguments {differ} "
+                         "(earlier, now); its fp32 run is no reference for this one")
+    run = next((r for r in earlier["runs"] if r["setting"] == "fp32"), None)
+    if run is None:
+        raise SystemExit(f"--reference {path} has no fp32 run")
+    return dict(run, reference=str(path))
+
+
 def _args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for compact.json/png")
@@ -177,6 +202,8 @@ def _args(argv) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="an earlier compact.json whose fp32 run is the reference")
     args = ap.parse_args(argv)
     names = [n for n in args.settings.split(",") if n]
     unknown = sorted(set(names) - set(SETTINGS))
@@ -204,10 +231,16 @@ def main(argv=None) -> dict:
     result = {"commit": commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "args": {k: v for k, v in vars(args).items()
-                       if k not in ("out", "commit", "names")}, "runs": []}
+                       if k not in ("out", "commit", "names", "reference")},
+              "reference": None if args.reference is None else str(args.reference),
+              "runs": []}
     target = args.out / "compact.json"
+    if args.reference is not None:
+        result["runs"].append(reference_run(args.reference, result["args"]))
     start = build(args).state_dict()   # the same weights for every setting
     for name in args.names:
+        if name == "fp32" and result["runs"]:
+            continue   # the reference's fp32 run stands for it
         run = run_setting(name, start, args, device)
         result["runs"].append(run)
         fp32 = next((r for r in result["runs"] if r["setting"] == "fp32"), None)
