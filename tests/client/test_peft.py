@@ -45,10 +45,12 @@ def _peft_model(kind: str, *, order: str, dtype: torch.dtype = torch.float32, **
     return peft.get_peft_model(base, _lora(kind)), ref, base
 
 
-def _train(model, opt, data, *, clip: float | None = None, accumulate: int = 1):
+def _train(model, opt, data, *, clip: float | None = None, accumulate: int = 1,
+           device: str = "cpu"):
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses = []
     for i, ids in enumerate(data):
+        ids = ids.to(device)
         loss = model(input_ids=ids, labels=ids).loss / accumulate
         loss.backward()
         losses.append(loss.item())
@@ -236,3 +238,34 @@ def test_adapters_added_after_a_resumed_attach_take_their_committed_values(tmp_p
             assert torch.equal(got[name], value), name
     finally:
         d.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cap", [0, None], ids=["streamed", "placed"])
+def test_lora_on_cuda_trains_alike_in_either_order_and_as_torch_peft(daemon, cap):
+    runs = []
+    for order in ("before", "after"):
+        torch.manual_seed(3)
+        if order == "before":
+            model = attached = attach(peft.get_peft_model(llama(), _lora("llama")),
+                                      client=tierd.connect(daemon), gpu_memory_bytes=cap)
+        else:
+            attached = attach(llama(), client=tierd.connect(daemon), gpu_memory_bytes=cap)
+            model = peft.get_peft_model(attached, _lora("llama"))
+        losses = _train(model, _adamw(model), batches(3), device="cuda")
+        kinds = _stored_kinds(attached)
+        assert all(kinds[n] == {"p"} for n in kinds if "lora_" not in n)
+        runs.append((losses, {k: v.cpu() for k, v in model.state_dict().items()}))
+        detach(attached)
+    (losses, state), (other_losses, other_state) = runs
+    assert losses == other_losses
+    assert state.keys() == other_state.keys()
+    for name, value in state.items():
+        assert torch.equal(value, other_state[name]), name
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(llama(), _lora("llama")).cuda()
+    want = _train(ref, _adamw(ref, torch_adamw=True), batches(3), device="cuda")
+    assert losses == pytest.approx(want, rel=1e-4)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value.cpu(), atol=1e-4, rtol=1e-3, msg=name)
