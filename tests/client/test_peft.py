@@ -135,6 +135,31 @@ def test_merge_and_unload_while_attached_gives_torchs_values(order):
     assert_same_weights(merged, ref_merged)
 
 
+def test_a_second_adapter_disabling_generating_and_saving_work_as_in_peft(tmp_path):
+    model, ref, _ = _peft_model("llama", order="after")
+    for m in (model, ref):
+        torch.manual_seed(4)   # the same draws for the new adapter's values
+        m.add_adapter("b", _lora("llama"))
+        m.set_adapter("b")
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == sorted(n for n, p in ref.named_parameters() if p.requires_grad)
+    assert trainable and all(".b." in n for n in trainable)
+    data = batches(2)
+    assert _train(model, _adamw(model), data) == _train(ref, _adamw(ref, torch_adamw=True), data)
+    ids = batches(1, seed=9)[0]
+    with torch.no_grad(), model.disable_adapter(), ref.disable_adapter():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    prompt = ids[:1, :4]
+    assert torch.equal(model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False),
+                       ref.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
+    model.save_pretrained(tmp_path / "got", selected_adapters=["b"])
+    ref.save_pretrained(tmp_path / "want", selected_adapters=["b"])
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "got" / "b" / "adapter_model.safetensors")
+    want = load_file(tmp_path / "want" / "b" / "adapter_model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_adapters_below_fp32_compute_train_the_same_in_either_order():
     """A bf16 model: peft makes its adapters in bf16 and casts them to fp32
     with new Parameters (after attach: tierd keeps its own, bf16 compute and
