@@ -118,3 +118,26 @@ def test_a_model_placed_on_the_device_compiles_whole_into_one_graph():
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         [b.reason for b in explained.break_reasons]
+
+
+def test_a_model_compiled_after_placement_trains_as_eager():
+    """Compiled once its units are placed on the device (after a warm-up, an
+    evaluation, a resume): AOT autograd's first call reads each Parameter's
+    ``.data``, which must be the plain tensor there, not the resident
+    parameter's TieredParameter view (a TypeError from every op before)."""
+    model = attach(llama(), client=LocalStore(), device="cpu", gpu_memory_bytes=1 << 40)
+    ref = llama()
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    run = model
+    for step in range(5):
+        if step == 3:
+            assert session_of(model).placer.plan is not None
+            torch._dynamo.reset()
+            run = torch.compile(model, backend="aot_eager")
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from tierd.client.keys import ModelKeys
-from tierd.client.torch_internals import weak_hook
+from tierd.client.torch_internals import in_torch_machinery, weak_hook
 from tierd.client.values import TieredParameter, assigns_itself, refuse_data_assignment
 from tierd.errors import StateError
 
@@ -128,7 +128,10 @@ class DeviceParameter(nn.Parameter):
     def data(self) -> torch.Tensor:
         # a resident one is what the model shows: writes through .data must
         # reach the store too ([Note: writes to a resident parameter])
-        if self.tiered.resident:
+        # ... but torch's own machinery (dynamo tracing, a dispatch mode such
+        # as AOT autograd's check of a compiled graph's first call, which
+        # reads a Parameter's .data) gets the plain tensor it expects
+        if self.tiered.resident and not in_torch_machinery():
             return TieredParameter(self.tiered, parameter=False)
         return torch.Tensor.data.__get__(self)
 

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = ["StorageRef", "checkpoint_without_reentrant",
            "current_graph_task", "dynamo_frames_compiled", "dynamo_graph_breaks", "dynamo_reset",
            "foreach_adamw", "free_pinned_host_cache", "fused_adamw", "in_backward",
+           "in_torch_machinery",
            "is_compiled_module", "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
 
 
@@ -67,6 +68,13 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
 
     Only valid inside backward (from a hook that autograd runs)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_torch_machinery() -> bool:
+    """Dynamo is tracing, or a torch dispatch mode is active (fake tensors,
+    AOT autograd's checks): code of torch's own, which expects plain tensors."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
 
 
 def weak_hook(method: Callable) -> Callable:
