@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--module-units", action="store_true",
                     help="a unit per module owning parameters (attach's unit_modules), "
                          "the granularity the caps of the placement tests are set for")
+    ap.add_argument("--state", default="fp32", help="tierd.optim.AdamW's state= (compact)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -87,7 +88,7 @@ def main() -> None:
                                  gpu_memory_bytes=cap, device=args.device,
                                  unit_modules=_owns_parameters if args.module_units else None)
             opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
-                                    max_grad_norm=args.clip,
+                                    max_grad_norm=args.clip, state=args.state,
                                     accumulation_steps=args.accumulate)
         else:
             if args.ddp:

@@ -483,3 +483,32 @@ def test_attach_counts_the_compact_setting_it_is_told_before_the_optimizer_exist
     attached = attach(gpt2(), client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16,
                       optimizer_state=setting)
     assert session_of(attached).config.optimizer_state == setting
+
+
+# ------------------------------------------------------------------ torch.distributed
+@pytest.mark.parametrize("state,within", [("bf16", LR / 10), ("8bit", LR)])
+def test_ranks_keep_compact_replicas_and_match_one_process(daemon_factory, tmp_path_factory,
+                                                           state, within):
+    """Two gloo ranks with compact moments: the owners send their units'
+    compact bytes to the replicas (the embedding kept on the device), every
+    rank holds bitwise the same values, and they match one tierd process with
+    the same setting. The ranks sum gradients in another order, which fp32
+    AdamW carries to 1.5e-4 here (tests/client/test_distributed.py); rounded
+    moments carry it further where gradients are tiny (a bias element moves
+    by 2.7e-4 with bf16 moments; an 8-bit code may move a level): the losses
+    match, the weights are within a tenth of a step (bf16) or a step (8-bit)."""
+    from tests.client.test_distributed import _global_losses, run_ranks
+    from tests.client.test_distributed_placement import EMBEDDING_CAP, _assert_replicas
+    daemon = daemon_factory(pool="256MiB")
+    args = ("--steps", "4", "--tierd", "--state", state)
+    one = run_ranks(tmp_path_factory.mktemp("one"), [daemon.socket], *args, "--job", "one")[0]
+    assert "error" not in one, one
+    ranks = run_ranks(tmp_path_factory.mktemp("two"), [daemon.socket] * 2, *args,
+                      "--job", "two", "--module-units", "--gpu-memory-bytes",
+                      str(EMBEDDING_CAP))
+    _assert_replicas(ranks)
+    assert "resident" in ranks[0]["plan"]["places"].values()
+    assert _global_losses(ranks) == pytest.approx(one["losses"], abs=1e-5)
+    for name, want in one["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], want, atol=within, rtol=0,
+                                   msg=name)
