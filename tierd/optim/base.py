@@ -1,7 +1,9 @@
 """What every tierd optimizer shares: fused or deferred updates, leases, clipping.
 
 The fp32 master weights (the ``p`` key itself when the compute dtype is fp32),
-the optimizer's moments and the accumulated gradients all live in tierd.
+the optimizer's moments and the accumulated gradients all live in tierd;
+``tierd.optim.AdamW(state=..., master=...)`` keeps moments and masters in
+fewer bytes ([Note: compact optimizer state] in tierd.optim.compact).
 Two ways to update, same math (:meth:`StreamedOptimizer._update`, copied from
 torch's single-tensor implementation so fp32 results are bitwise equal):
 
