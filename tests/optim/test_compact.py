@@ -512,3 +512,25 @@ def test_ranks_keep_compact_replicas_and_match_one_process(daemon_factory, tmp_p
     for name, want in one["weights"].items():
         torch.testing.assert_close(ranks[0]["weights"][name], want, atol=within, rtol=0,
                                    msg=name)
+
+
+def test_a_new_optimizer_with_another_setting_starts_fresh_state_in_its_own_form():
+    """A new optimizer over an attached model replaces the earlier one (as in
+    torch, its state starts at zero): the earlier one's moments, held in the
+    pool in another form, are made again in the new one's."""
+    _torchao()
+    ref = gpt2()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    session = session_of(model)
+    data = batches(4)
+    first = tierd.optim.AdamW(model.parameters(), lr=LR)
+    ref_first = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    assert train(model, first, data[:2]) == train(ref, ref_first, data[:2])
+    key = first.state_key(next(iter(first._owned())), "exp_avg")
+    assert session.leases.is_held(key)   # the case the new form must not be written into
+    second = tierd.optim.AdamW(model.parameters(), lr=LR, state="8bit")
+    ref_second = TorchaoAdamW(ref.parameters(), "8bit")
+    assert train(model, second, data[2:]) == train(ref, ref_second, data[2:])
+    assert_same_weights(model, ref)
+    saved = second.state_dict()["state"]
+    assert {saved[i]["exp_avg"].dtype for i in saved} == {torch.uint8, torch.float32}
