@@ -16,8 +16,9 @@ fp32 a trainable one also has its fp32 master (``master/``). A trainable
 parameter gets the fp32 gradient the first step sums in the pool (``grad/``)
 and its optimizer's state (``optim/``). At attach the optimizer does not
 exist yet: its state is counted as AdamW's two fp32 moments (8 B per
-trainable parameter, the most a ``tierd.optim`` optimizer keeps); the
-optimizer's constructor then checks what it really adds. Each tensor costs
+trainable parameter, the most a ``tierd.optim`` optimizer keeps), or as the
+compact setting ``AttachConfig.optimizer_state`` names; the optimizer's
+constructor then checks what it really adds. Each tensor costs
 its record on NVMe, whichever tier holds it (a header page and the data
 rounded up to a page, see ``tierd.backends.recordio``), and the daemon
 admits at most pool + NVMe less its largest tensor (kept free for swapping,
