@@ -26,6 +26,17 @@ the device loses its hooks, so a model that fits compiles to one graph (the
 root's begin-step hook, at the very start, is the only break).
 ``attach(torch.compile(m))`` is refused: the compiled wrapper hides the
 model's modules behind ``_orig_mod``; compile after attaching.
+
+[Note: a step begins where the model is entered]
+A step begins at the root's forward. A wrapper's other methods may call the
+model it wraps without its own forward: peft's ``PeftModelForCausalLM.generate``
+calls the wrapped ``LlamaForCausalLM.generate``, which calls that model's
+forward. Without a step begun, placement never measured one and every unit
+streamed for every generated token. So the innermost module every forward
+runs through (:func:`step_entry`: the lowest common ancestor of the modules
+holding parameters) begins a step too when it is called while no forward of
+the root runs; within the root's forward it does nothing (the root began
+the step). Only a model whose entry is not the root has these hooks.
 """
 
 from __future__ import annotations
@@ -78,6 +89,13 @@ class ModuleHooks:
         self._depth: dict[int, int] = {}   # unit index -> forwards of it running now
         self._loading: list[tuple[nn.Module, str]] = []   # holders swapped for a load
         self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
+        entry = step_entry(model)
+        self._root_calls = 0   # forwards of the root running now
+        if entry is not model:   # [Note: a step begins where the model is entered]
+            self._handles += [
+                model.register_forward_pre_hook(self._enter_root),
+                model.register_forward_hook(self._leave_root, always_call=True),
+                entry.register_forward_pre_hook(self._begin_entered_step, with_kwargs=True)]
         # what a traced hook calls out to, run eagerly (wrapped here, not at
         # import: torch.compiler.disable imports dynamo, ~1 s)
         self._begin_step_out = torch.compiler.disable(self._begin_step_body)
@@ -133,6 +151,16 @@ class ModuleHooks:
             self._begin_step_out(input_signature(args, kwargs))
         else:
             self._begin_step_body(input_signature(args, kwargs))
+
+    def _enter_root(self, module: nn.Module, args: Any) -> None:
+        self._root_calls += 1
+
+    def _leave_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_calls -= 1
+
+    def _begin_entered_step(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        if self._root_calls == 0:   # called directly, not from the root's forward
+            self._begin_step(module, args, kwargs)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -310,6 +338,30 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
                 found += [t for t in tree_flatten(list(fields.values()))[0]
                           if isinstance(t, torch.Tensor)]
     return found
+
+
+def step_entry(model: nn.Module) -> nn.Module:
+    """The innermost module every forward of ``model`` runs through: the
+    lowest common ancestor of the modules holding parameters (or the nearest
+    above it with a forward of its own: a ``ModuleList`` has none). It is
+    ``model`` for most models; for a wrapper such as peft's ``PeftModel``,
+    the model it wraps ([Note: a step begins where the model is entered])."""
+    paths = [name.split(".") if name else [] for name, m in model.named_modules()
+             if any(p is not None for p in m._parameters.values())]
+    if not paths:
+        return model
+    common = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    while common:
+        module = model.get_submodule(".".join(common))
+        if type(module).forward is not nn.Module.forward:
+            return module
+        common = common[:-1]
+    return model
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
