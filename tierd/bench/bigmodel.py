@@ -24,7 +24,7 @@ step reads leave the pool from the third updating step on ([Note: cold
 tensors go first] in ``tierd.server.eviction``):
 
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L64 --batch 4 \
-        --warmup 3 --steps 2 --compute-ref L8 --timeout 400 --budget-s 540
+        --warmup 3 --steps 2 --compute-ref L8 --timeout 360 --budget-s 560
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L80 --batch 4 \
         --warmup 3 --steps 2 --timeout 500 --budget-s 560
 
