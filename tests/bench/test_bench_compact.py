@@ -65,3 +65,15 @@ def test_an_unknown_setting_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compact.main(["--out", str(tmp_path), "--settings", "int4"])
     assert "fp32, bf16, 8bit, 8bit-bf16" in capsys.readouterr().err
+
+
+def test_plot_draws_the_curves_of_an_earlier_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = {"device": "cpu", "args": {"steps": 3, "layers": 2, "width": 64, "batch": 4,
+                                        "seq": 32},
+              "runs": [{"setting": s, "losses": [6.0, 5.5, 5.2], "bytes_per_param": b,
+                        "final_loss": 5.2} for s, b in (("fp32", 14.0), ("8bit", 8.2))]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(result))
+    compact.main(["--out", str(tmp_path / "png"), "--plot", str(path)])
+    assert (tmp_path / "png" / "compact.png").read_bytes()[:4] == b"\x89PNG"

@@ -42,7 +42,8 @@ loss), "final_loss" (mean of the last twentieth), "eval_loss",
 "final_vs_fp32" and "eval_vs_fp32" (relative to the fp32 run's, when it
 ran), "bytes_per_param" (what the setting keeps at rest per trained
 parameter, from the optimizer's own sizes), "seconds"}]}``, and
-``DIR/compact.png`` with the curves (when matplotlib is installed). With
+``DIR/compact.png`` with the curves (when matplotlib is installed; else
+``--plot JSON`` draws it later on a machine that has it, training nothing). With
 ``--reference``, that file's fp32 run (same arguments required) is the
 reference, and is copied into ``runs`` first.
 """
@@ -204,6 +205,8 @@ def _args(argv) -> argparse.Namespace:
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     ap.add_argument("--reference", type=Path, default=None,
                     help="an earlier compact.json whose fp32 run is the reference")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="only draw DIR/compact.png from this compact.json")
     args = ap.parse_args(argv)
     names = [n for n in args.settings.split(",") if n]
     unknown = sorted(set(names) - set(SETTINGS))
@@ -225,6 +228,12 @@ def _args(argv) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = _args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot is not None:
+        result = json.loads(args.plot.read_text())
+        why = plot(result, args.out / "compact.png")
+        if why:
+            raise SystemExit(f"no plot: {why}")
+        return result
     device = torch.device(args.device)
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                            text=True).stdout.strip() or None
