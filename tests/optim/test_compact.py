@@ -45,6 +45,10 @@ def test_block_quantization_is_torchaos_bitwise(signed):
     x = x if signed else x.abs()
     x[:2] = 0.0                                 # a block of zeros (scale clipped)
     table = compact.qmap(signed)
+    # blocks of the map's own values and of the midpoints between them (absmax 1:
+    # scaled as they are), where a search and its rounding are on a boundary
+    mids = torch.cat([(table[1:] + table[:-1]) / 2, torch.ones(1)])
+    x = torch.cat([x.reshape(-1), table, mids, torch.nextafter(mids, -mids)]).reshape(-1, 96)
     codes, scale = compact.quantize_blockwise(x, table)
     scaled, want_scale = scale_tensor(x, compact.BLOCK)
     want_codes = quantize_8bit_with_qmap(scaled, table)
