@@ -294,3 +294,36 @@ def test_lora_on_cuda_trains_alike_in_either_order_and_as_torch_peft(daemon, cap
     assert losses == pytest.approx(want, rel=1e-4)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value.cpu(), atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_a_parameter_unfrozen_after_a_resumed_attach_continues_from_its_committed_master(
+        tmp_path):
+    """bf16 compute: a parameter attached frozen and unfrozen after has an
+    fp32 master once it trained; resumed the same way, it continues from the
+    committed master, not from its bf16 compute copy."""
+    data = batches(4)
+
+    def attached(seed: int, **options):
+        model = llama(seed=seed)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model = attach(model, client=d.connect(job="unfreeze"), name="m",
+                       compute_dtype="bf16", **options)
+        model.model.embed_tokens.weight.requires_grad_(True)
+        return model, _adamw(model)
+
+    d = harness.start(tmp_path)
+    model, opt = attached(0)
+    _train(model, opt, data[:2])
+    tierd.commit(model, opt, 2)
+    want = _train(model, opt, data[2:])
+    want_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    d.kill()
+    d = harness.start(tmp_path)   # same NVMe dir: recovers the commit
+    try:
+        model, opt = attached(5, resume=True)
+        assert _train(model, opt, data[2:]) == want
+        got = model.state_dict()
+        for name, value in want_weights.items():
+            assert torch.equal(got[name], value), name
+    finally:
+        d.stop()

@@ -193,7 +193,8 @@ class ParamRegistry:
         self._names = {id(m): name or "<root>" for name, m in model.named_modules()}
         # [Note: parameters added after attach]: what adopting one needs
         self._session, self._store, self._on_grad = session, store, on_grad
-        self._stored = stored   # a resumed job's keys: their committed values win
+        #: a resumed job's keys: their committed values win
+        self.resumed_keys = stored
         self._qualnames: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._unit_index: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._watch_handles: list = []
@@ -502,11 +503,11 @@ class ParamRegistry:
         uploads: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
         made = [(param, holders, self._make(session, param, holders[0][2], (uploads, dtypes),
-                                            self._stored, self._on_grad, _own_value))
+                                            self.resumed_keys, self._on_grad, _own_value))
                 for param, holders in new]
         if uploads:
             self._store.put_many(uploads, dtypes=dtypes)
-        resumed = [tp for _, _, tp in made if tp.resident and tp.key in self._stored]
+        resumed = [tp for _, _, tp in made if tp.resident and tp.key in self.resumed_keys]
         if resumed:   # as attach: a resident one takes the committed value
             values = self._store.get_many([tp.key for tp in resumed])
             with torch.no_grad():

@@ -47,7 +47,8 @@ the compute tensor a unit runs with never computes a gradient the user
 froze. Frozen after attach, it keeps what it has (a made master holds its
 exact value); attached frozen and then unfrozen, it gets the gradient
 hooks then, and below fp32 compute a master made at its first update from
-the stored compute copy, which is its exact value. An optimizer built while
+the stored compute copy, which is its exact value (or, resumed, the master
+its commit holds). An optimizer built while
 a parameter was frozen keeps no state for it: build the optimizer after
 unfreezing, as torch's would only update it once it has a gradient.
 
@@ -244,7 +245,8 @@ class TieredParam:
         if self.param.dtype != torch.float32:
             self.has_master = True
             self.master_key = session.keys.master(self.name)
-            self.master_made = False
+            # a resumed job's commit may hold the master the earlier run made
+            self.master_made = self.master_key in session.registry.resumed_keys
         self.grad_hooked = True
 
     def hook_gradient_arrival(self) -> None:
