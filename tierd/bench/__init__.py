@@ -4,7 +4,8 @@ This module holds only the suite's options, so ``tierd --help`` and the other
 commands never import torch; :mod:`tierd.bench.run` measures. The other
 benchmarks are modules run with ``python -m tierd.bench.<name>``
 (``attach``, ``attach_step``, ``activations``, ``distributed``, ``durability``,
-``placement``, ``bigmodel``, ``nvme``, ``cpu_update``, ``compiled``, ``compact``).
+``placement``, ``bigmodel``, ``nvme``, ``cpu_update``, ``compiled``, ``compact``,
+``lora70b``).
 """
 
 from __future__ import annotations
