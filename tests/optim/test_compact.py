@@ -446,6 +446,333 @@ def test_on_cuda_streamed_and_resident_compact_updates_agree_bitwise(daemon, sta
                                                                      monkeypatch):
     """The compact bytes streamed through the pool (fused into backward,
     copied in and out) and kept resident on the GPU give the same training,
+    bitwise: the same kernels on the same device, whatever moves the bytes.
+    ``gpu_memory_bytes=0`` places nothing (no plan: every unit streams); the
+    capped run trains until its plan exists (made at the first update today,
+    [Note: placing before the first update] in tierd.client.placer; within
+    :data:`PLACED_WITHIN` steps whenever it is made) and three steps on it,
+    and the streamed run trains as many steps on the same batches."""
+    from tierd.client.placer import Placer, PlacerState
+    monkeypatch.setattr(Placer, "_memory", lambda self: None)   # place from the cap alone
+    monkeypatch.setattr(compact, "stochastic_round_bf16", lambda x: x.bfloat16())
+    dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    data = [ids.cuda() for ids in batches(PLACED_WITHIN + 3, batch=2, seq=16)]
+
+    def attached(cap):
+        model = attach(gpt2(n_layer=4, n_embd=128), client=tierd.connect(daemon),
+                       gpu_memory_bytes=cap, compute_dtype=dtype)
+        return model, tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+
+    model, opt = attached(1 << 30)
+    placer = session_of(model).placer
+    resident, placed_at = [], None
+    for ids in data:
+        resident += train(model, opt, [ids])
+        if placed_at is None and placer.plan is not None:
+            placed_at = len(resident)
+        if placed_at is not None and len(resident) == placed_at + 3:
+            break
+    assert placed_at is not None and placed_at <= PLACED_WITHIN, placed_at
+    assert placer.state is PlacerState.PLACED
+    assert set(placer.plan.places.values()) == {Place.RESIDENT}
+    sd1 = model.state_dict()
+    tierd.detach(model)
+
+    model, opt = attached(0)
+    streamed = train(model, opt, data[:len(resident)])
+    placer = session_of(model).placer
+    assert placer.state is PlacerState.OFF and placer.plan is None
+    assert session_of(model).stats()["resident_bytes"] == 0
+    sd0 = model.state_dict()
+    tierd.detach(model)
+    assert streamed == resident
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+
+
+#: steps within which a capped attach has placed its units (the placer's first
+#: update places them; a later plan, e.g. after an activation plan, within this)
+PLACED_WITHIN = 5
+
+
+# ------------------------------------------------------------------ attached
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+@pytest.mark.parametrize("path", ["fused", "deferred", "cpu", "resident"])
+def test_attached_training_is_torchaos_adamw_bitwise_on_every_update_path(daemon, state, path):
+    """fp32 master weights (no rounding noise): tierd's compact update
+    through the store equals torchao's AdamW on the plain model, bitwise,
+    whichever path updates: fused into backward (streamed), in step()
+    (deferred), on host threads in the pool, or resident on the device."""
+    _torchao()
+    ref = llama() if path == "resident" else gpt2()
+    options: dict = {}
+    if path == "resident":
+        client = LocalStore()
+        options = dict(device="cpu", gpu_memory_bytes=1 << 30)
+    else:
+        client = tierd.connect(daemon)
+        if path == "cpu":
+            options = dict(optimizer_placement="cpu")
+    model = attach(copy.deepcopy(ref), client=client, **options)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state,
+                            fused=False if path == "deferred" else None)
+    ref_opt = TorchaoAdamW(ref.parameters(), state)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    if path == "resident":
+        assert set(session_of(model).placer.plan.places.values()) == {Place.RESIDENT}
+    saved = opt.state_dict()
+    for i, p in enumerate(ref.parameters()):
+        st = ref_opt.state[p]
+        assert torch.equal(saved["state"][i]["exp_avg"], _stored(st["exp_avg"])), i
+        assert torch.equal(saved["state"][i]["exp_avg_sq"], _stored(st["exp_avg_sq"])), i
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("path", ["fused", "deferred", "cpu", "resident"])
+def test_bf16_master_is_torchaos_bitwise_with_the_same_rounding(state, path, monkeypatch):
+    """bf16 masters, streamed (fused into backward, or in step()), updated
+    by host threads in the pool, or resident on the device (their compute
+    copy is updated in place there): torchao's AdamW bitwise once both round
+    the same way. Stochastic rounding draws follow the update order, which
+    is not the reference's; the rounding itself is torchao's bitwise (above)."""
+    torchao_adam = _torchao().adam
+    nearest = lambda x: x.bfloat16()   # noqa: E731
+    monkeypatch.setattr(compact, "stochastic_round_bf16", nearest)
+    monkeypatch.setattr(torchao_adam, "_fp32_to_bf16_sr", nearest)
+    resident = path == "resident"
+    options = dict(gpu_memory_bytes=1 << 30) if resident else {}
+    if path == "cpu":
+        options = dict(optimizer_placement="cpu")
+    ref = llama().to(torch.bfloat16)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   compute_dtype=torch.bfloat16, **options)
+    session = session_of(model)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master="bf16",
+                            fused=False if path == "deferred" else None)
+    ref_opt = TorchaoAdamW(ref.parameters(), state)
+    data = batches(5)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    places = set(session.placer.plan.places.values()) if session.placer.plan else set()
+    assert (places == {Place.RESIDENT}) == resident
+    if path == "cpu":
+        assert opt._fused[0].host.nbytes > 0   # updates ran on host threads
+    kinds = {k[len(session.keys.prefix) + 1:].split("/")[0]
+             for k in session.client.keys(session.keys.all)}
+    assert "master" not in kinds   # no fp32 master anywhere
+
+
+def test_stochastic_rounding_moves_bf16_weights_by_updates_below_half_an_ulp():
+    """An update far below half a bf16 ulp leaves a weight as it was when
+    rounded to nearest; rounded stochastically, it moves some of them."""
+    ref = llama().to(torch.bfloat16)
+    start = copy.deepcopy(ref.state_dict())
+    model = attach(ref, client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, state="bf16",
+                            master="bf16")
+    train(model, opt, batches(3))
+    got = model.state_dict()
+    moved = sum(int((got[n] != v).sum()) for n, v in start.items())
+    total = sum(v.numel() for v in start.values())
+    assert 0 < moved < total // 10
+
+
+def test_the_default_is_exact_fp32_adamw_and_says_nothing_of_compact(daemon):
+    ref = gpt2()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    assert opt.compact.exact
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    saved = opt.state_dict()
+    assert "compact" not in saved and saved["state"][0]["exp_avg"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_state_dict_round_trips_the_compact_bytes_and_refuses_another_setting(daemon,
+                                                                              tmp_path):
+    data = batches(6)
+    start = gpt2()
+
+    def fresh(state):
+        model = attach(copy.deepcopy(start), client=tierd.connect(daemon))
+        return model, tierd.optim.AdamW(model.parameters(), lr=LR, state=state)
+
+    straight, straight_opt = fresh("8bit")
+    train(straight, straight_opt, data)
+    model, opt = fresh("8bit")
+    train(model, opt, data[:3])
+    saved = opt.state_dict()
+    assert saved["compact"] == {"state": "8bit", "master": "fp32"}
+    torch.save({"model": model.state_dict(), "optimizer": saved}, tmp_path / "ckpt.pt")
+    tierd.detach(model)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+
+    other = gpt2()
+    other.load_state_dict(ckpt["model"])
+    other = attach(other, client=tierd.connect(daemon))
+    wrong = tierd.optim.AdamW(other.parameters(), lr=LR, state="bf16")
+    with pytest.raises(StateError, match="state='8bit'.*Build it with"):
+        wrong.load_state_dict(ckpt["optimizer"])
+    assert wrong.state_dict()["state"] == {}          # nothing changed
+    resumed_opt = tierd.optim.AdamW(other.parameters(), lr=LR, state="8bit")
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    again = resumed_opt.state_dict()
+    for i, entry in saved["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(again["state"][i][k], v), (i, k)
+    train(other, resumed_opt, data[3:])
+    assert_same_weights(other, straight)
+
+
+def test_a_torch_fp32_state_dict_loads_into_a_compact_optimizer_converted(daemon):
+    ref = gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    train(ref, ref_opt, batches(2))
+    model = attach(copy.deepcopy(ref), client=tierd.connect(daemon))
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="bf16")
+    opt.load_state_dict(ref_opt.state_dict())
+    got = opt.state_dict()
+    for i, entry in ref_opt.state_dict()["state"].items():
+        assert torch.equal(got["state"][i]["exp_avg"], entry["exp_avg"].bfloat16()), i
+        assert got["state"][i]["step"].item() == entry["step"].item()
+
+
+def test_commit_and_resume_keep_the_compact_state_and_refuse_a_change(daemon):
+    _torchao()
+    data = batches(6)
+    ref = gpt2()
+    ref_opt = TorchaoAdamW(ref.parameters(), "8bit")
+    want = train(ref, ref_opt, data)
+
+    model = attach(gpt2(), client=daemon.connect(job="c8"), name="m")
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="8bit")
+    assert train(model, opt, data[:3]) == want[:3]
+    tierd.commit(model, opt, 3)
+    session_of(model).client.close()   # the process ends without detaching
+
+    resumed = attach(gpt2(seed=5), client=daemon.connect(job="c8"), name="m", resume=True)
+    for state in ("fp32", "bf16"):
+        with pytest.raises(StateError, match="state='8bit'.*as the run that committed"):
+            tierd.optim.AdamW(resumed.parameters(), lr=LR, state=state)
+    opt = tierd.optim.AdamW(resumed.parameters(), lr=LR, state="8bit")
+    assert train(resumed, opt, data[3:]) == want[3:]
+    assert_same_weights(resumed, ref)
+
+
+def test_an_exact_commit_resumed_by_a_compact_optimizer_is_refused(daemon):
+    model = attach(gpt2(), client=daemon.connect(job="f32"), name="m",
+                   compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR)
+    train(model, opt, batches(2))
+    tierd.commit(model, opt, 2)
+    session_of(model).client.close()
+    resumed = attach(gpt2(), client=daemon.connect(job="f32"), name="m", resume=True,
+                     compute_dtype=torch.bfloat16)
+    with pytest.raises(StateError, match="state='fp32', master='fp32'"):
+        tierd.optim.AdamW(resumed.parameters(), lr=LR, state="bf16")
+    with pytest.raises(StateError, match="holds AdamW state kept with .*master='fp32'.*"
+                                         "this optimizer keeps .*master='bf16'"):
+        tierd.optim.AdamW(resumed.parameters(), lr=LR, master="bf16")
+    opt = tierd.optim.AdamW(resumed.parameters(), lr=LR)   # the same setting resumes
+    train(resumed, opt, batches(1))
+
+
+# ------------------------------------------------------------------ sizes
+def _bytes_per_param(model) -> float:
+    """Bytes the store holds for the model's trained state at rest (compute
+    copies, masters, moments) per trainable parameter."""
+    session = session_of(model)
+    keys = [k for k in session.client.keys(session.keys.all)
+            if k[len(session.keys.prefix) + 1:].split("/")[0] in ("p", "master", "optim")
+            and "/optim/step/" not in k and "/optim/format/" not in k]
+    values = session.read(keys)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(v.numel() * v.element_size() for v in values.values()) / n
+
+
+@pytest.mark.parametrize("state,master,most", [("bf16", "fp32", 10.0), ("8bit", "bf16", 6.0)])
+def test_bytes_per_parameter_in_the_store(daemon, state, master, most):
+    model = attach(gpt2(n_embd=128), client=tierd.connect(daemon),
+                   compute_dtype=torch.bfloat16)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+    train(model, opt, batches(2))
+    measured = _bytes_per_param(model)
+    assert measured <= most
+    assert CompactState(state=state, master=master).bytes_per_param(torch.bfloat16) <= most
+    assert 2 < measured   # the compute copies at least
+
+
+def test_bytes_per_param_figures():
+    assert CompactState().bytes_per_param(torch.bfloat16) == 14.0
+    assert CompactState(state="bf16").bytes_per_param(torch.bfloat16) == 10.0
+    assert CompactState(state="8bit", master="bf16").bytes_per_param(torch.bfloat16) == 4.03125
+    # a tensor below a block's worth keeps fp32 moments
+    assert CompactState(state="8bit").bytes_per_param(torch.bfloat16, numel=1024) == 14.0
+
+
+def test_placement_counts_the_compact_sizes():
+    """What placement keeps per unit is what the setting stores."""
+    sizes = {}
+    for state, master in (("fp32", "fp32"), ("8bit", "bf16")):
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16)
+        opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+        session = session_of(model)
+        units = session.placer.unit_bytes()
+        sizes[state] = sum(u.state_bytes for u in units), sum(u.param_bytes for u in units)
+        del opt
+    (fp32_state, params), (compact_state, same_params) = sizes["fp32"], sizes["8bit"]
+    assert params == same_params
+    assert fp32_state == 6 * params             # fp32 master + two fp32 moments over bf16
+    # two moments as stored (8-bit, fp32 below 4096 elements), no master of its own
+    setting = CompactState(state="8bit", master="bf16")
+    assert compact_state == sum(2 * setting.moment_nbytes(p) for p in llama().parameters())
+    assert compact_state < 1.4 * params
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_settings_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="state='int4'.*'fp32', 'bf16', '8bit'"):
+        tierd.optim.AdamW([], state="int4")
+    with pytest.raises(ValueError, match="master='fp16'.*'fp32', 'bf16'"):
+        tierd.optim.AdamW([], master="fp16")
+
+
+def test_bf16_master_needs_bf16_parameters():
+    model = attach(gpt2(), client=LocalStore(), device="cpu")   # fp32 compute
+    with pytest.raises(ValueError, match="compute_dtype=torch.bfloat16"):
+        tierd.optim.AdamW(model.parameters(), lr=LR, master="bf16")
+
+
+def test_tensors_smaller_than_a_block_keep_fp32_moments_and_the_kernel_refuses_them():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        compact.quantize_blockwise(torch.randn(100), compact.qmap(True))
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        compact.packed_numel(4096 + 1)
+    model = attach(gpt2(), client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state="8bit")
+    train(model, opt, batches(2))
+    saved = opt.state_dict()["state"]
+    for i, p in enumerate(model.parameters()):
+        moment = saved[i]["exp_avg"]
+        if compact.quantizable(p.numel()):
+            assert moment.dtype == torch.uint8 and moment.numel() < p.numel() * 1.02
+        else:   # biases, norms, the position embedding of 2048 elements
+            assert moment.dtype == torch.float32 and moment.shape == p.shape
+    assert {saved[i]["exp_avg"].dtype for i in saved} == {torch.uint8, torch.float32}
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state,master", [("bf16", "fp32"), ("8bit", "fp32"), ("8bit", "bf16")])
+def test_on_cuda_streamed_and_resident_compact_updates_agree_bitwise(daemon, state, master,
+                                                                     monkeypatch):
+    """The compact bytes streamed through the pool (fused into backward,
+    copied in and out) and kept resident on the GPU give the same training,
     bitwise: the same kernels on the same device, whatever moves the bytes."""
     from tierd.client.placer import Placer
     monkeypatch.setattr(Placer, "_memory", lambda self: None)   # place from the cap alone
