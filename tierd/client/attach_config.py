@@ -54,6 +54,13 @@ class AttachConfig:
     #: Bytes of upcoming parameters for which pool leases are requested
     #: ahead of use (brings NVMe-resident ones into the pool in time).
     prefetch_bytes: int = 512 << 20
+    #: Most optimizer state (fp32 master and moments) of the buckets a fused
+    #: update reaches last in backward that stays on the device after their
+    #: update, to be copied out at the next forward's start, when the copy
+    #: engine is idle, instead of during backward ([Note: deferred write-out]
+    #: in ``tierd.updates.fused``). None: on CUDA the fused optimizer's fetch
+    #: window (twice its ``prefetch_bytes``), on the CPU 0; 0: none.
+    deferred_write_bytes: int | None = None
     #: Parameters smaller than this stay on the compute device all the time.
     resident_below_bytes: int = 0
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
@@ -103,6 +110,9 @@ class AttachConfig:
         for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
                   "grad_bucket_bytes"):
             object.__setattr__(self, f, _bytes(f, getattr(self, f)))
+        if self.deferred_write_bytes is not None:
+            object.__setattr__(self, "deferred_write_bytes",
+                               _bytes("deferred_write_bytes", self.deferred_write_bytes))
         if isinstance(self.gpu_memory_bytes, str):
             object.__setattr__(self, "gpu_memory_bytes",
                                _bytes("gpu_memory_bytes", self.gpu_memory_bytes))

@@ -88,9 +88,12 @@ class Mover:
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:
         """A new step: kept values are in use from now on (freed after use like
-        the rest); fetch the first units of the learned order."""
+        the rest); the optimizers' deferred state is queued out; fetch the
+        first units of the learned order."""
         self._kept.clear()
         self._kept_bytes = 0
+        for opt in self.optimizers:   # before any swap-in reads the pool
+            opt.write_deferred()      # ([Note: deferred write-out] in tierd.updates.fused)
         self._prefetch(self.planner.begin_step())
 
     def observe(self, unit: Unit) -> None:

@@ -44,6 +44,32 @@ before them. On CUDA the session keeps those in its first prefetch window
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
+[Note: deferred write-out]
+Each streamed bucket's state crosses PCIe twice in the updating backward (in
+for the update, out after it) and not at all in the forward, so backward is
+bound by the copy engines while the forward leaves them idle. The buckets
+the learned order reaches last (the first blocks and the embedding, which the
+next forward uses first) therefore keep their new master, moments and
+compute copies on the device after their update (DEFERRED, within
+``defer_bytes``: ``AttachConfig.deferred_write_bytes``), their leases held,
+and their copy out is queued as the next forward begins
+(:meth:`FusedUpdates.write_deferred`, from the mover's ``begin_step``),
+while the device holds the fewest activations; the copy-in of the
+backward's last buckets then has the link to itself. Nothing reads the
+pool's older copy meanwhile: the copy out is queued before any swap-in of
+the next forward (a copy in of a key waits for the last copy out into it,
+[Note: two copy streams]), and before the host reads the store (``settle``:
+``state_dict``, ``commit``, ``detach``, a deferred ``step()``, placement)
+or the next backward begins. Once queued, the bytes count in the fetch
+window until they land, so the next backward's fetches never hold more
+state on the device than without deferring. The default, the fetch window
+(twice ``prefetch_bytes``), bounds the state kept to what backward already
+holds at once; a bucket not all of whose parameters were updated, a pinned
+or CPU one, and any under torch.distributed (the other ranks read the new
+values from the store) is written out as before. On the CPU the deferred
+buckets are fetched as copies of the pool's views (the update would write
+the pool in place otherwise), so the same states and order run there.
+
 The first backward only learns (delivery counts and order); ``step()``
 updates its window. On the CPU the same code runs on the pool views in place.
 """
@@ -99,6 +125,10 @@ class FusedUpdates:
         # (event-only copy out, bytes): the sources were recorded on the copy
         # stream, so dropping them here cannot let their memory be reused early
         self._outstanding: list[tuple[InflightCopy, int]] = []
+        # [Note: deferred write-out]: most state bytes kept, and the buckets
+        # (indices) chosen for it in this backward
+        self.defer_bytes = self._defer_budget()
+        self._deferring: set[int] = set()
         # buckets updated on the host ([Note: CPU updates overlapped with backward])
         self.host = HostUpdates(self)
 
@@ -125,9 +155,19 @@ class FusedUpdates:
                     for tp in piece:
                         self.bucket_of[tp] = b
 
+    def _defer_budget(self) -> int:
+        session = self.session
+        if session.share is not None:   # other ranks read the new values at the step's end
+            return 0
+        given = session.config.deferred_write_bytes
+        if given is not None:
+            return given
+        return 2 * self.prefetch_bytes if session.copy.on_device else 0
+
     # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
         """The outermost backward starts: decide whether it updates."""
+        self.write_deferred()   # (queued at the forward's start already, as a rule)
         if self.updated:
             raise StateError(
                 f"backward ran again after a fused optimizer update but before opt.step(): "
@@ -148,8 +188,32 @@ class FusedUpdates:
         self._seen.clear()
         self._updated.clear()
         self._cursor = 0
+        self._deferring = self._choose_deferred() if self.active else set()
         if self.active:
             self.prefetch()
+
+    def _choose_deferred(self) -> set[int]:
+        """The streamed buckets last in the learned order whose state fits
+        ``defer_bytes`` together ([Note: deferred write-out])."""
+        chosen, total = set(), 0
+        for i in reversed(self.order):
+            b = self.buckets[i]
+            if b.pinned or b.cpu or not any(self.expected.get(tp, 0) for tp in b.tps):
+                continue   # updated elsewhere, or no gradient in the learned backward
+            if total + b.nbytes > self.defer_bytes:
+                break
+            chosen.add(i)
+            total += b.nbytes
+        return chosen
+
+    def write_deferred(self) -> None:
+        """Queue the copy out of every DEFERRED bucket ([Note: deferred
+        write-out]); until they land their bytes count in the fetch window."""
+        for b in self.buckets:
+            if b.state is BucketState.DEFERRED:
+                self._fetched_bytes += b.nbytes
+                self._write_out(b, b.pending)
+                b.to_written()
 
     def on_grad(self, tp: TieredParam, grad: torch.Tensor) -> bool:
         """A gradient of ``tp`` arrived; True if consumed here (not sent to the pool)."""
@@ -202,8 +266,9 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        for b in self.buckets:
-            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING):
+        for b in self.buckets:   # DEFERRED ones are written at the next forward
+            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,
+                               BucketState.DEFERRED):
                 b.to_host()
         self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
@@ -215,6 +280,7 @@ class FusedUpdates:
         self.host.wait_all()
         if not self.active:
             self._release_fetched()
+            self.write_deferred()
             for done, nbytes in self._outstanding:
                 done.synchronize()
                 self._fetched_bytes -= nbytes
@@ -398,9 +464,11 @@ class FusedUpdates:
             b.to_fetched({**{k: d for k, (d, _) in zip(read, pairs)}, **fresh},
                          copy.copy_in_many(pairs, tuple(read)))
         else:   # in place in the pool, but a shared key gets a new version instead,
-            # and a pinned bucket's state leaves the pool (its leases go after the update)
+            # a pinned bucket's state leaves the pool (its leases go after the
+            # update), and a deferred one's is written at the next forward
             shared = session.leases.shared
-            b.to_fetched({**{k: v.clone() if b.pinned or k in shared else v
+            apart = b.pinned or b.index in self._deferring
+            b.to_fetched({**{k: v.clone() if apart or k in shared else v
                              for k, v in views.items()}, **fresh}, None)
         if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
@@ -425,7 +493,9 @@ class FusedUpdates:
             for reader in b.readers:   # the master changes in place below
                 copy.wait(reader)
             written = self._run_math(b)
-            if not b.pinned:
+            all_params = all(tp in self._updated for tp in b.tps)   # else fetched again
+            defer = all_params and b.index in self._deferring   # [Note: deferred write-out]
+            if not b.pinned and not defer:
                 self._write_out(b, written)
         if b.pinned:
             self._keep(b)
@@ -433,7 +503,11 @@ class FusedUpdates:
             # the state is next needed here in the next step ([Note: eviction by next use])
             session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
                                    if k != tp.key])
-            b.to_updated(all_params=all(tp in self._updated for tp in b.tps))  # else fetched again
+            if defer:
+                b.to_deferred(written)
+                self._fetched_bytes -= b.nbytes   # out of the window until queued
+            else:
+                b.to_updated(all_params=all_params)
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 
