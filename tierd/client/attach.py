@@ -132,6 +132,12 @@ def attach(model: nn.Module, *, client=None, config: AttachConfig | None = None,
         raise ValueError("resume=True needs a stable key prefix: pass name= (the one the "
                          "committed run used) or job=")
     group = distributed.active_group(process_group)
+    if group is None and config.gpu_tier == "sharded":
+        raise ValueError("gpu_tier='sharded' shares the GPU tier among the ranks of a "
+                         "torch.distributed job, and this process is in none (no process "
+                         "group, or a world of one): call torch.distributed."
+                         "init_process_group first (torchrun), or leave gpu_tier at "
+                         "'replicated'")
     if group is not None and weights is not None:
         raise ValueError("weights= is not supported under torch.distributed yet: load the "
                          "checkpoint into the CPU model (load_state_dict) and attach that")

@@ -20,6 +20,7 @@ from tierd.config import parse_size
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _PLACEMENTS = ("gpu-stream", "cpu", "auto")
+_GPU_TIERS = ("replicated", "sharded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,14 @@ class AttachConfig:
     #: its policy alone ("offload", "recompute", "auto"); None leaves
     #: activations alone. See ``tierd.client.activations``.
     activations: ActivationConfig | str | None = None
+    #: Under torch.distributed, how the ranks of a node keep the units placement
+    #: puts whole on their GPUs: "replicated" (DDP's way: every rank keeps the
+    #: unit's weights, master and moments, and runs the same update) or
+    #: "sharded" (each unit's master and moments on its owner's GPU only: the
+    #: owner updates, the other ranks get the new weights from it over the
+    #: interconnect; [Note: resident state sharded by unit] in
+    #: ``tierd.client.sharded``). Needs a process group.
+    gpu_tier: str = "replicated"
 
     def __post_init__(self) -> None:
         dtype = self.compute_dtype
@@ -137,6 +146,8 @@ class AttachConfig:
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
+        if self.gpu_tier not in _GPU_TIERS:
+            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         units = self.unit_modules
         if isinstance(units, type):
             units = (units,)

@@ -143,7 +143,8 @@ class AttachSession:
         self.share = None if ranks is None else RankShare(
             ranks, self.registry, store=client, leases=self.leases, releases=self.releases,
             copy=self.copy, counters=self.counters, device=self.device,
-            dtype=config.compute_dtype, deliver=self._deliver_grad)
+            dtype=config.compute_dtype, deliver=self._deliver_grad,
+            gpu_tier=config.gpu_tier, device_masters=self.updates.device_masters)
         tps = [tp for tp in self.params.values() if not tp.resident]
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
         cap = resolve_cap(self.device, config.gpu_memory_bytes)

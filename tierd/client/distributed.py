@@ -136,6 +136,9 @@ class Ranks:
     world: int                    # ranks in ``group``
     node_ranks: tuple[int, ...]   # global ranks of this node, leader first
     nodes: int
+    #: the caller's backend, this node's ranks: the new weights of units the
+    #: GPU tier shards (``gpu_tier="sharded"``; None otherwise)
+    node_compute: "dist.ProcessGroup | None" = None
 
     @property
     def local_rank(self) -> int:
@@ -187,7 +190,7 @@ def signature(model: nn.Module, config) -> list[tuple]:
     """What every rank must agree on: parameters (name, shape, dtype,
     requires_grad) and the attach settings that decide keys and owners."""
     rows = [("config", str(config.compute_dtype), config.resident_below_bytes,
-             config.optimizer_placement, config.name)]
+             config.optimizer_placement, config.name, config.gpu_tier)]
     rows += [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
              for n, p in model.named_parameters()]
     return rows
@@ -238,10 +241,15 @@ def join(process_group, *, socket_path: Path | None, job: str | None, model: nn.
     if len(order) > 1 and dist.get_rank() in heads:
         leaders = dist.new_group(heads, backend="gloo", timeout=CONTROL_TIMEOUT,
                                  use_local_synchronization=True)
+    node_compute = None
+    if config.gpu_tier == "sharded":   # [Note: resident state sharded by unit]
+        node_compute = process_group if len(order) == 1 else dist.new_group(
+            sorted(order[index]), backend=dist.get_backend(process_group),
+            use_local_synchronization=True)
     me = Ranks(group=process_group, control=control, node=node_groups[index], leaders=leaders,
                all_ranks=tuple(ranks), rank=dist.get_rank(),
                world=len(ranks), node_ranks=tuple(sorted(order[index])),
-               nodes=len(order))
+               nodes=len(order), node_compute=node_compute)
     path = socket_path
     if path is None:   # nobody on this node found a daemon: the leader starts one
         path = Path(me.from_leader(str(start_daemon()) if me.leader else None,

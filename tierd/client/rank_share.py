@@ -6,7 +6,10 @@ visible] in ``tierd.client.distributed``. It decides which rank owns each
 parameter's optimizer state, reduces gradients to owners, and publishes the
 owner's new versions of shared keys. Parameters of units placement keeps on
 every rank's device are *replicated* ([Note: resident units are replicas]):
-their gradients reach every rank, and no rank reads them from the pool.
+their gradients reach every rank, and no rank reads them from the pool; or,
+with ``gpu_tier="sharded"``, updated by their owner alone, which sends the
+others the new weights ([Note: resident state sharded by unit] in
+``tierd.client.sharded``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tierd.client.distributed import GradReducer, Ranks, assign_owners
 from tierd.client.leases import LeaseTable
 from tierd.client.registry import ParamRegistry
 from tierd.client.releases import PendingReleases
+from tierd.client.sharded import ShardedResident
 from tierd.client.store import Store
 from tierd.client.tiered_param import TieredParam
 
@@ -36,7 +40,9 @@ class RankShare:
     def __init__(self, ranks: Ranks, registry: ParamRegistry, *, store: Store,
                  leases: LeaseTable, releases: PendingReleases, copy: CopyStream,
                  counters, device: torch.device, dtype: torch.dtype,
-                 deliver: Callable[[TieredParam, torch.Tensor], None]) -> None:
+                 deliver: Callable[[TieredParam, torch.Tensor], None],
+                 gpu_tier: str = "replicated",
+                 device_masters: Callable[[list[TieredParam]], dict] | None = None) -> None:
         self.ranks = ranks
         self._registry = registry
         self._store = store
@@ -60,6 +66,10 @@ class RankShare:
             leases.shared.update((tp.key, tp.master_key))
         #: every rank updates these on its device (see :meth:`replicate`)
         self.replicated: frozenset[TieredParam] = frozenset()
+        #: gpu_tier="sharded": resident units are updated by their owner only
+        self.sharded = None if gpu_tier != "sharded" else ShardedResident(
+            ranks, buckets, self.owner_of, store=store, device=device,
+            device_masters=device_masters)
 
     def replicable(self, tps) -> list[TieredParam]:
         """The parameters of every gradient bucket made only of ``tps`` (a
@@ -74,7 +84,12 @@ class RankShare:
 
     def replicate(self, tps) -> None:
         """From the next backward on, every rank gets (and updates) the averaged
-        gradients of ``tps``, whole gradient buckets (:meth:`replicable`)."""
+        gradients of ``tps``, whole gradient buckets (:meth:`replicable`);
+        with a sharded GPU tier their owners update them and send the new
+        weights instead ([Note: resident state sharded by unit])."""
+        if self.sharded is not None:
+            self.sharded.shard(tps)
+            return
         self.replicated = frozenset(tps)
         self.reducer.replicate(frozenset(self.reducer.bucket_of[tp] for tp in tps))
 
@@ -118,10 +133,14 @@ class RankShare:
     def finish_update(self, settle: Callable[[], None]) -> None:
         """The end of ``opt.step()`` on every rank ([Note: when an update is
         visible]): resident parameters another rank owns are read again,
-        but for replicas (this rank updated its own copy)."""
+        but for replicas (this rank updated its own copy) and sharded units
+        (their owners send them)."""
         self.sync(settle, "the end of opt.step()")
+        sharded = frozenset() if self.sharded is None else self.sharded.tps
+        if sharded:
+            self.sharded.refresh()
         stale = [tp for tp in self._registry.resident() if tp.param.requires_grad
-                 and not self.owns(tp) and tp not in self.replicated]
+                 and not self.owns(tp) and tp not in self.replicated and tp not in sharded]
         if stale:
             values = self._store.get_many([tp.key for tp in stale])
             with torch.no_grad():

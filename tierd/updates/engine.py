@@ -82,7 +82,14 @@ class SessionUpdates:
                    if tp.has_master and tp not in in_compute)
 
     def resident_bytes(self) -> int:
-        return sum(f.resident_bytes() for f in self._updates)
+        sharded = self._sharded()
+        return sum(f.resident_bytes() for f in self._updates) + (
+            0 if sharded is None else sharded.kept_bytes())
+
+    def _sharded(self):
+        """The sharded GPU tier's part on this rank (``tierd.client.sharded``), if any."""
+        share = self._session.share
+        return None if share is None else share.sharded
 
     # ------------------------------------------------------------- placement
     def host_choice(self) -> tuple[str, Costs | None]:
@@ -105,6 +112,8 @@ class SessionUpdates:
         return can_replicate(self._session, tps)
 
     def replicate(self, tps: list) -> None:
+        if self._sharded() is not None:   # owners alone keep the state
+            return
         self._replicas = replicate(self._session, tps)
 
     def drop_replicas(self) -> None:
@@ -119,4 +128,8 @@ class SessionUpdates:
         write_kept_weights(self._session)
 
     def device_masters(self, tps: list) -> dict:
-        return device_values(self._session, tps)
+        out = device_values(self._session, tps)
+        sharded = self._sharded()
+        if sharded is not None:   # others' units: the values their owners sent
+            out.update(sharded.masters(tps))
+        return out
