@@ -15,9 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tierd
+from tests.client.models import gpt2
 from tests.client.test_distributed import assert_matches, run_ranks
 from tests.client.test_distributed_placement import EMBEDDING_CAP
 from tests.conftest import start_daemon
+from tierd.client.attach import attach, is_attached
+from tierd.client.attach_config import AttachConfig
+from tierd.client.distributed import check_agreement, signature
+from tierd.errors import StateError
 
 WHOLE_CAP = 1 << 30   # the whole model stays on the device
 
@@ -52,3 +58,95 @@ def test_sharded_units_train_bitwise_as_replicas(daemon_factory, tmp_path_factor
     if dtype == "fp32":
         ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], "--steps", "4")[0]
         assert_matches(sharded, ref)
+
+
+def test_a_sharded_rank_holds_its_share_of_the_resident_state(daemon_factory, tmp_path_factory):
+    """The whole model placed on the device (fp32, a unit per block and the
+    rest): by tierd's own count a replicated rank holds every unit's weights
+    and state, a sharded rank the weights and its own units' state; the
+    ranks' states add up to one copy, split about evenly."""
+    daemon = daemon_factory(pool="256MiB")
+    args = ("--steps", "3", "--tierd", "--gpu-memory-bytes", str(WHOLE_CAP))
+    replicated = run_ranks(tmp_path_factory.mktemp("replicated"), [daemon.socket] * 2, *args,
+                           "--job", "replicated")
+    sharded = run_ranks(tmp_path_factory.mktemp("sharded"), [daemon.socket] * 2, *args,
+                        "--job", "sharded", "--gpu-tier", "sharded")
+    _assert_same_run(sharded, replicated)
+    assert set(sharded[0]["plan"]["places"].values()) == {"resident"}
+    weights = 4 * sum(v.numel() for k, v in replicated[0]["weights"].items()
+                      if not k.startswith("lm_head"))   # tied to the embedding
+    held = [r["session"]["resident_bytes"] for r in replicated]
+    assert held[0] == held[1]
+    state = held[0] - weights
+    assert state >= 2 * weights   # AdamW's two moments at least
+    mine = [r["session"]["resident_bytes"] - weights for r in sharded]
+    print("replicated", held, "sharded", [r["session"]["resident_bytes"] for r in sharded],
+          "weights", weights)
+    assert sum(mine) == state
+    assert all(0.4 * state <= m <= 0.6 * state for m in mine), (mine, state)
+
+
+def test_a_sharded_run_resumes_from_its_commit_bitwise(tmp_path_factory):
+    """Commit after step 1 (the owners write their resident state back), stop
+    the daemon, resume on a new one over the same NVMe directory: steps 3-4
+    and the values are bitwise those of a run that never stopped."""
+    node = tmp_path_factory.mktemp("node")
+    args = ("--tierd", "--module-units", "--job", "res", "--gpu-tier", "sharded",
+            "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    daemon = start_daemon(tmp_path_factory.mktemp("whole"), pool="256MiB")
+    try:
+        whole = run_ranks(tmp_path_factory.mktemp("whole_run"), [daemon.socket] * 2,
+                          "--steps", "4", *args)
+    finally:
+        daemon.stop()
+    first = start_daemon(node, pool="256MiB")
+    try:   # placed from its second step on: the commit after it writes resident state back
+        before = run_ranks(tmp_path_factory.mktemp("first"), [first.socket] * 2,
+                           "--steps", "2", "--commit-at", "1", *args)
+    finally:
+        first.stop()
+    again = start_daemon(node, pool="256MiB")   # same NVMe dir: recovers the commit
+    try:
+        resumed = run_ranks(tmp_path_factory.mktemp("second"), [again.socket] * 2,
+                            "--steps", "4", "--resume", "--start-step", "2", *args)
+    finally:
+        again.stop()
+    for r in whole + before + resumed:
+        assert "error" not in r and "exited" not in r, r
+    assert "resident" in before[0]["plan"]["places"].values()
+    for r, w in zip(resumed, whole):
+        assert r["plan"] == w["plan"]
+        assert r["losses"] == w["losses"][2:]
+        for name, want in w["weights"].items():
+            assert torch.equal(r["weights"][name], want), name
+            assert torch.equal(r["detached"][name], want), name
+
+
+def test_an_unknown_gpu_tier_is_refused():
+    with pytest.raises(ValueError, match=r"gpu_tier='zero3'; use one of \('replicated', "
+                                         r"'sharded'\)"):
+        AttachConfig(gpu_tier="zero3")
+
+
+def test_sharded_without_a_process_group_is_refused_before_anything_is_stored(daemon):
+    model = gpt2()
+    params = dict(model.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match="gpu_tier='sharded' shares the GPU tier among the "
+                                         "ranks .*init_process_group first"):
+        attach(model, client=tierd.connect(daemon.socket, job="lone"), job="lone",
+               device="cpu", gpu_tier="sharded")
+    assert not is_attached(model)
+    assert all(p is params[k] and torch.equal(p, before[k]) for k, p in model.named_parameters())
+    with daemon.connect(job="lone") as client:
+        assert client.keys("tierd-attach/") == []
+
+
+def test_ranks_that_disagree_on_the_gpu_tier_are_refused():
+    """Every rank gets this error at attach (tierd.client.distributed.join)."""
+    model = gpt2()
+    ranks = [dict(rank=r, host="h", socket="s", job="j", device="cpu", gpus=0, backend="gloo",
+                  model=signature(model, AttachConfig(gpu_tier=tier)))
+             for r, tier in enumerate(["replicated", "sharded"])]
+    with pytest.raises(StateError, match=r"ranks \[1\] differ from rank 0 .*'sharded'\) vs"):
+        check_agreement(ranks)
