@@ -26,8 +26,9 @@ from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
 from tierd.client.embedded import ensure_daemon, node_socket, room_problem
 from tierd.client.hooks import refuse_compiled
-from tierd.client.init_weights import InitPlan, plan_init
+from tierd.client.init_weights import InitPlan, kept_units, plan_init
 from tierd.client.keys import ModelKeys, random_name
+from tierd.client.placer import estimate_budget, margin_for
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.errors import CapacityError, StateError
@@ -201,9 +202,12 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
     if group is None and explicit:   # a bad cap fails here, before anything is stored
         check_cap(model, config, cap)
     gpu = 0 if group is not None else device_room(cap)
+    kept: frozenset[str] = frozenset()   # keys init=True keeps only on the device
+    if isinstance(plan, InitPlan):
+        kept = _keep_on_device(plan, config, cap, device, explicit)
     need = model_need(model, config.compute_dtype, ModelKeys.for_name(config.name), job=job,
                       device=gpu, lazy_masters=group is None,
-                      optimizer_state=config.optimizer_state)
+                      optimizer_state=config.optimizer_state, existing=kept)
     if group is not None:
         ranks, client = _join_ranks(group, model, client, job, config, need)
         if config.name is None:
@@ -216,7 +220,7 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
                                             "agreeing on gpu_memory_bytes")
             if explicit:
                 _check_agreed_cap(model, config, -low)
-        _check_room(model, client, config, ranks, gpu)
+        _check_room(model, client, config, ranks, gpu, kept)
         return _build(model, client, config, owns_client=owns_client, resume=resume,
                       ranks=ranks, plan=plan)
     except BaseException:
@@ -233,16 +237,33 @@ def _check_agreed_cap(model: nn.Module, config: AttachConfig, cap: int) -> None:
                          "smallest gpu_memory_bytes of any rank)") from None
 
 
-def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int) -> None:
+def _keep_on_device(plan: InitPlan, config: AttachConfig, cap: int | None, device,
+                    explicit: bool) -> frozenset[str]:
+    """init=True: choose the units whose frozen parameters stay on the device,
+    never stored ([Note: frozen weights kept only on the device] in
+    tierd.client.placer), and return those parameters' keys."""
+    if cap is None:
+        return frozenset()
+    budget = estimate_budget(cap, margin_for(cap, explicit=explicit,
+                                             cuda=device.type == "cuda"))
+    plan.keep = kept_units(plan, config.compute_dtype, budget)
+    keys = ModelKeys.for_name(config.name)
+    return frozenset(keys.param(plan.names[pid]) for pid, hs in plan.holders.items()
+                     if hs[0].unit in plan.keep and not hs[0].param.requires_grad)
+
+
+def _check_room(model: nn.Module, client, config: AttachConfig, ranks, gpu: int,
+                kept: frozenset[str] = frozenset()) -> None:
     """CapacityError, before anything is stored, when the daemon cannot hold
     the model's values and training state (keys a resumed job has excepted,
-    ``gpu`` bytes of it counted on the GPU: [Note: the GPU counted] in
-    tierd.client.capacity); under torch.distributed the node leader checks
-    and every rank raises."""
+    and ``kept``, which init=True keeps only on the device; ``gpu`` bytes of
+    it counted on the GPU: [Note: the GPU counted] in tierd.client.capacity);
+    under torch.distributed the node leader checks and every rank raises."""
     text = None
     if ranks is None or ranks.leader:
         keys = ModelKeys.for_name(config.name)
         existing = client.keys(keys.all) if config.name is not None else ()
+        existing = [*existing, *kept]
         need = model_need(model, config.compute_dtype, keys, job=getattr(client, "job", None),
                           existing=existing, device=gpu, lazy_masters=ranks is None,
                           optimizer_state=config.optimizer_state)
@@ -297,9 +318,10 @@ def _build_initialized(model: nn.Module, client, config: AttachConfig, plan: Ini
     stored: frozenset[str] = frozenset()
     try:
         plan.load_buffers()
-        stored = plan.store(client, ModelKeys.for_name(config.name), config.compute_dtype,
-                            config.resolved_device())
-        AttachSession(model, client, config, owns_store=owns_client, resumed=Resumed(stored))
+        stored, kept = plan.store(client, ModelKeys.for_name(config.name), config.compute_dtype,
+                                  config.resolved_device(), keep=plan.keep)
+        AttachSession(model, client, config, owns_store=owns_client, resumed=Resumed(stored),
+                      kept=kept)
     except BaseException:
         plan.restore_buffers()
         if stored:

@@ -102,7 +102,8 @@ class AttachSession:
 
     def __init__(self, model: nn.Module, client: Store, config: AttachConfig, *,
                  owns_store: bool, resumed: Resumed = Resumed(),
-                 ranks: Ranks | None = None, source: ValueSource | None = None) -> None:
+                 ranks: Ranks | None = None, source: ValueSource | None = None,
+                 kept: dict | None = None) -> None:
         self.model = model
         self.closed = False   # detached: its parameters' values left tierd
         self.client = client
@@ -133,7 +134,7 @@ class AttachSession:
         # rank reads the owners' masters under torch.distributed: stored there)
         self.lazy_masters = ranks is None
         self.registry = ParamRegistry(model, self, store=client, stored=resumed.keys,
-                                      on_grad=self.on_grad, source=source)
+                                      on_grad=self.on_grad, source=source, kept=kept)
         self.params = self.registry.params
         self.units = self.registry.units
         self.mover = Mover(self.registry, config.mover(self.lease_cap), copy=self.copy,
@@ -147,7 +148,8 @@ class AttachSession:
             gpu_tier=config.gpu_tier, device_masters=self.updates.device_masters)
         tps = [tp for tp in self.params.values() if not tp.resident]
         self.try_hold([tp.key for tp in tps], sum(tp.nbytes for tp in tps))
-        cap = resolve_cap(self.device, config.gpu_memory_bytes)
+        cap = resolve_cap(self.device, config.gpu_memory_bytes,   # kept: the plan's already
+                          leaving=sum(tp.nbytes for tp in self.params.values() if not tp.in_store))
         self.placer = Placer(self, cap, explicit=config.gpu_memory_bytes is not None)
         self.hooks = ModuleHooks(model, self.registry, self, self.counters)
         self.activations = None if config.activations is None else ActivationTiering(
@@ -362,6 +364,7 @@ class AttachSession:
         Resident optimizer state is read on the device, with no write-back
         (under torch.distributed a rank's own copy: the pool has its owner's)."""
         local = self.updates.device_masters(tps)
+        local.update({tp: tp.compute for tp in tps if not tp.in_store})   # its only copy
         got = self.read([tp.value_key for tp in tps if tp not in local])
         return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
                 else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
@@ -398,6 +401,8 @@ class AttachSession:
         stored = {}
         for tp, value in values.items():
             value = value.detach()
+            if not tp.in_store:
+                continue   # its device copy, set below, is its only copy
             stored[tp.key] = value.to("cpu", tp.param.dtype)
             if tp.has_master and tp.master_made:
                 stored[tp.master_key] = value.to("cpu", torch.float32)

@@ -99,6 +99,9 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
     if optimizer is not None and optimizer.has_unfinished_step():
         raise StateError("a fused update ran but opt.step() was not called yet; "
                          "commit after opt.step()")
+    # frozen weights kept only on the GPU go into the store first ([Note: frozen
+    # weights kept only on the device] in tierd.client.placer)
+    session.placer.store_kept()
     session.settle()
     ranks = None if session.share is None else session.share.ranks
     values = {}

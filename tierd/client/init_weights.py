@@ -5,8 +5,11 @@ LlamaForCausalLM(config)``) has no values. :func:`plan_init` checks that
 every parameter has an initialization (a Hugging Face ``_init_weights``
 above it, else its module's ``reset_parameters``) before anything is stored;
 :meth:`InitPlan.store` then materializes one unit at a time on the compute
-device, runs the model's init on it, stores it and frees it. The session is
-then built over the stored keys, as a resumed job's are.
+device, runs the model's init on it, stores it and frees it; the frozen
+parameters of the units the first step's estimated plan keeps on the device
+stay there instead, never stored ([Note: frozen weights kept only on the
+device] in ``tierd.client.placer``). The session is then built over the
+stored keys, as a resumed job's are.
 
 [Note: initializing unit by unit]
 The inits run in the order Hugging Face's ``initialize_weights`` runs them
@@ -69,6 +72,7 @@ import torch
 from torch import nn
 
 from tierd.client.keys import ModelKeys
+from tierd.client.placement import Place, UnitBytes, plan_placement
 from tierd.client.registry import unit_roots
 from tierd.client.store import Store
 from tierd.client.weights import ReplacedBuffers, listed
@@ -262,7 +266,7 @@ class InitPlan:
     Example:
         >>> plan = plan_init(meta_model)                                      # doctest: +SKIP
         >>> plan.load_buffers()           # its meta buffers, on the CPU      # doctest: +SKIP
-        >>> stored = plan.store(store, keys, torch.bfloat16, torch.device("cuda"))  # doctest: +SKIP
+        >>> stored, kept = plan.store(store, keys, torch.bfloat16, torch.device("cuda"))  # doctest: +SKIP
     """
 
     model: nn.Module
@@ -271,6 +275,8 @@ class InitPlan:
     names: dict[int, str]                     # id(param) -> its name (as named_parameters)
     meta_buffers: list[tuple[nn.Module, str, str]]
     replaced: ReplacedBuffers = field(default_factory=ReplacedBuffers)
+    #: units whose frozen parameters stay on the device (:func:`kept_units`)
+    keep: frozenset[int] = frozenset()
 
     def load_buffers(self) -> None:
         """Give the meta buffers, on the CPU, the values the model's init
@@ -286,28 +292,60 @@ class InitPlan:
         self.replaced.restore()
 
     def store(self, client: Store, keys: ModelKeys, compute_dtype: torch.dtype,
-              device: torch.device) -> frozenset[str]:
+              device: torch.device, *, keep: frozenset[int] = frozenset()
+              ) -> tuple[frozenset[str], dict[nn.Parameter, torch.Tensor]]:
         """Initialize and store every parameter, unit by unit ([Note:
         initializing unit by unit]); returns the keys stored: each
         parameter's, in the compute dtype, and an fp32 master where the
         compute dtype is lower than the model's ([Note: masters made when
-        first needed] in ``tierd.client.registry``). On any failure the keys
-        stored are deleted and the model holds its meta parameters again."""
-        walk = _Walk(self, client, keys, compute_dtype, device)
+        first needed] in ``tierd.client.registry``); and the frozen
+        parameters of the units ``keep`` (:func:`kept_units`), never stored:
+        the model's meta parameter -> its value in the compute dtype, on
+        ``device`` ([Note: frozen weights kept only on the device] in
+        ``tierd.client.placer``). On any failure the keys stored are deleted
+        and the model holds its meta parameters again."""
+        walk = _Walk(self, client, keys, compute_dtype, device, keep)
         try:
             walk.run()
         except BaseException:
             walk.undo()
             raise
-        return frozenset(walk.stored)
+        return frozenset(walk.stored), walk.kept
+
+    def unit_sizes(self, compute_dtype: torch.dtype) -> list[tuple[int, list]]:
+        """Each unit with parameters (the rest first, then the blocks: the
+        registry's units) and its parameters' sizes for
+        :meth:`~tierd.client.placement.UnitBytes.sized`."""
+        sizes: dict[int, list] = {}
+        for hs in self.holders.values():
+            p = hs[0].param
+            dtype = compute_dtype if p.is_floating_point() else p.dtype
+            sizes.setdefault(hs[0].unit, []).append(
+                (p.numel() * dtype.itemsize, p.numel(), p.requires_grad,
+                 p.requires_grad and dtype != torch.float32))
+        return sorted(sizes.items())
+
+
+def kept_units(plan: InitPlan, compute_dtype: torch.dtype, budget: int) -> frozenset[int]:
+    """The units whose compute copies the first step's plan, estimated from
+    sizes within ``budget`` device bytes, keeps on the device ([Note: the
+    plan before a step is measured] in ``tierd.client.placer``): their frozen
+    parameters are kept there at init, never stored."""
+    sized = plan.unit_sizes(compute_dtype)
+    units = [UnitBytes.sized(i, params) for i, (_, params) in enumerate(sized)]
+    places = plan_placement(units, budget).places
+    return frozenset(sized[i][0] for i, place in places.items() if place is not Place.STREAM)
 
 
 class _Walk:
     """One run of :meth:`InitPlan.store`: which holders hold device tensors now."""
 
     def __init__(self, plan: InitPlan, client: Store, keys: ModelKeys,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
+                 compute_dtype: torch.dtype, device: torch.device,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.plan = plan
+        self.keep = keep   # units whose frozen parameters stay on the device
+        self.kept: dict[nn.Parameter, torch.Tensor] = {}
         self.client = client
         self.keys = keys
         self.compute_dtype = compute_dtype
@@ -365,6 +403,7 @@ class _Walk:
         values: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
         floats: dict[str, torch.Tensor] = {}   # name -> value, checked for NaN
+        kept: dict[nn.Parameter, torch.Tensor] = {}
         for holder in done:
             if self.plan.holders[id(holder.param)][0] is not holder:
                 continue   # a tie target: its scratch goes
@@ -373,6 +412,9 @@ class _Walk:
             if value.is_floating_point():
                 floats[name] = value
             dtype = self.compute_dtype if value.is_floating_point() else value.dtype
+            if unit in self.keep and not value.requires_grad:
+                kept[holder.param] = value.detach().to(dtype)   # never stored
+                continue
             values[self.keys.param(name)], dtypes[self.keys.param(name)] = value, dtype
             if value.requires_grad and dtype != torch.float32 and value.dtype != dtype:
                 values[self.keys.master(name)] = value
@@ -390,6 +432,7 @@ class _Walk:
             self.client.put_many(values, dtypes=dtypes)
             self.stored.extend(self.pending)
             self.pending = []
+        self.kept.update(kept)
         self._release(done)
 
     def _release(self, holders: list[_Holder]) -> None:
@@ -402,6 +445,7 @@ class _Walk:
         stored deleted (the batch being put one key at a time: a delete of an
         absent key fails)."""
         self._release(list(self.held))
+        self.kept.clear()
         for keys in (self.stored, *([k] for k in self.pending)):
             if keys:
                 with contextlib.suppress(Exception):   # the store may be what failed

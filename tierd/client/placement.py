@@ -44,6 +44,13 @@ in one stretch at the start of backward with the host blocked on copies out (a
 fused update keeps at most twice ``prefetch_bytes`` of state on the device),
 queueing none of the resident units' kernels, which run only after it (the 8B
 figures: ``benchmarks/results/HISTORY.md``, "Figures behind the Notes").
+Units whose weights are on the device already (``held``) come first among
+moves that save alike, so a plan made again, within a different budget,
+moves only the units it must: the greedy is not monotone in the budget (a
+small unit taken last in a tight budget loses its place to a block in a
+roomier one), and a frozen unit kept only on the device would have to be
+written to the store to leave ([Note: frozen weights kept only on the
+device] in ``tierd.client.placer``).
 
 [Note: choosing CPU updates]
 Device bytes are spent first, as above: they save PCIe bytes at no other
@@ -110,6 +117,9 @@ class Place(enum.Enum):
 
 
 _CPU_MODES = ("none", "auto", "all")
+#: AdamW's two fp32 moments per trainable parameter: what a plan from sizes
+#: counts (the most a ``tierd.optim`` optimizer keeps)
+_MOMENT_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -124,11 +134,40 @@ class UnitBytes:
     grad_bytes: int = 0
     #: bytes its values take in the store unless RESIDENT (0: param + state bytes)
     stored_bytes: int = 0
+    #: of ``param_bytes``: frozen compute copies only the device holds while
+    #: the unit's weights stay there ([Note: frozen weights kept only on the
+    #: device] in ``tierd.client.placer``): in the store only once it streams
+    kept_bytes: int = 0
 
     @property
     def store_bytes(self) -> int:
         """Store bytes its values take at every place but ``RESIDENT``."""
         return self.stored_bytes or self.param_bytes + self.state_bytes
+
+    def stored_at(self, place: Place) -> int:
+        """Store bytes its values take at ``place``."""
+        if place is Place.RESIDENT:
+            return 0
+        return self.store_bytes - (self.kept_bytes if place is Place.WEIGHTS else 0)
+
+    @classmethod
+    def sized(cls, index: int, params: list[tuple[int, int, bool, bool]],
+              kept_bytes: int = 0) -> "UnitBytes":
+        """A unit's bytes from its parameters' sizes alone, before any
+        optimizer exists ([Note: the plan before a step is measured] in
+        ``tierd.client.placer``): ``params`` are (compute copy bytes, numel,
+        trainable, with an fp32 master of its own). A trainable one counts
+        AdamW's state (its fp32 master, two fp32 moments) and an fp32
+        gradient; a frozen one its compute copy only.
+
+        Example:
+            >>> UnitBytes.sized(0, [(200, 100, True, True), (200, 100, False, False)])
+            UnitBytes(index=0, param_bytes=400, state_bytes=1200, grad_bytes=400, stored_bytes=0, kept_bytes=0)
+        """
+        trained = [(numel, master) for _, numel, trainable, master in params if trainable]
+        return cls(index, sum(p[0] for p in params),
+                   sum(numel * (_MOMENT_BYTES + 4 * master) for numel, master in trained),
+                   sum(4 * numel for numel, _ in trained), kept_bytes=kept_bytes)
 
     def device_bytes(self, place: Place) -> int:
         """Device bytes held between steps at ``place``."""
@@ -194,12 +233,15 @@ class Placement:
 
 
 def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "none",
-                   costs: Costs | None = None, store_bytes: int | None = None) -> Placement:
+                   costs: Costs | None = None, store_bytes: int | None = None,
+                   held: frozenset[int] = frozenset()) -> Placement:
     """Places within ``budget_bytes`` of device memory that save the most PCIe
     bytes (see [Note: the GPU is the first tier]); ``cpu`` ("none", "auto"
     with ``costs``, "all") says which streamed units update on the host
     ([Note: choosing CPU updates]); ``store_bytes``: what the units not
-    resident may take in the store ([Note: placement within the store]).
+    resident may take in the store ([Note: placement within the store]);
+    ``held``: units whose weights are on the device now, first among moves
+    that save alike ([Note: spread]).
 
     Example:
         >>> units = [UnitBytes(0, 2, 12), UnitBytes(1, 2, 12)]
@@ -217,7 +259,7 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "non
         raise ValueError(f"cpu={cpu!r}; use one of {_CPU_MODES}")
     if cpu == "auto" and costs is None:
         raise ValueError("cpu='auto' needs the measured costs (costs=Costs(...))")
-    places = _place_on_device(units, budget_bytes, whole=cpu == "all")
+    places = _place_on_device(units, budget_bytes, whole=cpu == "all", held=held)
     if store_bytes is not None:
         _fit_store(units, places, budget_bytes, store_bytes)
     if cpu == "all":
@@ -250,6 +292,20 @@ def grow_placement(units: list[UnitBytes], plan: Placement, budget_bytes: int, *
     return _placement(units, places)
 
 
+def weights_of(units: list[UnitBytes], plan: Placement) -> Placement:
+    """``plan`` with its ``RESIDENT`` units at ``WEIGHTS``: what holds before
+    any optimizer state exists ([Note: the plan before a step is measured]
+    in ``tierd.client.placer``).
+
+    Example:
+        >>> units = [UnitBytes(0, 2, 12), UnitBytes(1, 2, 12)]
+        >>> [p.name for p in weights_of(units, plan_placement(units, 16)).places.values()]
+        ['WEIGHTS', 'WEIGHTS']
+    """
+    return _placement(units, {i: Place.WEIGHTS if p is Place.RESIDENT else p
+                              for i, p in plan.places.items()})
+
+
 def rebalance_host(units: list[UnitBytes], plan: Placement, costs: Costs) -> Placement:
     """``plan`` with the units it updates on the CPU chosen again at ``costs``
     (the host's measured rate, [Note: choosing CPU updates]): those the host
@@ -272,10 +328,12 @@ _RANK = {Place.STREAM: 0, Place.WEIGHTS: 1, Place.RESIDENT: 2}
 
 
 def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
-                     start: dict[int, Place] | None = None) -> dict[int, Place]:
+                     start: dict[int, Place] | None = None,
+                     held: frozenset[int] = frozenset()) -> dict[int, Place]:
     """The greedy of [Note: the GPU is the first tier]; ``whole``: a unit goes
     to ``RESIDENT`` in one move or stays streamed (no ``WEIGHTS``); ``start``:
-    the places to grow from (only moves up, ``CPU`` units kept)."""
+    the places to grow from (only moves up, ``CPU`` units kept); ``held``:
+    first among equals ([Note: spread])."""
     places = dict(start) if start else {u.index: Place.STREAM for u in units}
     # (saved bytes per device byte, order among equals: [Note: spread], unit, the move)
     moves = []
@@ -288,7 +346,7 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
             moves.append((3.0, order, u, Place.WEIGHTS))
         if u.state_bytes:
             moves.append((2.0, order, u, Place.RESIDENT))
-    moves.sort(key=lambda m: (-m[0], m[1]))
+    moves.sort(key=lambda m: (-m[0], m[2].index not in held, m[1]))
     left = budget_bytes - sum(u.device_bytes(places[u.index]) for u in units)
     for _, _, u, place in moves:
         current = places[u.index]
@@ -319,8 +377,8 @@ def _spread(n: int) -> list[int]:
 
 
 def stored(units: list[UnitBytes], places: dict[int, Place]) -> int:
-    """Store bytes the units not ``RESIDENT`` take."""
-    return sum(u.store_bytes for u in units if places[u.index] is not Place.RESIDENT)
+    """Store bytes the units take at ``places``."""
+    return sum(u.stored_at(places[u.index]) for u in units)
 
 
 def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: int,
@@ -334,7 +392,9 @@ def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: i
         if stored(units, places) <= store_bytes:
             return
         need = u.device_bytes(Place.RESIDENT) - u.device_bytes(places[u.index])
-        givers = [w for w in reversed(units) if w is not u and places[w.index] is Place.WEIGHTS]
+        # (a unit with kept frozen weights would need store room to give them back)
+        givers = [w for w in reversed(units) if w is not u and places[w.index] is Place.WEIGHTS
+                  and not w.kept_bytes]
         if used + need > budget_bytes + sum(w.param_bytes for w in givers):
             continue   # too large even with every kept weight given back
         while used + need > budget_bytes:

@@ -5,20 +5,85 @@ this module measures what it needs, makes units resident or streamed again
 (through the registry and the fused optimizers), and watches later steps.
 
 [Note: measuring the step for placement]
-The first step streams everything (the GPU holds only the prefetch window
-and the optimizer state in flight) and is measured: on CUDA the allocator's
-peak over the step, less what was allocated before attach, is its
-*non-model* memory (activations, workspace, gradients in flight, the
-streaming window, which only shrinks as units become resident). Placement
+The first step runs the plan estimated from sizes ([Note: the plan before a
+step is measured]): compute copies only, the rest streamed (the GPU holds
+the prefetch window and the optimizer state in flight besides), and is
+measured: on CUDA the allocator's peak over the step, less what was
+allocated before attach and what the plan holds, is its *non-model* memory
+(activations, workspace, gradients in flight, the streaming window, which
+only shrinks as units become resident). Placement
 gets ``cap`` less that, less a margin for fragmentation. Each later step's
 peak is read again (less what the plan holds): past the margin, the plan is
 made again within less. Input shapes larger than every shape measured (a
 larger batch or sequence) may need far more, so everything streams again
-and that step is measured: one slow step, never an out-of-memory error.
+(frozen weights kept only on the device excepted: [Note: frozen weights kept
+only on the device]) and that step is measured: one slow step, never an
+out-of-memory error.
 Each shape's peak is kept (``MeasuredShapes``) and the plan is for the
 largest, so shapes no larger than one measured (lengths that vary by batch)
 run on it. On the CPU nothing is measured: placement runs only with an
 explicit ``gpu_memory_bytes`` (for tests), against that budget.
+
+[Note: the plan before a step is measured]
+Measuring a first step with everything streamed makes that step the slowest
+of the run: every unit's compute copy waits on its pool lease and crosses
+PCIe twice. So the first step runs a plan estimated from sizes alone
+(:meth:`Placer.sized_units`: a unit's compute copies; for a trainable
+parameter also AdamW's fp32 master and moments and its fp32 gradient; a
+frozen one only its compute copy), within :func:`estimate_budget`: three
+quarters of the cap (``device_room``, the GPU room the capacity check at
+attach already counted: [Note: the GPU counted] in
+``tierd.client.capacity``), within the device's free memory (``_memory``,
+plus what the plan already holds), less the margin. Of that plan only the
+compute copies are applied (``weights_of``): optimizer state does not exist
+before the first update, which runs on the plan made from the measured step
+([Note: placing before the first update]). So the first step holds at most
+three quarters of the cap in compute copies besides what an all-streamed
+step holds, less the streaming window those units no longer need; the
+quarter left takes its activations (a Llama-3-8B layer stack at T=2048,
+B=4 with checkpointing needs well under a quarter of an H200, [Note: the
+GPU counted]); a step that needs more than that runs out of device memory
+where an all-streamed step might not: a smaller ``gpu_memory_bytes`` then
+scales the estimate down. The estimate is made once, at the first step
+(none under torch.distributed, none before activation tiering's plan is
+final); the step is measured as before, and the measured plan replaces it
+at the first update, moving only the units whose place changes
+(``_apply``). From then on the rules below hold unchanged.
+
+[Note: frozen weights kept only on the device]
+A parameter's compute copy is in one of three places between steps:
+STREAMED (the store holds it, fetched per use; ``TieredParam.resident``
+False), RESIDENT_STORED (the device holds it for good, the store a copy,
+older for a trained one until written: [Note: kept weights are written when
+the store is read] in ``tierd.updates.resident``) and RESIDENT_ONLY (the
+device copy is its only copy: ``TieredParam.in_store`` False). Only a frozen
+parameter is RESIDENT_ONLY: nothing reads its store copy (no master, no
+gradient, no optimizer state) and it never changes, so storing it would
+only take store room the GPU already gives. ``init=True`` makes them: the
+estimate above, made at attach from the meta model's sizes
+(:func:`tierd.client.init_weights.kept_units`), names the units whose weights
+the first step keeps, and their frozen parameters are initialized on the
+device and kept there, never stored (``InitPlan.store``, the registry's
+``kept``); a model larger than pool + NVMe attaches when the GPU keeps the
+difference. The placer adopts them as placed. The transitions out, each
+owned here:
+
+- RESIDENT_ONLY -> STREAMED: a plan that no longer keeps the unit (the
+  measured plan, a shrink) writes them into the store first
+  (:meth:`Placer.store_kept`), and stops if the store cannot take them: a
+  CapacityError naming the sizes, raised before anything moved.
+- RESIDENT_ONLY -> RESIDENT_STORED: a commit writes them (``tierd.commit``
+  calls :meth:`Placer.store_kept`), since a commit is read without this
+  process; they stay stored after (their copy never ages).
+- A reset (new input shapes, a plan made again) streams every stored unit
+  to measure, but keeps RESIDENT_ONLY ones where they are: they cost only
+  their bytes, counted as the plan's, and streaming them would take the
+  store room they were kept to save. Detach reads their values from the
+  device; nothing is stored.
+
+Reads (``state_dict``, detach) take their device copy; a write sets it.
+Making one trainable is refused (its master would be made from a store copy
+it does not have): unfreeze before attach.
 
 [Note: one plan for every rank]
 Under torch.distributed the units placed whole are replicas on every rank
@@ -103,9 +168,10 @@ import logging
 
 import torch
 
-from tierd.client.capacity import DaemonRoom, size_text
+from tierd.client.capacity import DaemonRoom, device_room, record_bytes, size_text
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
-                                    grow_placement, plan_placement, rebalance_host, stored)
+                                    grow_placement, plan_placement, rebalance_host, stored,
+                                    weights_of)
 from tierd.client.optimizers import UpdateEngine
 from tierd.errors import CapacityError
 
@@ -115,12 +181,37 @@ _MARGIN_MIN = 1 << 30       # CUDA: fragmentation and allocator slack
 _MARGIN_FRACTION = 0.04
 
 
+def margin_for(cap: int | None, *, explicit: bool, cuda: bool) -> int:
+    """Device bytes a plan leaves free under ``cap``: a fraction of it, and
+    on free memory (no explicit cap) at least the allocator's slack; none on
+    the CPU (nothing is measured)."""
+    fraction = int(_MARGIN_FRACTION * (cap or 0))
+    return 0 if not cuda else fraction if explicit else max(_MARGIN_MIN, fraction)
+
+
+def estimate_budget(cap: int, margin: int, free: int | None = None) -> int:
+    """Device bytes a plan estimated from sizes may hold ([Note: the plan
+    before a step is measured]): three quarters of ``cap``, within ``free``
+    (the device's free memory and what the plan holds already), less ``margin``.
+
+    Example:
+        >>> estimate_budget(40, 2), estimate_budget(40, 2, free=20)
+        (28, 18)
+    """
+    room = device_room(cap)
+    if free is not None:
+        room = min(room, free)
+    return max(0, room - margin)
+
+
 class PlacerState(enum.Enum):
     """What the placer does with the running step.
 
     OFF: no placement (``gpu_memory_bytes=0``, or the CPU without it; under
         torch.distributed: on any rank).
-    MEASURING: the step streams what no plan holds and its device peak is measured.
+    MEASURING: the step runs the plan estimated from sizes (the first step,
+        [Note: the plan before a step is measured]) or streams what no plan
+        holds (after a reset), and its device peak is measured.
     PLACED: a plan is applied; each step's peak is checked against it.
     """
 
@@ -144,9 +235,13 @@ class Placer:
         self._updates: UpdateEngine = session.updates   # the optimizers' state, asked
         self._ranks = None if session.share is None else session.share.ranks
         self._cuda = session.device.type == "cuda"
-        self._base = torch.cuda.memory_allocated(session.device) if self._cuda else 0
         self.plan: Placement | None = None
-        self._placed: list = []          # TieredParams made resident by the plan
+        # TieredParams made resident by the plan; RESIDENT_ONLY ones from the
+        # start ([Note: frozen weights kept only on the device])
+        self._placed: list = [tp for tp in session.params.values() if not tp.in_store]
+        self._base = (torch.cuda.memory_allocated(session.device)
+                      - sum(tp.nbytes for tp in self._placed)) if self._cuda else 0
+        self._estimated = False          # the first step's plan was estimated
         self._signature = None           # root inputs' shapes of the measured step
         self._shapes = MeasuredShapes()  # ... of every step measured, with its peak
         self._non_model = 0              # measured non-model peak the plan assumed
@@ -169,9 +264,7 @@ class Placer:
         self.cap, self._explicit = cap, explicit
         # an explicit cap is the user's; free memory at attach also has to leave
         # room for the allocator's slack
-        fraction = int(_MARGIN_FRACTION * (cap or 0))
-        self._margin = (0 if not self._cuda else fraction if explicit
-                        else max(_MARGIN_MIN, fraction))
+        self._margin = margin_for(cap, explicit=explicit, cuda=self._cuda)
         self.state = PlacerState.OFF if cap is None else PlacerState.MEASURING
 
     def join_ranks(self) -> None:
@@ -214,6 +307,8 @@ class Placer:
         elif self.state is PlacerState.MEASURING:
             if ready:
                 self._place(non_model, budget)
+            elif not self._estimated and self._ranks is None:
+                self._estimate()
         elif grew:
             self.replans += 1
             log.info("tierd placement: the step's peak, %d bytes (%d besides the plan, %d "
@@ -294,8 +389,43 @@ class Placer:
             stored = sum(tp.nbytes for tp in members) + self._updates.master_bytes(members)
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
                                  state.state_bytes, state.grad_bytes,
-                                 stored + state.moment_bytes))
+                                 stored + state.moment_bytes,
+                                 sum(tp.nbytes for tp in members if not tp.in_store)))
         return out
+
+    def sized_units(self) -> list[UnitBytes]:
+        """Each unit's bytes from its parameters' sizes alone ([Note: the plan
+        before a step is measured])."""
+        registry = self._session.registry
+        return [UnitBytes.sized(unit.index,
+                                [(tp.nbytes, tp.param.numel(), tp.param.requires_grad,
+                                  tp.param.requires_grad and tp.param.dtype != torch.float32)
+                                 for tp in registry.members(unit)],
+                                kept_bytes=sum(tp.nbytes for tp in registry.members(unit)
+                                               if not tp.in_store))
+                for unit in self._session.units]
+
+    def _estimate(self) -> None:
+        """The first step's plan, from sizes ([Note: the plan before a step is
+        measured]): its compute copies on the device, the step measured."""
+        self._estimated = True
+        act = self._session.activations
+        if act is not None and act.stage.name != "DONE":
+            return   # [Note: placement and activation tiering share one budget]
+        memory = self._memory()
+        free = None if memory is None else memory[1] + self.resident_bytes()
+        budget = estimate_budget(self.cap, self._margin, free)
+        units = self.sized_units()
+        plan = weights_of(units, plan_placement(units, budget, held=self._held()))
+        self._apply(plan, weights_only=True)
+        self._adopt(plan, 0, budget, "placement estimated from sizes until a step is measured")
+
+    def _held(self) -> frozenset[int]:
+        """Units whose weights the device holds now, placed ones kept first
+        ([Note: spread] in tierd.client.placement)."""
+        placed = set(self._placed)
+        return frozenset(u.index for u in self._session.units
+                         if placed.intersection(self._session.registry.members(u)))
 
     def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
         """Under ranks: each unit's optimizer bytes as its owner counts them,
@@ -315,7 +445,8 @@ class Placer:
         cpu, costs = self._updates.host_choice()
         room = self._store_room(units)
         plan = plan_placement(units, budget, cpu=cpu, costs=costs,
-                              store_bytes=None if room is None else room + _room(freed))
+                              store_bytes=None if room is None else room + _room(freed),
+                              held=self._held())
         if room is not None:
             # a CPU-updated unit's gradients stay: it writes them every step
             on_cpu = {tp for i in plan.units_at(Place.CPU)
@@ -386,7 +517,7 @@ class Placer:
             return None
         # what the model's values take now: each parameter once (a tied one is
         # in two units), with the state of each optimizer that has it
-        values = (sum(tp.nbytes for tp in session.params.values())
+        values = (sum(tp.nbytes for tp in session.params.values() if tp.in_store)
                   + self._updates.master_bytes(session.params.values()))
         return room.free() + values + self._updates.stored_state_bytes()
 
@@ -402,17 +533,26 @@ class Placer:
             "the GPU more room (a larger gpu_memory_bytes, a smaller batch, activation "
             "checkpointing)")
 
-    def _apply(self, plan: Placement, *, grow: bool = False) -> None:
-        """Make ``plan`` so: from everything streamed, or (``grow``) from the
+    def _apply(self, plan: Placement, *, grow: bool = False,
+               weights_only: bool = False) -> None:
+        """Make ``plan`` so: from what is placed now, units it no longer keeps
+        streamed again first (no state of theirs pinned: a plan holding
+        state is left by :meth:`_reset` or grows), or (``grow``) from the
         current plan, whose units only move up ([Note: growing the plan]) or
-        from the CPU to streaming (:func:`~tierd.client.placement.rebalance_host`)."""
+        from the CPU to streaming (:func:`~tierd.client.placement.rebalance_host`);
+        ``weights_only``: its compute copies only ([Note: the plan before a
+        step is measured])."""
         session = self._session
         # no copy in flight, no value kept: every streamed parameter HOST
         session.settle(write_resident=not grow)
         units = session.units   # a unit's params are its streamed ones
-        weights = list(dict.fromkeys(tp for i, p in plan.places.items()
-                                     if p in (Place.WEIGHTS, Place.RESIDENT)
-                                     for tp in units[i].params))
+        kept = [i for i, p in plan.places.items() if p in (Place.WEIGHTS, Place.RESIDENT)]
+        demoted = False
+        if not grow:
+            keep = {tp for i in kept for tp in session.registry.members(units[i])}
+            demoted = self._demote([tp for tp in self._placed if tp not in keep])
+            units = session.units
+        weights = list(dict.fromkeys(tp for i in kept for tp in units[i].params))
         if weights:
             keys = [tp.key for tp in weights]
             session.leases.acquire(keys)
@@ -421,6 +561,9 @@ class Placer:
             finally:
                 session.leases.release(keys)
         self._placed += weights
+        if weights_only:
+            session.mover.replan(keep_trace=not demoted)
+            return
         resident = [tp for i in plan.units_at(Place.RESIDENT)
                     for tp in session.registry.members(units[i])]
         if self._ranks is not None:   # [Note: resident units are replicas]
@@ -430,22 +573,82 @@ class Placer:
         on_host = [tp for i in plan.units_at(Place.CPU)
                    for tp in session.registry.members(units[i])]
         self._updates.place(resident, on_host)
-        session.mover.replan(keep_trace=True)
+        session.mover.replan(keep_trace=not demoted)
+
+    def _demote(self, tps: list) -> bool:
+        """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
+        ([Note: frozen weights kept only on the device]); whether any moved."""
+        if not tps:
+            return False
+        self.store_kept(tps)   # raises before anything moved
+        self._updates.unplace(tps)
+        self._session.registry.set_resident(tps, False)
+        gone = set(tps)
+        self._placed = [tp for tp in self._placed if tp not in gone]
+        return True
+
+    def store_kept(self, tps: list | None = None) -> None:
+        """Write the RESIDENT_ONLY parameters of ``tps`` (every one: None) into
+        the store; they stay resident ([Note: frozen weights kept only on the
+        device]). A CapacityError naming the sizes, before anything is
+        written, when the store cannot take them all."""
+        session = self._session
+        only = [tp for tp in (self._placed if tps is None else tps) if not tp.in_store]
+        if not only:
+            return
+        values = {tp.key: tp.compute for tp in only}
+        job = getattr(session.client, "job", None)
+        total = sum(record_bytes(k, v.nbytes, job) for k, v in values.items())
+        room = DaemonRoom.from_stats(session.client.stats())
+        largest = max(record_bytes(k, v.nbytes, job) for k, v in values.items())
+        if room is not None and total > room.free(largest):
+            raise self._no_room_to_store(only, total, size_text(room.free()))
+        try:
+            placed = session.client.reserve_async(values).result()
+        except CapacityError as exc:   # a store that does not report its room
+            raise self._no_room_to_store(only, total, f"less ({exc})") from exc
+        try:
+            if session.copy.on_device:
+                session.copy.copy_out_many([(lease.tensor, values[lease.key])
+                                            for lease in placed], tuple(values)).synchronize()
+            else:
+                for lease in placed:
+                    lease.tensor.copy_(values[lease.key])
+            session.client.publish_async(list(values)).result()
+        except BaseException:
+            session.client.abort(list(values))   # the device keeps the values
+            raise
+        for tp in only:
+            tp.in_store = True
+
+    @staticmethod
+    def _no_room_to_store(only: list, total: int, free: str) -> CapacityError:
+        return CapacityError(
+            f"{len(only)} frozen parameters kept only on the GPU ({only[0].name!r}...: "
+            f"{size_text(total)}) must go into the store (a plan that streams their unit, "
+            f"or a commit), and it has {free} free. Nothing was moved or written: they stay "
+            "on the GPU. Give the daemon that much more pool or NVMe (TIERD_POOL / "
+            "TIERD_NVME_SIZE, or `tierd serve --pool/--nvme-size`), or the GPU more room "
+            "(a larger gpu_memory_bytes, a smaller batch, activation checkpointing)")
 
     def _reset(self) -> None:
-        """Stream everything the plan holds again (values written to the pool first)."""
-        if self.state is not PlacerState.PLACED:
+        """Stream everything the plan holds again (values written to the pool
+        first), RESIDENT_ONLY parameters excepted."""
+        if self.plan is None:
             return
         session = self._session
         session.settle()
         self._updates.drop_replicas()
         self._updates.unplace(self._placed)
-        if self._placed:
-            session.registry.set_resident(self._placed, False)
+        # RESIDENT_ONLY ones stay ([Note: frozen weights kept only on the device])
+        stored = [tp for tp in self._placed if tp.in_store]
+        if stored:
+            session.registry.set_resident(stored, False)
         if self._ranks is not None:   # every rank reads what the owners wrote back
             session.share.replicate(())
             session.share.sync(session.settle, "streaming the resident units again")
-        self._placed, self.plan = [], None
+        self._placed = [tp for tp in self._placed if not tp.in_store]
+        self.plan = None
         session.mover.replan()   # the units placed whole left the trace: learn it again
         session.client.report_device(0)
         self.state = PlacerState.MEASURING
@@ -463,9 +666,9 @@ class Placer:
                 "placement_replans": self.replans}
 
     def close(self) -> None:
-        """Before detach: nothing resident (values back in the pool)."""
-        if self.state is PlacerState.PLACED:
-            self._reset()
+        """Before detach: nothing resident but RESIDENT_ONLY parameters
+        (values back in the pool; those are read from the device)."""
+        self._reset()
         self.state = PlacerState.OFF
 
 

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +177,8 @@ class ParamRegistry:
 
     def __init__(self, model: nn.Module, session, *, store: Store,
                  stored: frozenset[str], on_grad: Callable | None = None,
-                 source: ValueSource | None = None) -> None:
+                 source: ValueSource | None = None,
+                 kept: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
         self.model = model
         self.params: dict[str, TieredParam] = {}     # canonical name -> param
         self.aliases: dict[str, TieredParam] = {}    # every name (tied too)
@@ -198,6 +199,9 @@ class ParamRegistry:
         self._qualnames: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._unit_index: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._watch_handles: list = []
+        # frozen parameters whose compute copy (on the device) is their only
+        # copy ([Note: frozen weights kept only on the device] in tierd.client.placer)
+        self._kept = kept or {}
         self._take(session, store, stored, on_grad, source)
 
     # ------------------------------------------------------------- attach
@@ -220,7 +224,7 @@ class ParamRegistry:
                         continue   # replaced already through a tied holder
                     hs = holders[id(param)]
                     tp = self._make(session, param, hs[0][2], (uploads, dtypes), stored,
-                                    on_grad, source or _own_value)
+                                    on_grad, source or _own_value, self._kept.get(param))
                     taken.append((param, tp))
                     if tp.resident and tp.key in stored:
                         resumed.append(tp)
@@ -291,17 +295,22 @@ class ParamRegistry:
     @staticmethod
     def _make(session, param: nn.Parameter, name: str,
               uploads: tuple[dict[str, torch.Tensor], dict[str, torch.dtype]],
-              stored: frozenset[str], on_grad, source: ValueSource) -> TieredParam:
+              stored: frozenset[str], on_grad, source: ValueSource,
+              kept: torch.Tensor | None = None) -> TieredParam:
         cfg = session.config
         dtype = cfg.compute_dtype if param.is_floating_point() else param.dtype
         nbytes = param.numel() * param.element_size()
-        resident = nbytes < cfg.resident_below_bytes
-        data = torch.empty(param.shape, dtype=dtype, device=session.device)
+        resident = kept is not None or nbytes < cfg.resident_below_bytes
+        data = torch.empty(param.shape, dtype=dtype, device=session.device) \
+            if kept is None else kept
         new = DeviceParameter(data, requires_grad=param.requires_grad)
         # a meta model's parameters come back (detach) on the CPU
         orig_device = torch.device("cpu") if param.is_meta else param.device
         tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=param.dtype,
                          orig_device=orig_device, resident=resident, session=session)
+        if kept is not None:   # frozen, its device copy its only one: nothing stored
+            tp.in_store = False
+            return tp
         master_missing = tp.has_master and tp.master_key not in stored
         # resuming a job whose master was never made: the stored compute copy is its value
         from_stored = master_missing and tp.key in stored and session.lazy_masters

@@ -202,6 +202,9 @@ class TieredParam:
         # written back ([Note: kept weights are written when the store is read]
         # in tierd.updates.resident).
         self.stale_in_store = False
+        # False: resident, and its device copy is its only copy ([Note: frozen
+        # weights kept only on the device] in tierd.client.placer)
+        self.in_store = True
         # IN_POOL: the 0-dim L2 norm of the gradient there (global clipping)
         self.grad_norm: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Mover.free_task).
@@ -221,6 +224,12 @@ class TieredParam:
         ([Note: frozen parameters])."""
         requires_grad = bool(requires_grad)
         unfrozen = requires_grad and not self.grad_hooked
+        if unfrozen and not self.in_store:
+            raise StateError(
+                f"making {self.name!r} trainable: init=True kept it frozen on the GPU "
+                "only, with no copy in the store to make its fp32 master from ([Note: "
+                "frozen weights kept only on the device] in tierd.client.placer); set "
+                "requires_grad before tierd.attach")
         if unfrozen and self.session.share is not None:
             raise StateError(
                 f"making {self.name!r} trainable after tierd.attach under torch.distributed: "
@@ -342,8 +351,8 @@ class TieredParam:
         self._expect(ParamState.DEVICE, action="stream")
         if not self.resident:
             raise StateError(f"parameter {self.name!r} is not resident; nothing to stream")
-        if self.stale_in_store:
-            raise StateError(f"parameter {self.name!r}: the store has an older value; "
+        if self.stale_in_store or not self.in_store:
+            raise StateError(f"parameter {self.name!r}: the store has an older value or none; "
                              "settle the session (write it back) before streaming it")
         self.resident = False
         self.free()

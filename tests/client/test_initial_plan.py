@@ -1,0 +1,274 @@
+"""The first step's plan, estimated from sizes ([Note: the plan before a step
+is measured] in tierd.client.placer), and frozen weights that init=True keeps
+only on the device ([Note: frozen weights kept only on the device]).
+
+The device is faked: the compute device is the CPU, its free memory and the
+step's peak come through ``Placer._memory``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.placement import Place, UnitBytes, plan_placement
+from tierd.client.placer import Placer, PlacerState, estimate_budget
+from tierd.client.store import LocalStore
+from tierd.errors import CapacityError, StateError
+from tests.client.models import assert_same_weights, batches, llama, train
+
+SEED = 5
+
+
+def _fake_device(monkeypatch, *, free: int = 1 << 40) -> dict:
+    """``_memory``: the step's peak is what the plan holds plus ``extra["bytes"]``."""
+    extra = {"bytes": 1 << 20, "free": free}
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra["bytes"],
+                                                         extra["free"]))
+    return extra
+
+
+def _everything(make) -> int:
+    probe = attach(make(), client=LocalStore(), device="cpu")
+    total = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
+    detach(probe)
+    return total
+
+
+# ------------------------------------------------------------------ the estimate
+def test_sized_units_count_state_for_trainable_parameters_only():
+    frozen = UnitBytes.sized(0, [(400, 100, False, False)])
+    trained = UnitBytes.sized(1, [(200, 100, True, True)])   # bf16 with an fp32 master
+    assert (frozen.param_bytes, frozen.state_bytes, frozen.grad_bytes) == (400, 0, 0)
+    assert (trained.param_bytes, trained.state_bytes, trained.grad_bytes) == (200, 1200, 400)
+    # a frozen unit costs its weights alone: it is kept before a trainable one's state
+    plan = plan_placement([frozen, trained], 600)
+    assert plan.places == {0: Place.WEIGHTS, 1: Place.WEIGHTS}
+
+
+def test_the_estimate_leaves_a_quarter_of_the_cap_and_the_margin():
+    assert estimate_budget(1000, 50) == 700
+    assert estimate_budget(1000, 50, free=400) == 350   # the device has less free
+    assert estimate_budget(1000, 2000) == 0
+
+
+def test_the_first_step_runs_a_placed_plan_when_memory_is_plenty(monkeypatch):
+    _fake_device(monkeypatch)
+    cap = _everything(llama) * 2 + (1 << 30)   # and the update window the placer assumes
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    session = session_of(model)
+    placer = session.placer
+    data = batches(6)
+    ids = data[0]
+    before = session.stats()["h2d_bytes"]
+    loss = model(input_ids=ids, labels=ids).loss
+    # the first step already runs on a plan: every unit's weights on the device
+    assert placer.state is PlacerState.MEASURING
+    assert set(placer.plan.places.values()) == {Place.WEIGHTS}
+    assert placer.resident_bytes() == sum(tp.nbytes for tp in session.params.values())
+    loss.backward()
+    assert session.stats()["h2d_bytes"] == before   # nothing streamed in
+    opt.step(); opt.zero_grad()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert loss.item() == ref_loss.item()
+    # the measured plan is made at the first update and holds from then on
+    assert placer.state is PlacerState.PLACED
+    plan = placer.plan
+    assert set(plan.places.values()) == {Place.RESIDENT}
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert placer.plan is plan and placer.replans == 0
+    assert_same_weights(model, ref)
+
+
+def test_the_estimate_keeps_within_the_free_memory_and_the_measured_plan_shrinks_it(
+        monkeypatch):
+    extra = _fake_device(monkeypatch)
+    everything = _everything(llama)
+    ref = llama()
+    cap = everything * 2 + (1 << 30)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    session, placer = session_of(model), session_of(model).placer
+    weights = sorted(sum(tp.nbytes for tp in session.registry.members(u)) for u in session.units)
+    extra["free"] = weights[0] + weights[1]   # room for the two smallest units' weights
+    data = batches(4)
+    ids = data[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    assert 0 < placer.resident_bytes() <= extra["free"]
+    assert len(placer.plan.units_at(Place.WEIGHTS)) < len(session.units)
+    loss.backward()
+    # the step needed the whole cap: the plan made at the first update keeps nothing
+    extra["bytes"] = cap
+    opt.step(); opt.zero_grad()
+    got = [loss.item()]
+    assert placer.state is PlacerState.PLACED and placer.resident_bytes() == 0
+    got += train(model, opt, data[1:])
+    assert placer.state is PlacerState.PLACED and placer.plan.device_bytes == 0
+    assert got == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
+# ------------------------------------------------------------------ init=True, frozen
+class _Frozen(nn.Module):
+    """An embedding, ``layers`` blocks of two linears, a head; every parameter frozen."""
+
+    def __init__(self, layers: int = 8, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+            for _ in range(layers))
+        self.head = nn.Linear(width, 32, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _block_bytes(model: _Frozen) -> int:
+    return sum(p.nbytes for p in model.blocks[0].parameters())
+
+
+def _frozen_init(monkeypatch, *, store: LocalStore, kept_blocks: int, **options):
+    """A frozen meta model attached with init=True, its estimate keeping about
+    ``kept_blocks`` blocks' weights; and the plain model on the same seed."""
+    extra = _fake_device(monkeypatch)
+    with torch.device("meta"):
+        meta = _Frozen()
+    torch.manual_seed(SEED)
+    ref = _Frozen()
+    rest = sum(p.nbytes for m in (ref.embed, ref.head) for p in m.parameters())
+    cap = (rest + kept_blocks * _block_bytes(ref)) * 4 // 3 + 4   # the estimate's 3/4
+    torch.manual_seed(SEED)
+    extra["bytes"] = 0   # the steps need no memory besides the plan: it keeps the cap's worth
+    model = attach(meta, client=store, device="cpu", init=True, gpu_memory_bytes=cap,
+                   **options)
+    return model, ref, extra
+
+
+def _kept(session) -> list:
+    return [tp for tp in session.params.values() if not tp.in_store]
+
+
+def _outputs(model, n: int = 3) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(torch.arange(12).reshape(2, 6) % 32 + i) for i in range(n)]
+
+
+def test_init_keeps_frozen_units_on_the_device_and_never_stores_them(monkeypatch):
+    # the store holds less than the model: the GPU keeps the rest
+    probe = _Frozen()
+    whole, block = sum(p.nbytes for p in probe.parameters()), _block_bytes(probe)
+    store = LocalStore(pool_bytes=whole - 3 * block)
+    model, ref, _ = _frozen_init(monkeypatch, store=store, kept_blocks=5)
+    session = session_of(model)
+    kept = _kept(session)
+    assert kept and all(tp.resident for tp in kept)
+    stored = set(store.keys(session.keys.all))
+    assert not stored & {tp.key for tp in kept}                  # never written
+    assert stored == {tp.key for tp in session.params.values() if tp.in_store}
+    assert store.used_bytes <= whole - 3 * block < whole
+    assert_same_weights(model, ref)                              # the plain model's init
+    want = _outputs(ref)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model), want))
+    assert session.placer.state is PlacerState.PLACED and set(_kept(session)) == set(kept)
+    assert set(store.keys(session.keys.all)) == stored           # running wrote none
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    detach(model)                                                # read from the device
+    assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
+    assert_same_weights(model, ref)
+
+
+def test_a_demoted_frozen_unit_is_stored_first_and_keeps_its_values(monkeypatch):
+    store = LocalStore()
+    model, ref, extra = _frozen_init(monkeypatch, store=store, kept_blocks=5)
+    session, placer = session_of(model), session_of(model).placer
+    want = _outputs(ref)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model, 1), want))
+    kept_before = set(_kept(session))
+    extra["bytes"] = placer.cap - 2 * _block_bytes(ref)   # the step needed most of the cap
+    got = _outputs(model)                                  # measured: placed within less
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    left = kept_before - set(_kept(session))
+    assert left and all(not tp.resident and tp.in_store for tp in left)
+    stored = set(store.keys(session.keys.all))
+    assert {tp.key for tp in left} <= stored
+    assert not stored & {tp.key for tp in _kept(session)}
+    assert_same_weights(model, ref)
+    detach(model)
+    assert_same_weights(model, ref)
+
+
+def test_a_store_too_small_for_a_demotion_raises_and_loses_nothing(monkeypatch):
+    probe = _Frozen()
+    whole, block = sum(p.nbytes for p in probe.parameters()), _block_bytes(probe)
+    store = LocalStore(pool_bytes=whole - 5 * block)
+    model, ref, extra = _frozen_init(monkeypatch, store=store, kept_blocks=6)
+    session = session_of(model)
+    want = _outputs(ref)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model, 1), want))
+    kept = set(_kept(session))
+    used = store.used_bytes
+    extra["bytes"] = session.placer.cap   # nothing may stay: everything must be stored
+    with pytest.raises(CapacityError, match="frozen parameters kept only on the GPU"):
+        _outputs(model, 1)
+    assert set(_kept(session)) == kept and all(tp.resident for tp in kept)
+    assert store.used_bytes == used                        # nothing half-written
+    assert_same_weights(model, ref)
+    detach(model)                                          # needs no store room
+    assert_same_weights(model, ref)
+
+
+def test_kept_frozen_units_are_committed_and_resume_bitwise(monkeypatch):
+    store = LocalStore(job="run1")
+    model, ref, _ = _frozen_init(monkeypatch, store=store, kept_blocks=5, job="run1")
+    session = session_of(model)
+    kept = _kept(session)
+    assert kept
+    want = _outputs(ref)
+    tierd.commit(model, None, 1)
+    assert all(tp.in_store and tp.resident for tp in kept)   # stored, still on the device
+    assert {tp.key for tp in kept} <= set(store.keys(session.keys.all))
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model), want))
+    store.restart()
+    object.__delattr__(model, "_tierd_session")
+    torch.manual_seed(SEED + 1)
+    again = attach(_Frozen(), client=store, job="run1", resume=True, device="cpu")
+    assert_same_weights(again, ref)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(again), want))
+
+
+def test_a_kept_frozen_parameter_cannot_be_unfrozen(monkeypatch):
+    model, ref, _ = _frozen_init(monkeypatch, store=LocalStore(), kept_blocks=5)
+    tp = _kept(session_of(model))[0]
+    with pytest.raises(StateError, match="set requires_grad before tierd.attach"):
+        tp.param.requires_grad_(True)
+    assert not tp.param.requires_grad
+    assert_same_weights(model, ref)
+
+
+def test_a_user_write_to_a_kept_parameter_stays_on_the_device(monkeypatch):
+    store = LocalStore()
+    model, ref, _ = _frozen_init(monkeypatch, store=store, kept_blocks=5)
+    session = session_of(model)
+    tp = _kept(session)[0]
+    name = tp.name
+    with torch.no_grad():
+        model.get_parameter(name).mul_(0.5)
+        ref.get_parameter(name).mul_(0.5)
+    assert_same_weights(model, ref)
+    assert tp.key not in set(store.keys(session.keys.all)) and not tp.in_store
