@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--state", default="fp32", help="tierd.optim.AdamW's state= (compact)")
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
+    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -88,6 +89,7 @@ def main() -> None:
                                  compute_dtype=args.compute_dtype,
                                  resident_below_bytes=args.resident_below,
                                  gpu_memory_bytes=cap, device=args.device,
+                                 gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
                                  unit_modules=_owns_parameters if args.module_units else None)
@@ -129,6 +131,7 @@ def main() -> None:
                 "places": {i: p.value for i, p in plan.places.items()},
                 "device_bytes": plan.device_bytes, "streamed_bytes": plan.streamed_bytes}
             tierd.detach(model)
+            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
     except Exception as exc:   # the test reads what each rank saw

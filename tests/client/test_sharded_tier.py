@@ -150,3 +150,27 @@ def test_ranks_that_disagree_on_the_gpu_tier_are_refused():
              for r, tier in enumerate(["replicated", "sharded"])]
     with pytest.raises(StateError, match=r"ranks \[1\] differ from rank 0 .*'sharded'\) vs"):
         check_agreement(ranks)
+
+
+def test_sharded_units_updated_in_step_with_clipping_and_windows(daemon_factory,
+                                                                  tmp_path_factory):
+    """With max_grad_norm the update runs in ``step()``: replicas cannot keep
+    such units (at most their weights), their owners can. Windows of two
+    backwards: the owner sums them in the pool. Bitwise the replicated run,
+    within TOL of one process."""
+    args = ("--steps", "3", "--accumulate", "2", "--clip", "0.5")
+    ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], *args)[0]
+    daemon = daemon_factory(pool="256MiB")
+    placed = (*args, "--tierd", "--module-units", "--gpu-memory-bytes", str(EMBEDDING_CAP))
+    replicated = run_ranks(tmp_path_factory.mktemp("replicated"), [daemon.socket] * 2,
+                           *placed, "--job", "replicated")
+    sharded = run_ranks(tmp_path_factory.mktemp("sharded"), [daemon.socket] * 2, *placed,
+                        "--job", "sharded", "--gpu-tier", "sharded")
+    assert "resident" not in replicated[0]["plan"]["places"].values()
+    assert "resident" in sharded[0]["plan"]["places"].values()
+    for x, y in zip(sharded, replicated):
+        assert "error" not in x and "error" not in y, (x, y)
+        assert x["losses"] == y["losses"]
+        for name, want in y["weights"].items():
+            assert torch.equal(x["weights"][name], want), f"rank {x['rank']}: {name}"
+    assert_matches(sharded, ref)

@@ -109,6 +109,8 @@ class SessionUpdates:
             f.host.place(None)   # back to the optimizer's own placement
 
     def can_replicate(self, tps: list) -> bool:
+        if self._sharded() is not None:   # the owner updates, in backward or in step()
+            return True
         return can_replicate(self._session, tps)
 
     def replicate(self, tps: list) -> None:
