@@ -78,9 +78,11 @@ compute-dtype element and s bytes of fp32 optimizer state per parameter
   P*b out of the owner and P*b into every other rank.)
 
 The interconnect bytes are equal; the owner's way trades a serialised
-broadcast per step for device memory. tierd keeps replicas: nothing of a
-resident unit crosses PCIe and nothing waits after the update. This is
-reasoned, not measured (the GPU machine had one GPU). Replicas need the same
+broadcast per step for device memory. By default tierd keeps replicas:
+nothing of a resident unit crosses PCIe and nothing waits after the update.
+``gpu_tier="sharded"`` takes the owner's way ([Note: resident state sharded
+by unit] in ``tierd.client.sharded``). Which is faster is reasoned, not
+measured (the GPU machine had one GPU). Replicas need the same
 plan on every rank, so it is agreed ([Note: one plan for every rank] in
 ``tierd.client.placer``). The node's copy in the daemon is written back by
 the unit's owner alone when the host reads the pool (commit,
