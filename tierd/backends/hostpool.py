@@ -134,27 +134,33 @@ class Segment:
         os.close(self.fd)
 
 
-_MADV_POPULATE_WRITE = 23   # Linux 5.14
+_MADV_POPULATE_READ = 22    # Linux 5.14
+_MADV_POPULATE_WRITE = 23
 POPULATE_PIECE = 64 << 20
 #: MADV_POPULATE_WRITE on one thread allocated 1.7 GB/s on the CI machine,
 #: fallocate 4.7 GB/s, two threads 3.2 GB/s: so this many threads at least
 POPULATE_THREADS = 4
 
 
-def _populate(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor | None) -> None:
-    """Allocate and zero every page of a new mapping with MADV_POPULATE_WRITE,
-    in pieces on ``threads`` (page faults of one memfd run in parallel, where
-    fallocates of it take its inode lock in turn), or on this thread.
+def populate_pages(mm: mmap.mmap, size: int, threads: ThreadPoolExecutor | None = None, *,
+             write: bool = True) -> None:
+    """Fill the page tables of mapping ``mm`` (its first ``size`` bytes),
+    in pieces on ``threads`` (page faults of one memfd run in parallel,
+    where fallocates of it take its inode lock in turn), or on this thread,
+    without the GIL. ``write``: MADV_POPULATE_WRITE, which also allocates and
+    zeroes pages not there yet; else MADV_POPULATE_READ, which maps the
+    pages that are (read faults of a shared mapping: each maps the ready
+    pages around it), what ``MAP_POPULATE`` does but with the GIL let go.
     OSError as fallocate's would be (ENOMEM; EINVAL before Linux 5.14)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
     export = ctypes.c_char.from_buffer(mm)   # the address; let go before the mapping closes
     base = ctypes.addressof(export)
 
     def piece(offset: int) -> None:
         # ctypes lets go of the GIL for the call
-        if libc.madvise(base + offset, min(POPULATE_PIECE, size - offset),
-                        _MADV_POPULATE_WRITE) != 0:
+        if libc.madvise(base + offset, min(POPULATE_PIECE, size - offset), advice) != 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
 
@@ -176,7 +182,7 @@ def _make_memfd(label: str, size: int, populate: bool = False,
                 threads: ThreadPoolExecutor | None = None) -> tuple[int, mmap.mmap, bool]:
     """A memfd of ``size`` bytes with every page allocated, its mapping, and
     whether its pages were zeroed: with ``populate`` they are, now
-    (:func:`_populate`, on ``threads`` or this one), else they are allocated
+    (:func:`populate_pages`, on ``threads`` or this one), else they are allocated
     by one ``posix_fallocate``, which leaves the zeroing to the first touch,
     in a client.
 
@@ -198,7 +204,7 @@ def _make_memfd(label: str, size: int, populate: bool = False,
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         if populate:
             try:
-                _populate(mm, size, threads)
+                populate_pages(mm, size, threads)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise

@@ -12,12 +12,16 @@ into the shared mapping and publishes; ``get`` leases, copies out, releases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +43,24 @@ POLL_MS = 10
 #: a CUDA value stored in another dtype is converted on its GPU this many
 #: bytes (of the stored dtype) at a time: the GPU memory it takes meanwhile
 COPY_PIECE = 256 << 20
+#: [Note: one read of a shared source]
+#: A CPU source stored under several keys (an fp32 parameter stored as its
+#: fp32 master and its bf16 compute copy) is copied into all of them a piece
+#: at a time, so the second copy reads the piece from the cache the first
+#: left it in, not from memory: an fp32 model's attach reads its 4 B/param
+#: once instead of twice (the copies are memory-bound on many threads). A
+#: piece is split across torch's threads; this size keeps each thread's part
+#: and its two destinations within a core's L2 (about 2 MiB).
+SHARED_SOURCE_PIECE = 8 << 20
+#: [Note: pipelined puts]
+#: ``put_batches`` keeps reservations this many bytes ahead of its copies, so
+#: the daemon makes (and zeroes) the pool segments of the next batches, and a
+#: helper thread maps them here (page tables, ``cudaHostRegister``), while
+#: this thread copies into the current one: a put of one batch does those in
+#: series, and an attach of many small batches (one per module) waits on
+#: each. The sources of reserved batches are only referenced, not copied, so
+#: the lookahead costs pool slots reserved early, no memory besides.
+PUT_AHEAD = 1 << 30
 
 
 def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
@@ -76,6 +98,28 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         flat_dst[at:at + step].copy_(flat_src[at:at + step].to(dst.dtype))
 
 
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``copy_in(dst, src)`` for each pair, reading a CPU source that several
+    pool views take (a parameter's fp32 master and its bf16 compute copy)
+    once from memory: [Note: one read of a shared source]."""
+    by_source: dict[int, list[int]] = {}
+    for i, src in enumerate(srcs):
+        by_source.setdefault(id(src), []).append(i)
+    for group in by_source.values():
+        src = srcs[group[0]]
+        if len(group) == 1 or src.device.type != "cpu" or not src.is_contiguous():
+            for i in group:
+                copy_in(dsts[i], srcs[i])
+            continue
+        flat_src = src.view(-1)
+        flats = [dsts[i].view(-1) for i in group]
+        step = max(1, SHARED_SOURCE_PIECE // src.element_size())
+        for at in range(0, flat_src.numel(), step):
+            piece = flat_src[at:at + step]
+            for flat in flats:
+                flat[at:at + step].copy_(piece)
+
+
 def _decode(frame: bytes) -> tuple[int, Any]:
     """(request id, reply); an unreadable reply becomes its waiter's ProtocolError."""
     try:
@@ -103,8 +147,15 @@ class _StoreCalls:
     def _run(self, proc: Generator) -> Any:
         raise NotImplementedError
 
+    def _views(self, reply: P.Placed) -> list[torch.Tensor]:
+        """Views of the placements' pool bytes, the segments not mapped yet
+        mapped in one control round trip."""
+        self.control.map([p.segment for p in reply.placements])
+        return [self.control.tensor(p) for p in reply.placements]
+
     def _leased(self, reply: P.Placed) -> list[Leased]:
-        return [Leased(p.key, self.control.tensor(p), p.version) for p in reply.placements]
+        return [Leased(p.key, view, p.version)
+                for p, view in zip(reply.placements, self._views(reply))]
 
     def _put(self, items: Mapping[str, torch.Tensor],
              dtypes: Mapping[str, torch.dtype] | None = None) -> Generator:
@@ -112,8 +163,7 @@ class _StoreCalls:
         tensors = [t.detach() for t in items.values()]
         placed = yield P.Reserve(_specs(items, dtypes))
         try:
-            for p, t in zip(placed.placements, tensors):
-                copy_in(self.control.tensor(p), t)
+            copy_all(self._views(placed), tensors)
         except BaseException:
             yield P.Abort(tuple(items))
             raise
@@ -268,6 +318,31 @@ class Pending:
         self._finalizer.detach()
         return self._convert(_check(self._client._wait(self._rid, timeout)))
 
+    def done(self) -> bool:
+        """Whether the reply is here (reads the replies waiting, never blocks)."""
+        return self._client._arrived(self._rid)
+
+
+@dataclass(eq=False)
+class _Reserved:
+    """A batch of :meth:`Client.put_batches` whose reserve is sent; ``views``,
+    once its reply is here, gives its pool views with its segments mapped."""
+
+    index: int
+    keys: tuple[str, ...]
+    sources: list[torch.Tensor]
+    nbytes: int
+    reply: Pending
+    views: Future | None = None
+
+
+def _confirm(sent: tuple[int, tuple[str, ...], Pending],
+             published: Callable[[int], None] | None) -> None:
+    index, _, pending = sent
+    pending.result()
+    if published is not None:
+        published(index)
+
 
 class Client(_StoreCalls):
     """Blocking client; safe to share between threads.
@@ -358,6 +433,11 @@ class Client(_StoreCalls):
             else:
                 self._replies[rid] = reply
 
+    def _arrived(self, rid: int) -> bool:
+        with self._lock:
+            self._drain()
+            return rid in self._replies
+
     def _forget(self, rid: int) -> None:
         # Runs from a finalizer: no locks, only GIL-atomic dict/set operations.
         self._discard.add(rid)
@@ -411,6 +491,69 @@ class Client(_StoreCalls):
         """Make reserved keys the current versions (older ones are freed once
         nobody leases them)."""
         return self._submit(P.Publish(_keys(keys)))
+
+    def put_batches(self, batches: Iterable[tuple[Mapping[str, torch.Tensor],
+                                                  Mapping[str, torch.dtype] | None]],
+                    published: Callable[[int], None] | None = None) -> None:
+        """Store each ``(items, dtypes)`` batch as :meth:`put_many` would,
+        reserving ``PUT_AHEAD`` bytes ahead of the copies ([Note: pipelined
+        puts]); ``batches`` is read lazily, so a caller may make each batch
+        only when it is asked for. ``published(i)`` is called once batch
+        ``i`` (from 0) is the keys' current version, after which its sources
+        are no longer read. On an error every batch reserved and not
+        published is given back, and the error raised; batches published
+        before stay stored.
+
+        >>> c.put_batches(((m, None) for m in modules), published=print)   # doctest: +SKIP
+        """
+        source = iter(enumerate(batches))
+        ahead: deque[_Reserved] = deque()     # reserve sent, not copied
+        unconfirmed: deque[tuple[int, tuple[str, ...], Pending]] = deque()   # publish sent
+        # maps segments only: every request and reply stays on this thread
+        mapper = ThreadPoolExecutor(1, thread_name_prefix="tierd-map")
+        try:
+            while True:
+                while not ahead or sum(r.nbytes for r in ahead) < PUT_AHEAD:
+                    item = next(source, None)
+                    if item is None:
+                        break
+                    ahead.append(self._reserve_ahead(*item))
+                if not ahead:
+                    break
+                for r in ahead:   # replies here: their segments are mapped while we copy
+                    if r.views is None and (r is ahead[0] or r.reply.done()):
+                        r.views = mapper.submit(self._views, r.reply.result())
+                copy_all(ahead[0].views.result(), ahead[0].sources)
+                done = ahead.popleft()
+                unconfirmed.append((done.index, done.keys, self.publish_async(done.keys)))
+                while unconfirmed and unconfirmed[0][2].done():
+                    _confirm(unconfirmed.popleft(), published)
+            while unconfirmed:
+                _confirm(unconfirmed.popleft(), published)
+        except BaseException:
+            mapper.shutdown(wait=True)   # no mapping goes on while slots are given back
+            self._give_back([r.keys for r in ahead] + [keys for _, keys, _ in unconfirmed])
+            raise
+        finally:
+            mapper.shutdown(wait=True)
+
+    def _reserve_ahead(self, index: int, batch: tuple[Mapping[str, torch.Tensor],
+                                                      Mapping[str, torch.dtype] | None]
+                       ) -> "_Reserved":
+        items, dtypes = batch
+        check_dense(items)
+        specs = _specs(items, dtypes)
+        return _Reserved(index, tuple(items), [t.detach() for t in items.values()],
+                         sum(s.nbytes for s in specs), self._submit(P.Reserve(specs)))
+
+    def _give_back(self, batches: list[tuple[str, ...]]) -> None:
+        """After an error in :meth:`put_batches`, each batch sent and not
+        confirmed published: aborted (the daemon answers requests in order,
+        so a reserve still on its way is given back too, a failed one has
+        nothing to give back, and a published one is left stored)."""
+        for keys in batches:
+            with contextlib.suppress(TierdError):
+                self.abort(keys)
 
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)

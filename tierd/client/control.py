@@ -9,6 +9,7 @@ also tells us when the daemon dies: it becomes readable with EOF.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierd import protocol as P
+from tierd.backends.hostpool import populate_pages
 from tierd.errors import AccessDenied, DaemonUnavailable, ProtocolError, TierdError, from_wire
 
 CONNECT_TIMEOUT = 2.0
@@ -30,15 +32,16 @@ CONNECT_TIMEOUT = 2.0
 #: page table entries, so the client's first write to each 4 KiB page faults,
 #: and those faults, not the copies, bound an attach. Where the daemon also zeroed the
 #: pages (``Segment.populated``: [Note: segments made ahead] in
-#: ``tierd.backends.hostpool``), ``MAP_POPULATE`` fills the page tables in the
-#: mmap call (read faults of a shared mapping, each mapping the 16 pages
-#: around it that are ready): an attach then faults once per 16 pages.
+#: ``tierd.backends.hostpool``), the page tables are filled right after the
+#: mmap call (MADV_POPULATE_READ, as ``MAP_POPULATE`` would but without the
+#: GIL, so a thread mapping segments ahead does not stall the copies: read
+#: faults of a shared mapping, each mapping the 16 pages around it that are
+#: ready): an attach then faults once per 16 pages.
 #: Where it did not (fewer than
 #: ``POPULATE_THREADS`` cores to spare), populating would zero every page in
 #: that one call, on the thread that maps, instead of in the copy threads'
 #: faults, slower than faulting; those segments are mapped plainly (figures:
 #: ``benchmarks/results/HISTORY.md``, "Figures behind the Notes").
-MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 if TYPE_CHECKING:
     import torch
@@ -269,9 +272,11 @@ class ControlChannel:
             if not reply.get("ok", True):
                 raise from_wire(*reply.get("error", ["tierd", "segments refused"]))
             for (sid, size, populated), fd in zip(reply.get("segments", []), fds):
-                flags = mmap.MAP_SHARED | (MAP_POPULATE if populated else 0)
-                mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.mmaps[sid] = mm
+                if populated:
+                    with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
+                        populate_pages(mm, size, write=False)
                 # [Note: mapping lifetime]
                 # The tensor holds a memoryview of the
                 # mapping, an export that keeps ``mm.close()`` from unmapping it:

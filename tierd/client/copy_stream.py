@@ -254,6 +254,10 @@ def register_pool(client, device: torch.device) -> None:
     if device.type != "cuda":
         return
     cudart = torch.cuda.cudart()
+    # segments may be mapped on a helper thread ([Note: pipelined puts] in
+    # tierd.client.connection), whose current device is not the caller's:
+    # register them for this one (no context made on another GPU)
+    index = device.index if device.index is not None else torch.cuda.current_device()
 
     def register(segment_id: int, view: torch.Tensor) -> None:
         # Several attaches (and activation tiering) may share one client and
@@ -263,7 +267,8 @@ def register_pool(client, device: torch.device) -> None:
         span = (view.data_ptr(), view.numel())
         if span in _REGISTERED:
             return
-        err = cudart.cudaHostRegister(view.data_ptr(), view.numel(), 0)
+        with torch.cuda.device(index):
+            err = cudart.cudaHostRegister(view.data_ptr(), view.numel(), 0)
         if int(err) != 0:
             # out of page-lockable memory: the segment still works, pageable
             # (about 7x slower copies); clear the error so no kernel reports it

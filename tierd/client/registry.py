@@ -213,8 +213,14 @@ class ParamRegistry:
         resumed: list[TieredParam] = []   # resident ones whose value is in the store
         taken: list[tuple[nn.Parameter, TieredParam]] = []
         put: list[str] = []
-        pending: list[str] = []   # a batch being put: some of it may be stored
-        try:
+        # each batch sent to the store: its keys and the slice of ``taken`` it stores
+        sent: list[tuple[list[str], int, int]] = []
+        published: list[int] = []   # batches stored, in order
+
+        def batches():
+            """One batch per module, made when the store asks for it (a
+            checkpoint's values are read only then): [Note: pipelined puts]
+            in tierd.client.connection."""
             for module in dict.fromkeys(self.model.modules()):
                 uploads: dict[str, torch.Tensor] = {}   # key -> value to store
                 dtypes: dict[str, torch.dtype] = {}     # key -> dtype it is stored in
@@ -233,12 +239,20 @@ class ParamRegistry:
                         self.aliases[qual] = tp
                     self.params[tp.name] = tp
                 if uploads:
-                    pending = list(uploads)
-                    store.put_many(uploads, dtypes=dtypes)
-                    put.extend(pending)
-                    pending = []
-                if source is None:   # the caller's old Parameters keep no bytes alive
+                    sent.append((list(uploads), first, len(taken)))
+                    yield uploads, dtypes
+                elif source is None:
                     self._empty(taken[first:])
+
+        def stored_batch(i: int) -> None:
+            keys, first, last = sent[i]
+            put.extend(keys)
+            published.append(i)
+            if source is None:   # the caller's old Parameters keep no bytes alive
+                self._empty(taken[first:last])
+
+        try:
+            store.put_batches(batches(), stored_batch)
             if source is not None:   # with a checkpoint, kept until nothing can fail
                 self._empty(taken)
             if resumed:
@@ -247,7 +261,9 @@ class ParamRegistry:
                     for tp in resumed:
                         tp.compute.copy_(values[tp.key])
         except BaseException:
-            self._undo(store, holders, taken, put, pending)
+            # batches sent and not known stored: some of their keys may be
+            self._undo(store, holders, taken, put,
+                       [k for keys, _, _ in sent[len(published):] for k in keys])
             raise
         self._originals = {tp: param for param, tp in taken}   # emptied; refilled at detach
         for module in self.model.modules():

@@ -57,6 +57,9 @@ class Store(Protocol):
 
     def put_many(self, items: Mapping[str, torch.Tensor],
                  dtypes: Mapping[str, torch.dtype] | None = None) -> None: ...
+    def put_batches(self, batches: Iterable[tuple[Mapping[str, torch.Tensor],
+                                                  Mapping[str, torch.dtype] | None]],
+                    published: Callable[[int], None] | None = None) -> None: ...
     def put_zeros(self, like: Mapping[str, torch.Tensor]) -> None: ...
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]: ...
     def get(self, key: str) -> torch.Tensor: ...
@@ -274,6 +277,17 @@ class LocalStore:
         for lease, t in zip(placed, items.values()):
             lease.tensor.copy_(t.detach())
         self.publish_async(items.keys()).result()
+
+    def put_batches(self, batches: Iterable[tuple[Mapping[str, torch.Tensor],
+                                                  Mapping[str, torch.dtype] | None]],
+                    published: Callable[[int], None] | None = None) -> None:
+        """``put_many`` of each batch in turn, ``published(i)`` after each: the
+        socket client's contract (:meth:`tierd.client.connection.Client.put_batches`)
+        with nothing to overlap."""
+        for i, (items, dtypes) in enumerate(batches):
+            self.put_many(items, dtypes=dtypes)
+            if published is not None:
+                published(i)
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
         self.put_many({key: tensor})
