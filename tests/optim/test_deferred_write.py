@@ -160,3 +160,40 @@ def test_deferral_is_off_on_the_cpu_by_default_and_sized_by_the_config(daemon):
     assert opt._fused[0].defer_bytes == 3 << 20
     with pytest.raises(ValueError, match="deferred_write_bytes"):
         attach(gpt2(), client=tierd.connect(daemon), name="bad", deferred_write_bytes=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("cap", [pytest.param(0, id="all-streamed"),
+                                 pytest.param(10 << 20, id="some-resident")])
+def test_on_cuda_deferring_by_default_trains_bitwise_like_writing_out_in_backward(
+        daemon, dtype, cap, monkeypatch):
+    # the copies out run on the copy-out stream as the next forward begins,
+    # the next fetches of those keys wait for them; the plan from the cap alone
+    # (as in test_cpu_update_gpu), so both runs place alike
+    from tierd.client.placer import Placer
+    monkeypatch.setattr(Placer, "_memory", lambda self: None)
+    data = batches(6, batch=2, seq=16)
+    runs = []
+    for name, defer in (("default", None), ("plain", 0)):
+        model = attach(gpt2(n_layer=4, n_embd=128), client=tierd.connect(daemon), name=name,
+                       compute_dtype=dtype, gpu_memory_bytes=cap, deferred_write_bytes=defer)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for ids in data:
+            loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        deferred = bool(_deferred(opt))
+        runs.append((losses, model.state_dict(), opt.state_dict()["state"], deferred,
+                     opt._fused[0]))
+    (losses, sd, state, deferred, fused), (plain, sd1, state1, _, _) = runs
+    assert fused.defer_bytes == 2 * fused.prefetch_bytes and deferred
+    assert losses == plain
+    assert all(torch.equal(sd[k], v) for k, v in sd1.items())
+    for i in state1:
+        for n in state1[i]:
+            assert torch.equal(torch.as_tensor(state[i][n]), torch.as_tensor(state1[i][n]))
