@@ -272,3 +272,35 @@ def test_a_user_write_to_a_kept_parameter_stays_on_the_device(monkeypatch):
         ref.get_parameter(name).mul_(0.5)
     assert_same_weights(model, ref)
     assert tp.key not in set(store.keys(session.keys.all)) and not tp.in_store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_kept_frozen_units_live_on_the_device_only(daemon_factory):
+    # a real daemon whose pool and NVMe together hold less than the model
+    device = torch.device("cuda")
+    with torch.device("meta"):
+        meta = _Frozen(layers=8, width=1024)          # blocks of 8 MiB in fp32
+    whole = sum(p.nbytes for p in meta.parameters())
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        ref = _Frozen(layers=8, width=1024)            # the device's generator, same order
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    client = tierd.connect(daemon_factory(pool="32MiB", nvme_size="16MiB"))
+    torch.manual_seed(SEED)
+    model = attach(meta, client=client, device=device, init=True,
+                   gpu_memory_bytes=whole * 4 // 3 + (64 << 20))
+    session = session_of(model)
+    kept = _kept(session)
+    assert whole > 48 << 20 and set(kept) == set(session.params.values())   # all, never stored
+    assert all(tp.param.device.type == "cuda" for tp in kept)
+    assert torch.cuda.memory_allocated(device) - base >= sum(tp.nbytes for tp in kept)
+    assert not {tp.key for tp in kept} & set(client.keys(session.keys.all))
+    ids = (torch.arange(12, device=device).reshape(2, 6) % 32)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(ids), ref(ids))
+    got = model.state_dict()
+    assert all(torch.equal(got[k].cuda(), v) for k, v in ref.state_dict().items())
+    detach(model)

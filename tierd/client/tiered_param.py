@@ -227,9 +227,9 @@ class TieredParam:
         if unfrozen and not self.in_store:
             raise StateError(
                 f"making {self.name!r} trainable: init=True kept it frozen on the GPU "
-                "only, with no copy in the store to make its fp32 master from ([Note: "
-                "frozen weights kept only on the device] in tierd.client.placer); set "
-                "requires_grad before tierd.attach")
+                "only, with no copy in the store to make its fp32 master from "
+                "([Note: frozen weights kept only on the device] in tierd.client.placer); "
+                "set requires_grad before tierd.attach")
         if unfrozen and self.session.share is not None:
             raise StateError(
                 f"making {self.name!r} trainable after tierd.attach under torch.distributed: "
