@@ -385,3 +385,73 @@ def test_help_gives_the_past_the_pool_commands(capsys):
         assert args.systems == ["tierd"] and args.batches["tierd"] == [4]
         assert args.timeout <= args.budget_s <= 560   # one device call: 10 minutes at most
     assert "--compute-ref L8" in out
+
+
+# ------------------------------------------------------------------ compact optimizer state
+def test_tierd_rows_of_each_optimizer_state_sit_side_by_side(tmp_path):
+    """One call with two settings: a tierd row each, saying its setting and
+    the bytes it keeps per parameter; ``largest`` stays fp32 (like for like
+    with the peers), ``largest_tierd`` is per setting."""
+    bench(tmp_path, "--tiny", "--systems", "tierd", "--optimizer-state", "fp32,8bit-bf16",
+          timeout=400)
+    result = json.loads((tmp_path / "bigmodel.json").read_text())
+    exact, small = result["rows"]
+    tiny = shape_of("tiny")
+    assert (exact["optimizer_state"], small["optimizer_state"]) == ("fp32", "8bit-bf16")
+    assert exact["error"] is None and small["error"] is None, (exact["error"], small["error"])
+    assert exact["bytes_per_param"] == 14.0 and small["bytes_per_param"] < 6.0
+    assert "tierd.optim.AdamW(state='8bit', master='bf16')" in small["notes"]
+    assert all(math.isfinite(x) for x in small["losses"])
+    assert result["largest"] == {"tierd": tiny.params, "fsdp2": None, "deepspeed": None}
+    assert result["largest_tierd"] == {"fp32": tiny.params, "8bit-bf16": tiny.params}
+
+
+def test_merge_keys_rows_by_model_system_and_optimizer_state():
+    def r(state, error=None, **extra):
+        row = {"model": "13B", "system": "tierd", "params": shape_of("13B").params,
+               "error": error, **extra}
+        return row if state is None else {**row, "optimizer_state": state}
+    old = {"commit": "a", "device": "H200", "rows": [r(None, tokens_per_s=1.0)]}   # before
+    merged = bigmodel_results.merge(old, [r("8bit-bf16", tokens_per_s=2.0)], "b")
+    assert [(x.get("optimizer_state"), x["tokens_per_s"]) for x in merged["rows"]] == [
+        (None, 1.0), ("8bit-bf16", 2.0)]
+    merged = bigmodel_results.merge(merged, [r("fp32", tokens_per_s=3.0),
+                                             r("8bit", "killed")], "c")
+    assert [(x["optimizer_state"], x["tokens_per_s"] if x["error"] is None else x["error"])
+            for x in merged["rows"]] == [("fp32", 3.0), ("8bit-bf16", 2.0), ("8bit", "killed")]
+    big = {**r("8bit-bf16"), "model": "L156", "params": shape_of("L156").params}
+    merged = bigmodel_results.merge(merged, [big], "d")
+    assert merged["largest"]["tierd"] == shape_of("13B").params   # fp32 rows only
+    assert merged["largest_tierd"] == {"fp32": shape_of("13B").params,
+                                       "8bit-bf16": shape_of("L156").params, "8bit": None}
+
+
+def test_the_optimizer_state_is_tierds_and_one_of_the_compact_settings(tmp_path, capsys):
+    for flags, says in ((["--optimizer-state", "int4"], "unknown ['int4']"),
+                        (["--systems", "fsdp2", "--optimizer-state", "8bit"], "tierd's")):
+        with pytest.raises(SystemExit) as exc:
+            bigmodel.main(["--out", str(tmp_path / "out"), *flags])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(ValueError, match="runs its own fp32 AdamW"):
+        RunSpec(system="deepspeed", model="8B", batch=1, seq=8, warmup=0, steps=1,
+                device="cpu", optimizer_state="8bit")
+    # the peers of a call keep fp32 while tierd runs each setting asked for
+    args = bigmodel.parse_args(["--out", str(tmp_path), "--optimizer-state", "8bit,bf16"])
+    assert bigmodel.states("tierd", args) == ["8bit", "bf16"]
+    assert bigmodel.states("fsdp2", args) == ["fp32"]
+
+
+def test_the_compact_device_commands_fit_one_call_each():
+    doc = bigmodel.__doc__
+    text = doc[doc.index("Compact optimizer state"):doc.index("Each tierd row says")]
+    lines = text.replace("\\\n", " ").splitlines()
+    commands = [line.split("python -m tierd.bench.bigmodel ")[1].split() for line in lines
+                if "python -m tierd.bench.bigmodel " in line]
+    speed, largest = (bigmodel.parse_args(c) for c in commands)
+    assert speed.models == ["13B"] and speed.optimizer_states == ["fp32", "8bit-bf16"]
+    assert largest.optimizer_states == ["8bit-bf16"]
+    assert shape_of(largest.models[0]).params >= 35e9
+    for args in (speed, largest):
+        assert args.systems == ["tierd"] and args.budget_s <= 540   # under 9 minutes
+        # every attempt of the call starts within the budget
+        assert len(args.models) * len(args.optimizer_states) * args.timeout <= args.budget_s

@@ -28,6 +28,40 @@ tensors go first] in ``tierd.server.eviction``):
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L80 --batch 4 \
         --warmup 3 --steps 2 --timeout 500 --budget-s 560
 
+Compact optimizer state (issue 34): ``--optimizer-state`` gives tierd's rows
+``tierd.optim.AdamW(state=, master=)`` and ``attach(optimizer_state=...)``
+with the settings of ``tierd.bench.compact`` (fp32, bf16, 8bit, 8bit-bf16);
+several, comma-separated, are rows of their own, recorded with the setting
+(``optimizer_state``) and the bytes it keeps at rest per trained parameter
+(``bytes_per_param``). Two calls, each under 9 minutes:
+
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models 13B --batch 4 \
+        --optimizer-state fp32,8bit-bf16 --timeout 260 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models L156,L96 --batch 1 \
+        --optimizer-state 8bit-bf16 --warmup 1 --steps 2 --timeout 265 --budget-s 540
+
+The first is the speed pair at 13B, side by side (the fp32 row at commit
+dc858ac: 2.52 s steps at B=4, 3,249 tokens/s, 185 s for the attempt, with
+14 B/param of state, 182 GB, of which what the GPU cannot hold streams;
+8bit-bf16 keeps 4.03 B/param, 52 GB, which the GPU holds whole). The second
+is the largest compact rung. The estimate: 8bit-bf16 keeps 2 B (the bf16
+copy is the master) + 2 x 1.016 B (8-bit moments and their block scales) =
+4.03 B per parameter at rest, so the GPU's ~115 GB left after B=1
+activations, the update window and the margin hold ~28B parameters and the
+store the rest: L156 (35.1B, 141 GB at rest) fits at rest. Its first step
+does not: that step streams everything and sums every fp32 gradient in
+the store before the first update ([Note: placing before the first update]
+in tierd.client.placer; ``StoreNeed.first_step`` in tierd.client.capacity):
+2 + 4 = 6 B per parameter, 210 GB at L156, more than the pool (~70 GiB
+page-lockable) and the NVMe file (the 64 GiB disk, less what else is on it)
+hold together, and the same bound exact AdamW has (L80, 111 GB in its first
+step, is the largest measured). So expect L156 to be refused (CapacityError
+at attach, within a minute or two) for as long as the first step stores
+every gradient in fp32, and L96 (22.0B, 132 GB in the first step) to
+complete: the first step's bound, not the optimizer state's. The call runs
+both, L156 first; each attempt gets 265 s, so L96 still starts after L156
+used all of its own.
+
 Each tierd row says its floor ([Note: a row's floor] in
 ``tierd.bench.bigmodel_floor``): ``floor_s``, ``binding`` (compute, pcie or
 nvme), ``target_s`` (1.25x the floor), ``to_floor`` (step / floor), the
@@ -68,10 +102,12 @@ buffer included).
 
 ``DIR/bigmodel.json``: ``{"commit", "device", "rows": [{"model", "system",
 "params", "batch", "tokens_per_s", "tflops", "peak_gpu_gb", "peak_host_gb",
-"error", ...}], "largest": {"tierd", "deepspeed", "fsdp2"}}`` (``largest``: the
-parameters of the largest model each system completed, None if none). An
-existing file is merged into: a new row replaces the row of the same model
-and system; so slices of the work can run as separate calls. Each attempt's
+"error", "optimizer_state", ...}], "largest": {"tierd", "deepspeed", "fsdp2"},
+"largest_tierd": {setting: params}}`` (``largest``: the parameters of the
+largest model each system completed with fp32 AdamW, None if none;
+``largest_tierd``: tierd's per optimizer state). An existing file is merged
+into: a new row replaces the row of the same model, system and optimizer
+state; so slices of the work can run as separate calls. Each attempt's
 output is in ``DIR/logs/``.
 
 What was predicted before this benchmark first ran, and measured then:
@@ -93,7 +129,7 @@ from pathlib import Path
 from tierd.bench import bigmodel_results as results
 from tierd.bench.bigmodel_attempt import GiB, Watch, run_attempt, sweep_scratch
 from tierd.bench.bigmodel_models import rung_name, shape_of
-from tierd.bench.bigmodel_systems import PEERS, SYSTEMS, RunSpec
+from tierd.bench.bigmodel_systems import OPTIMIZER_STATES, PEERS, SYSTEMS, RunSpec
 
 
 class Budget:
@@ -111,7 +147,7 @@ class Budget:
         return None
 
 
-def best_batch(system: str, model: str, args, attempt) -> dict:
+def best_batch(system: str, model: str, args, attempt, optimizer_state: str = "fp32") -> dict:
     """Try ``args``'s batches for ``system`` from the largest down; the row of
     the first that completes, or of the last failure. ``attempt(spec, timeout)``
     runs one (``run_attempt`` bound to the watch, or a fake in tests)."""
@@ -121,10 +157,11 @@ def best_batch(system: str, model: str, args, attempt) -> dict:
         if timeout is None:
             notes.append(f"B={batch}: not run, the call's --budget-s was spent")
             return results.not_run(model, system, args.seq, "not run: the call's --budget-s "
-                                   "was spent", notes)
+                                   "was spent", notes, optimizer_state)
         spec = RunSpec(system=system, model=model, batch=batch, seq=args.seq,
                        warmup=args.warmup, steps=args.steps, device=args.device,
-                       tierd_pool_bytes=args.tierd_pool, tierd_nvme_bytes=args.tierd_nvme)
+                       tierd_pool_bytes=args.tierd_pool, tierd_nvme_bytes=args.tierd_nvme,
+                       optimizer_state=optimizer_state)
         raw = attempt(spec, timeout)
         row = results.row(spec, raw, args.commit, notes, args.disk)
         print(results.line(row), flush=True)
@@ -174,8 +211,9 @@ def measure(args, record) -> None:
     for path in sweep_scratch(args.cache_dir):
         print(f"removed {path}: an earlier call's attempt scratch", file=sys.stderr)
 
-    def run_model(system: str, model: str) -> dict:
-        row = best_batch(system, model, args, lambda spec, t: run_attempt(spec, watch, t))
+    def run_model(system: str, model: str, state: str = "fp32") -> dict:
+        row = best_batch(system, model, args, lambda spec, t: run_attempt(spec, watch, t),
+                         state)
         record(row)
         return row
 
@@ -188,11 +226,19 @@ def measure(args, record) -> None:
     if args.largest:
         rungs = [rung_name(n, args.tiny) for n in args.ladder if n >= args.ladder_from]
         for system in args.systems:
-            climb(system, rungs, run_model)
+            for state in states(system, args):
+                climb(system, rungs, lambda system, model: run_model(system, model, state))
     else:
         for model in args.models:
             for system in args.systems:
-                run_model(system, model)
+                for state in states(system, args):
+                    run_model(system, model, state)
+
+
+def states(system: str, args) -> list[str]:
+    """The optimizer states ``system`` runs in this call: ``--optimizer-state``
+    for tierd, its own fp32 AdamW for the others."""
+    return args.optimizer_states if system == "tierd" else ["fp32"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -234,6 +280,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tierd-pool-gib", type=float, default=None, help="start tierd's daemon "
                     "with this pool (default: the embedded daemon's own sizing)")
     ap.add_argument("--tierd-nvme-gib", type=float, default=None, help="and this NVMe size")
+    ap.add_argument("--optimizer-state", default="fp32", help="tierd's AdamW state, "
+                    f"comma-separated, each a row of its own: {', '.join(OPTIMIZER_STATES)} "
+                    "(as tierd.bench.compact; default fp32, exact AdamW). The other systems "
+                    "keep their fp32 AdamW")
     ap.add_argument("--compute-ref", default=None, metavar="MODEL", help="first run the "
                     "all-GPU reference (system allgpu) on MODEL at each of tierd's batches: "
                     "its row gives the compute part of tierd rows' floors at that width "
@@ -268,6 +318,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
         raise ValueError(f"--systems: unknown {bad}; use some of {', '.join(SYSTEMS)}")
+    args.optimizer_states = list(dict.fromkeys(
+        s.strip() for s in args.optimizer_state.split(",") if s.strip()))
+    odd = [s for s in args.optimizer_states if s not in OPTIMIZER_STATES]
+    if odd or not args.optimizer_states:
+        raise ValueError(f"--optimizer-state: unknown {odd}; use some of "
+                         f"{', '.join(OPTIMIZER_STATES)}")
+    if args.optimizer_states != ["fp32"] and "tierd" not in args.systems:
+        raise ValueError(f"--optimizer-state {args.optimizer_state} is tierd's; add tierd to "
+                         "--systems (the others keep their own fp32 AdamW)")
     tiny, largest = args.tiny, args.largest
     args.models = ["tiny"] if tiny and args.models == "8B,13B" else \
         [m.strip() for m in args.models.split(",") if m.strip()]
@@ -338,8 +397,7 @@ def main(argv=None) -> int:
         if args.disk is not None:
             merged["disk"] = args.disk
         results.save(path, merged)
-        mine = next(r for r in merged["rows"]
-                    if (r["model"], r["system"]) == (row["model"], row["system"]))
+        mine = next(r for r in merged["rows"] if results.key(r) == results.key(row))
         if mine["system"] == "tierd" and mine["error"] is None:
             print(results.floor_line(mine), flush=True)
 

@@ -18,10 +18,18 @@ ROW_KEYS = ("model", "system", "params", "batch", "tokens_per_s", "tflops", "pea
             "peak_host_gb", "error")
 
 
-def _base(model: str, system: str, seq: int) -> dict:
+def _base(model: str, system: str, seq: int, optimizer_state: str) -> dict:
     shape = shape_of(model)
-    return {"model": model, "system": system, "params": shape.params, "layers": shape.layers,
-            "hidden": shape.hidden, "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
+    return {"model": model, "system": system, "optimizer_state": optimizer_state,
+            "params": shape.params, "layers": shape.layers, "hidden": shape.hidden,
+            "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
+
+
+def key(r: dict) -> tuple[str, str, str]:
+    """What a row is of: model, system and optimizer state (rows written
+    before the setting was recorded were fp32). A new row replaces only the
+    row with the same key, so settings of one model sit side by side."""
+    return r["model"], r["system"], r.get("optimizer_state") or "fp32"
 
 
 def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
@@ -29,7 +37,7 @@ def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
     """The row of one attempt from what its worker wrote and its parent saw;
     ``disk``: the call's probe of the NVMe disk (``tierd.bench.nvme.mixed_probe``),
     for tierd's floor ([Note: a row's floor] in tierd.bench.bigmodel_floor)."""
-    base = _base(spec.model, spec.system, spec.seq)
+    base = _base(spec.model, spec.system, spec.seq, spec.optimizer_state)
     times = raw.get("step_s") or []
     measured = times[spec.warmup:]
     ok = bool(raw.get("done")) and raw.get("error") is None and raw.get("killed") is None \
@@ -51,6 +59,7 @@ def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
         "lowest_available_gib": raw.get("lowest_available_gib"),
         "notes": [*notes, *(raw.get("notes") or [])], "device": raw.get("device"),
         "commit": commit, "log": raw.get("log"),
+        **({"bytes_per_param": raw.get("bytes_per_param")} if spec.system == "tierd" else {}),
         **(_traffic(spec, raw, disk) if spec.system == "tierd" else {}),
     }
 
@@ -86,11 +95,13 @@ def _error(raw: dict, spec: RunSpec) -> str:
             f"{' | '.join(tail)}")[:2000]
 
 
-def not_run(model: str, system: str, seq: int, why: str, notes: list[str]) -> dict:
+def not_run(model: str, system: str, seq: int, why: str, notes: list[str],
+            optimizer_state: str = "fp32") -> dict:
     """A row for an attempt that never started; it does not replace a measured row."""
     return {"model": model, "system": system, "params": shape_of(model).params, "batch": None,
             "tokens_per_s": None, "tflops": None, "peak_gpu_gb": None, "peak_host_gb": None,
-            "error": why, **_base(model, system, seq), "notes": list(notes), "not_run": True}
+            "error": why, **_base(model, system, seq, optimizer_state), "notes": list(notes),
+            "not_run": True}
 
 
 def load(path: Path) -> dict:
@@ -104,31 +115,42 @@ def load(path: Path) -> dict:
 
 
 def merge(old: dict, new_rows: list[dict], commit: str | None) -> dict:
-    """``old`` with ``new_rows`` in: a row replaces the one of the same model and
-    system (in place, so the order stays), unless it is a not-run row and a
-    row is there already."""
+    """``old`` with ``new_rows`` in: a row replaces the one of the same
+    :func:`key` (in place, so the order stays), unless it is a not-run row
+    and a row is there already."""
     rows = list(old["rows"])
-    where = {(r["model"], r["system"]): i for i, r in enumerate(rows)}
+    where = {key(r): i for i, r in enumerate(rows)}
     for r in new_rows:
-        i = where.get((r["model"], r["system"]))
+        i = where.get(key(r))
         if i is None:
-            where[(r["model"], r["system"])] = len(rows)
+            where[key(r)] = len(rows)
             rows.append(r)
         elif not r.get("not_run"):
             rows[i] = r
     devices = [r.get("device") for r in new_rows if r.get("device")]
     return {**old, "commit": commit or old.get("commit"),
             "device": devices[-1] if devices else old.get("device"),
-            "rows": bigmodel_floor.with_floors(rows), "largest": largest(rows)}
+            "rows": bigmodel_floor.with_floors(rows), "largest": largest(rows),
+            "largest_tierd": largest_tierd(rows)}
+
+
+def _largest(rows: list[dict]) -> int | None:
+    sizes = [r["params"] for r in rows if r["error"] is None]
+    return max(sizes) if sizes else None
 
 
 def largest(rows: list[dict]) -> dict:
-    """Per system compared, the parameters of the largest model it completed (None if none)."""
-    out = {}
-    for system in PEERS:
-        sizes = [r["params"] for r in rows if r["system"] == system and r["error"] is None]
-        out[system] = max(sizes) if sizes else None
-    return out
+    """Per system compared, the parameters of the largest model it completed
+    with fp32 AdamW state (like for like; None if none)."""
+    return {system: _largest([r for r in rows if key(r)[1:] == (system, "fp32")])
+            for system in PEERS}
+
+
+def largest_tierd(rows: list[dict]) -> dict:
+    """Per optimizer state tierd ran, the parameters of the largest model it
+    completed (None if none)."""
+    states = dict.fromkeys(key(r)[2] for r in rows if r["system"] == "tierd")
+    return {s: _largest([r for r in rows if key(r)[1:] == ("tierd", s)]) for s in states}
 
 
 def save(path: Path, result: dict) -> None:
@@ -144,9 +166,16 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _what(r: dict) -> str:
+    """Model, system (with its optimizer state unless fp32) and batch."""
+    state = key(r)[2]
+    system = r["system"] if state == "fp32" else f"{r['system']}/{state}"
+    return f"{r['model']:>6} {system:>9} B={r['batch']}"
+
+
 def line(r: dict) -> str:
     """One attempt, for the progress output."""
-    what = f"{r['model']:>6} {r['system']:>9} B={r['batch']}"
+    what = _what(r)
     if r["error"] is None:
         return (f"{what}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s, "
                 f"{r['tflops']:.1f} TFLOPS, GPU {_fmt(r['peak_gpu_gb'], '.1f')} GB, host "
@@ -157,7 +186,7 @@ def line(r: dict) -> str:
 def floor_line(r: dict) -> str:
     """A tierd row's floor beside its step ([Note: a row's floor] in
     tierd.bench.bigmodel_floor), for the progress output."""
-    what = f"{r['model']:>6} {r['system']:>9} B={r['batch']}"
+    what = _what(r)
     if r.get("floor_s") is None:
         return f"{what}: no floor (nothing it is computed from was measured)"
     parts = ", ".join(f"{p} {_fmt(r[f'{p}_s'], '.1f')} s" for p in bigmodel_floor.PARTS)
@@ -172,13 +201,14 @@ def floor_line(r: dict) -> str:
 
 def table(rows: list[dict], this_call: list[dict]) -> str:
     """Every row of the file; those measured in this call marked with *."""
-    keys = {(r["model"], r["system"]) for r in this_call}
-    out = [f"  {'model':>6} {'system':>9} {'params':>7} {'B':>3} {'tokens/s':>9} {'TFLOPS':>7} "
-           f"{'GPU GB':>7} {'host GB':>7} {'step s':>7} {'floor s':>7} {'binding':>7} "
-           f"{'x floor':>7} {'NVMe r GB':>9} {'w GB':>6}  error"]
+    keys = {key(r) for r in this_call}
+    out = [f"  {'model':>6} {'system':>9} {'state':>9} {'params':>7} {'B':>3} {'tokens/s':>9} "
+           f"{'TFLOPS':>7} {'GPU GB':>7} {'host GB':>7} {'step s':>7} {'floor s':>7} "
+           f"{'binding':>7} {'x floor':>7} {'NVMe r GB':>9} {'w GB':>6}  error"]
     for r in rows:
-        mark = "*" if (r["model"], r["system"]) in keys else " "
-        out.append(f"{mark} {r['model']:>6} {r['system']:>9} {r['params'] / 1e9:6.2f}B "
+        mark = "*" if key(r) in keys else " "
+        out.append(f"{mark} {r['model']:>6} {r['system']:>9} {key(r)[2]:>9} "
+                   f"{r['params'] / 1e9:6.2f}B "
                    f"{_fmt(r['batch'], '3d')} {_fmt(r['tokens_per_s'], '9.0f')} "
                    f"{_fmt(r['tflops'], '7.1f')} {_fmt(r['peak_gpu_gb'], '7.1f')} "
                    f"{_fmt(r['peak_host_gb'], '7.1f')} {_fmt(r.get('step_s'), '7.2f')} "

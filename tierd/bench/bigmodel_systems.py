@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierd.bench.bigmodel_models import Shape, build, build_meta, init_materialised
+from tierd.bench.compact import SETTINGS as OPTIMIZER_STATES, kept_bytes_per_param
 
 BF16 = torch.bfloat16
 #: the systems compared (the default of ``--systems``)
@@ -44,6 +45,8 @@ class Trainer:
     #: tierd: what its plan moves per step (``bigmodel_floor.plan_bytes``),
     #: read after the steps
     plan: Callable[[], dict] | None = None
+    #: tierd: the bytes its optimizer setting keeps at rest per trained parameter
+    bytes_per_param: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +63,19 @@ class RunSpec:
     lr: float = 1e-5
     tierd_pool_bytes: int | None = None    # None: the embedded daemon's own sizing
     tierd_nvme_bytes: int | None = None
+    #: tierd's AdamW state, a name of ``tierd.bench.compact.SETTINGS`` (the
+    #: others keep their own fp32 AdamW)
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"system={self.system!r}; use one of {SYSTEMS}")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state={self.optimizer_state!r}; use one of "
+                             f"{', '.join(OPTIMIZER_STATES)}")
+        if self.optimizer_state != "fp32" and self.system != "tierd":
+            raise ValueError(f"optimizer_state={self.optimizer_state!r} is tierd's; "
+                             f"{self.system} runs its own fp32 AdamW")
         for f in ("batch", "seq", "steps"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 1")
@@ -89,9 +101,14 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
     """Built in bf16 on the compute device (random init there is fast and needs
     no host memory), then ``attach`` with default arguments: it copies each
     module's values into the store and frees the device copies
-    (``ParamRegistry._take``), then places what fits back on the GPU."""
+    (``ParamRegistry._take``), then places what fits back on the GPU. A
+    compact ``spec.optimizer_state`` is given to ``attach`` (its capacity
+    check and the embedded daemon's sizes count it) and to
+    ``tierd.optim.AdamW(state=, master=)``."""
     import tierd
     import tierd.optim
+    state, master = OPTIMIZER_STATES[spec.optimizer_state]
+    setting = tierd.optim.CompactState(state=state, master=master)
     notes: list[str] = []
     mark("build")
     model = build(shape, spec.seq, device, BF16)
@@ -101,16 +118,20 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
         options["client"] = _private_daemon(spec, notes)
     if device.type == "cpu":   # the CPU smoke run, even where CUDA is present
         options["device"] = device
+    if not setting.exact:
+        options["optimizer_state"] = setting
+        notes.append(f"tierd.optim.AdamW({setting.text})")
     mark("attach")
     model = tierd.attach(model, compute_dtype="bf16", **options)
     mark("optimizer")
-    opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr)
+    opt = tierd.optim.AdamW(model.parameters(), lr=spec.lr, state=state, master=master)
     from tierd.bench import bigmodel_floor
     from tierd.client.attach import session_of
     session = session_of(model)
     return Trainer(step=_autocast_step(model, opt, device), notes=notes,
                    traffic=lambda: bigmodel_floor.traffic(session),
-                   plan=lambda: bigmodel_floor.plan_bytes(session))
+                   plan=lambda: bigmodel_floor.plan_bytes(session),
+                   bytes_per_param=kept_bytes_per_param(opt))
 
 
 def _private_daemon(spec: RunSpec, notes: list[str]):

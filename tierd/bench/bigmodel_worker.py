@@ -9,7 +9,8 @@ process for time or host memory still knows how far it got: ``phase``,
 step, CUDA-synchronised), ``losses``, ``peak_gpu_gb`` /
 ``peak_gpu_reserved_gb`` (``max_memory_allocated`` / ``max_memory_reserved``
 during the steps; ``setup_peak_gpu_gb`` while the system built the model),
-``notes``, and at the end ``done`` or ``error`` (with ``oom_in_step``: the GPU
+``notes``, ``bytes_per_param`` (tierd: what its optimizer setting keeps
+at rest per trained parameter), and at the end ``done`` or ``error`` (with ``oom_in_step``: the GPU
 ran out of memory during a training step, so a smaller batch may fit).
 tierd's attempts also write what its floor needs ([Note: a row's floor] in
 ``tierd.bench.bigmodel_floor``): ``pcie_both_ways_GBps`` (measured before the
@@ -88,7 +89,7 @@ def run(spec: RunSpec, progress: Progress) -> None:
     trainer = SETUPS[spec.system](spec, shape, device, progress.setup_phase)
     progress.setup_phase("done")
     progress.state["notes"] = trainer.notes   # the same list: what a step adds shows
-    progress.update(setup_s=time.perf_counter() - t0)
+    progress.update(setup_s=time.perf_counter() - t0, bytes_per_param=trainer.bytes_per_param)
     if device.type == "cuda":   # the row's peaks are the training steps'; building's is kept
         progress.state["setup_peak_gpu_gb"] = progress.state["peak_gpu_gb"]
         torch.cuda.reset_peak_memory_stats(device)
