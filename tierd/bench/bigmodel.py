@@ -54,13 +54,14 @@ the store before the first update ([Note: placing before the first update]
 in tierd.client.placer; ``StoreNeed.first_step`` in tierd.client.capacity):
 2 + 4 = 6 B per parameter, 210 GB at L156, more than the pool (~70 GiB
 page-lockable) and the NVMe file (the 64 GiB disk, less what else is on it)
-hold together, and the same bound exact AdamW has (L80, 111 GB in its first
-step, is the largest measured). So expect L156 to be refused (CapacityError
-at attach, within a minute or two) for as long as the first step stores
-every gradient in fp32, and L96 (22.0B, 132 GB in the first step) to
-complete: the first step's bound, not the optimizer state's. The call runs
-both, L156 first; each attempt gets 265 s, so L96 still starts after L156
-used all of its own.
+hold together: ~145-150 GB, what exact AdamW's L80 kept in the store (259 GB
+at 14 B/param, ~115 GB of it on the GPU). The same first step bounds exact
+AdamW. So expect L156 to be refused (CapacityError at attach, within a
+minute or two) for as long as the first step stores every gradient in
+fp32, and L96 (22.0B, 132 GB in the first step) to complete: the first
+step's bound, not the optimizer state's (L104, 142 GB, is the next rung up;
+L88, 121 GB, the next down). The call runs both, L156 first; each attempt
+gets 265 s, so L96 still starts after L156 used all of its own.
 
 Each tierd row says its floor ([Note: a row's floor] in
 ``tierd.bench.bigmodel_floor``): ``floor_s``, ``binding`` (compute, pcie or
