@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
+    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -90,6 +91,7 @@ def main() -> None:
                                  compute_dtype=args.compute_dtype,
                                  resident_below_bytes=args.resident_below,
                                  gpu_memory_bytes=cap, device=args.device,
+                                 gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
@@ -133,6 +135,7 @@ def main() -> None:
                 "places": {i: p.value for i, p in plan.places.items()},
                 "device_bytes": plan.device_bytes, "streamed_bytes": plan.streamed_bytes}
             tierd.detach(model)
+            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,19 +1,62 @@
-"""Data-parallel tierd on the GPUs of one node, vs one rank and vs DDP all on GPU.
+"""Data-parallel tierd on the GPUs of one node, vs one rank, DDP and FSDP2.
 
     python -m tierd.bench.distributed --out DIR                # GPT-2 1.3B, 2 GPUs
     python -m tierd.bench.distributed --out DIR --quick        # tiny model, CPU/gloo
 
 The orchestrator (this command) starts one ``tierd serve`` and launches each
-case with ``torch.distributed.run``; ranks write their figures as JSON. Cases:
+case with ``torch.distributed.run``; ranks write their figures as JSON. Cases
+(``--only``, comma-separated):
 
-- ``correctness``: a small GPT-2 in bf16, 2 ranks sharing the daemon vs 1
+- ``correctness``: a small model in bf16, 2 ranks sharing the daemon vs 1
   rank with the global batch: per-step global loss, max relative difference.
-- ``tierd-1`` / ``tierd-N``: GPT-2 1.3B (T=1024) attached with a GPU budget
-  of a few blocks, one rank vs N ranks sharing one daemon (one copy),
-  per-GPU batch B; step time (slowest rank's median), tokens/s, and the bytes
-  each rank moved over its own GPU's PCIe link per step (``session.stats``).
-- ``gpu-1`` / ``ddp-N``: the same model all on the GPU (fp32 params, bf16
+- ``tierd``: ``tierd-1`` / ``tierd-N``, the model attached with a GPU budget
+  of a few blocks (everything streams), one rank vs N ranks sharing one
+  daemon (one copy), per-GPU batch B; step time (slowest rank's median),
+  tokens/s, and the bytes each rank moved over its own GPU's PCIe link per
+  step (``session.stats``).
+- ``placed`` / ``sharded``: ``tierd-N-placed`` / ``tierd-N-sharded``, N ranks
+  with placement (``gpu_memory_bytes``: the memory free at attach) keeping
+  what fits on the GPUs, ``gpu_tier="replicated"`` / ``"sharded"``
+  ([Note: resident state sharded by unit] in ``tierd.client.sharded``).
+- ``gpu``: ``gpu-1`` / ``ddp-N``, the model all on the GPU (fp32 params, bf16
   autocast, fused torch AdamW), one rank and N ranks with DDP.
+- ``fsdp2`` / ``fsdp2-offload``: ``fsdp2-N`` / ``fsdp2-offload-N``, FSDP2
+  (``fully_shard`` per block and the root; bf16 params, fp32 reduction)
+  without offload, and with ``CPUOffloadPolicy``.
+
+A case that cannot run (out of memory: DDP or FSDP2 without offload at 13B+)
+leaves its row out and its log in the output; the summary names it.
+
+Issue 35's rows, on nvidia-h200-x2 (Llama from config, T=2048, activation
+checkpointing, per-GPU batch 1 and 4; not run yet: no 2-GPU machine so far):
+
+    python -m tierd.bench.distributed --out benchmarks/results/x2-distributed-1b3 \\
+        --arch llama --size 1.3b --seq 2048 --checkpointing --batches 1,4 \\
+        --only tierd,placed,sharded,gpu,fsdp2,fsdp2-offload --pool-gib 96 --nvme-gib 100
+    python -m tierd.bench.distributed --out benchmarks/results/x2-distributed-8b \\
+        --arch llama --size 8b --seq 2048 --checkpointing --batches 1,4 \\
+        --only placed,sharded,gpu,fsdp2,fsdp2-offload --pool-gib 160 --nvme-gib 100 \\
+        --case-timeout 900
+    python -m tierd.bench.distributed --out benchmarks/results/x2-distributed-13b \\
+        --arch llama --size 13b --seq 2048 --checkpointing --batches 1,4 \\
+        --only placed,sharded,fsdp2,fsdp2-offload --pool-gib 120 --nvme-gib 100 \\
+        --case-timeout 1200
+    python -m tierd.bench.distributed --out benchmarks/results/x2-distributed-20b \\
+        --arch llama --size 20b --seq 2048 --checkpointing --batches 1 \\
+        --tierd-state 8bit \\
+        --only placed,sharded,fsdp2,fsdp2-offload --pool-gib 120 --nvme-gib 100 \\
+        --case-timeout 1800
+
+(``--steps 4 --warmup 2`` by default.) Each rank builds the model on the
+host in fp32 first: 52 GB per rank at 13B, 81 GB at 20B, which with the pool
+is most of the x2 machine's 256 GiB. One copy of 13B's exact AdamW state is
+208 GB, in pool and NVMe (128 GiB of disk) together; 20B needs compact
+moments (``--tierd-state 8bit``: bf16 weights, fp32 masters, 8-bit moments,
+about 8 B/param, 162 GB; ``master='bf16'`` is refused under ranks), while
+the torch peers keep fp32 AdamW. DDP at 8B and FSDP2 without offload at 20B
+are expected to run out of memory: their rows say so. The report is
+``DIR/distributed.json`` with a ``.md`` table and a ``.png`` chart;
+``--render DIR/distributed.json`` redraws them.
 
 What was predicted before this benchmark first ran, and measured then:
 ``benchmarks/results/HISTORY.md``, "Data-parallel ranks (tierd.bench.distributed)".
@@ -39,13 +82,56 @@ from tierd.bench.common import subprocess_env
 LR = 1e-4
 
 
-def build(layers: int, d: int, seq: int, vocab: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+#: Llama shapes by size: (layers, hidden, intermediate, heads, kv heads, vocab)
+LLAMA = {"1.3b": (24, 2048, 5504, 16, 16, 32000),
+         "8b": (32, 4096, 14336, 32, 8, 128256),     # Llama-3-8B
+         "13b": (40, 5120, 13824, 40, 40, 32000),    # Llama-2-13B
+         "20b": (44, 6144, 16384, 48, 48, 32000)}    # 20.3B: does not fit 2 H200s sharded
+
+
+def build(layers: int, d: int, seq: int, vocab: int, arch: str = "gpt2", size: str = ""):
     torch.manual_seed(0)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        if size:
+            layers, d, inter, heads, kv, vocab = LLAMA[size]
+        else:
+            inter, heads, kv = 4 * d, max(1, d // 128), max(1, d // 128)
+        cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=d, intermediate_size=inter,
+                          num_attention_heads=heads, num_key_value_heads=kv,
+                          vocab_size=vocab, max_position_embeddings=seq,
+                          tie_word_embeddings=False)
+        cfg._attn_implementation = "sdpa"
+        return LlamaForCausalLM(cfg).train()
+    from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=max(1, d // 128), n_positions=seq,
                      vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
     return GPT2LMHeadModel(cfg).train()
+
+
+def blocks(model) -> list:
+    """The model's repeated blocks (what FSDP2 shards one by one)."""
+    inner = getattr(model, "model", None) or model.transformer
+    return list(inner.layers if hasattr(inner, "layers") else inner.h)
+
+
+def fsdp2(model, device: torch.device, world: int, *, offload: bool):
+    """``fully_shard`` per block and the root: bf16 params and fp32 gradient
+    reduction on CUDA, with ``CPUOffloadPolicy`` when ``offload``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    if not offload:
+        model = model.to(device)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    return model
 
 
 # ------------------------------------------------------------------ rank side
@@ -60,16 +146,31 @@ def rank_main(args) -> None:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
-    model = build(args.layers, args.n_embd, args.seq, args.vocab)
-    block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 2
+    model = build(args.layers, args.n_embd, args.seq, args.vocab, args.arch, args.size)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    block = sum(p.numel() for p in blocks(model)[0].parameters()) * 2
     session = None
     if args.mode == "tierd":
+        # placed: what fits stays on the GPU (the memory free at attach);
+        # else a budget of a few blocks, everything streamed
+        streamed = dict(gpu_budget_bytes=args.budget_blocks * block,
+                        prefetch_bytes=args.budget_blocks * block)
+        if args.placed:   # on the CPU placement needs a cap: one larger than the model
+            streamed = {} if cuda else dict(gpu_memory_bytes=1 << 30)
         model = tierd.attach(model, job=args.job, compute_dtype="bf16",
-                             gpu_budget_bytes=args.budget_blocks * block,
-                             prefetch_bytes=args.budget_blocks * block)
-        opt = tierd.optim.AdamW(model.parameters(), lr=LR,
+                             gpu_tier=args.gpu_tier if world > 1 else "replicated",
+                             optimizer_state=tierd.optim.CompactState(
+                                 state=args.tierd_state, master=args.tierd_master),
+                             **streamed)
+        opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=args.tierd_state,
+                                master=args.tierd_master,
                                 prefetch_bytes=args.budget_blocks * block * 6)
         session = session_of(model)
+    elif args.mode in ("fsdp2", "fsdp2-offload"):
+        model = fsdp2(model, device, world, offload=args.mode == "fsdp2-offload")
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     else:
         model = model.to(device)
         if world > 1:
@@ -128,20 +229,31 @@ def rank_main(args) -> None:
 
 # ------------------------------------------------------------------ orchestrator
 def launch(args, mode: str, nproc: int, name: str, model: dict, batches: str,
-           steps: int, warmup: int, socket: Path) -> list[dict]:
+           steps: int, warmup: int, socket: Path, *extra: str) -> list[dict]:
     result = args.out / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "tierd.bench.distributed", "--rank-side",
            "--mode", mode, "--job", name, "--result", str(result), "--batches", batches,
            "--steps", str(steps), "--warmup", str(warmup),
-           *[f"--{k}={v}" for k, v in model.items()]]
+           *[f"--{k}={v}" for k, v in model.items()], *extra]
     if args.cpu:
         cmd.append("--cpu")
+    if args.checkpointing:
+        cmd.append("--checkpointing")
+    if mode == "tierd":
+        cmd += ["--tierd-state", args.tierd_state, "--tierd-master", args.tierd_master]
     env = dict(subprocess_env(), TIERD_SOCKET=str(socket))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=args.case_timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.case_timeout)
+    except subprocess.TimeoutExpired as exc:
+        print(f"[{name}] timed out after {args.case_timeout:.0f} s", flush=True)
+        (args.out / f"{name}.log").write_text(f"{exc.stdout or ''}{exc.stderr or ''}"
+                                              f"\ntimed out after {args.case_timeout} s")
+        return []
     print(f"[{name}] {time.perf_counter() - t0:.0f} s rc={proc.returncode}", flush=True)
+    (args.out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not result.exists():
         print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
         return []
@@ -189,12 +301,20 @@ def summarize(rows: dict, nproc: int) -> dict:
             table.setdefault(str(b), {})[name] = entry
     for b, cases in table.items():
         ref = cases.get(f"ddp-{nproc}", {}).get("step_s")
+        fsdp = cases.get(f"fsdp2-{nproc}", {}).get("step_s")
         single = cases.get("gpu-1", {}).get("step_s")
         for name, e in cases.items():
+            same = not name.endswith("-1")   # a case of nproc ranks
             if ref:
-                e["vs_ddp_same_ranks"] = e["step_s"] / ref if name.endswith(f"-{nproc}") else None
+                e["vs_ddp_same_ranks"] = e["step_s"] / ref if same else None
+            if fsdp:
+                e["vs_fsdp2_same_ranks"] = e["step_s"] / fsdp if same else None
             if single:
                 e["vs_gpu_1"] = e["step_s"] / single
+    for name, ranks in rows.items():   # a case that failed (out of memory) says so
+        if not ranks:
+            for cases in table.values():
+                cases[name] = {"failed": True}
     return table
 
 
@@ -220,17 +340,24 @@ def render(report: dict, prefix: Path, command: str) -> None:
              "Step: slowest rank's median. PCIe: bytes each rank's GPU moved per step "
              "(pool to GPU / GPU to pool).", "",
              "| B | case | step s | tokens/s | vs 1 GPU all-on-GPU | vs DDP same ranks | "
-             "PCIe in/out per GPU GB | daemon requests/step/rank | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs FSDP2 same ranks | PCIe in/out per GPU GB | daemon requests/step/rank | "
+             "peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for b, cases in report["steps"].items():
         for name, e in cases.items():
+            if e.get("failed"):
+                lines.append(f"| {b} | {name} | did not run (its log: `{name}.log`) |"
+                             + " |" * 7)
+                continue
             pcie = e.get("pcie_per_gpu_gb") or []
             io = " ".join(f"{p['in']:.1f}/{p['out']:.1f}" for p in pcie) or "-"
             req = " ".join(f"{p['requests']:.0f}" for p in pcie) or "-"
             vs_ddp, vs_gpu = e.get("vs_ddp_same_ranks"), e.get("vs_gpu_1")
+            vs_fsdp = e.get("vs_fsdp2_same_ranks")
             lines.append(f"| {b} | {name} | {e['step_s']:.3f} | {e['tokens_per_s']:.0f} | "
                          f"{'-' if not vs_gpu else f'{vs_gpu:.2f}x'} | "
-                         f"{'-' if not vs_ddp else f'{vs_ddp:.2f}x'} | {io} | {req} | "
+                         f"{'-' if not vs_ddp else f'{vs_ddp:.2f}x'} | "
+                         f"{'-' if not vs_fsdp else f'{vs_fsdp:.2f}x'} | {io} | {req} | "
                          f"{e['peak_gpu_gib']:.1f} |")
     corr = report.get("correctness", {})
     for b, c in corr.items():
@@ -247,7 +374,8 @@ def render(report: dict, prefix: Path, command: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     batches = list(report["steps"])
-    names = sorted({n for c in report["steps"].values() for n in c})
+    names = sorted({n for c in report["steps"].values() for n, e in c.items()
+                    if not e.get("failed")})
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         xs = [j + i * width for j, b in enumerate(batches) if name in report["steps"][b]]
@@ -274,6 +402,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--size", choices=("",) + tuple(LLAMA), default="",
+                    help="a Llama size (sets layers, widths and vocab)")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    ap.add_argument("--tierd-state", default="fp32", help="tierd's AdamW moments (8bit: compact)")
+    ap.add_argument("--tierd-master", default="fp32", help="tierd's AdamW masters (bf16: compact)")
+    ap.add_argument("--placed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gpu-tier", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--n-embd", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=1024)
@@ -301,8 +437,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     daemon, sock = start_daemon(args)
     model = dict(layers=args.layers, **{"n-embd": args.n_embd}, seq=args.seq, vocab=args.vocab,
-                 **{"budget-blocks": args.budget_blocks})
-    small = {"layers": 4, "n-embd": 256, "seq": 128, "vocab": 1024, "budget-blocks": 2}
+                 **{"budget-blocks": args.budget_blocks}, arch=args.arch, size=args.size)
+    small = {"layers": 4, "n-embd": 256, "seq": 128, "vocab": 1024, "budget-blocks": 2,
+             "arch": args.arch, "size": ""}
     if args.quick:
         small = dict(model)
     n = args.nproc
@@ -319,6 +456,15 @@ def main() -> None:
                                      args.steps, args.warmup, sock)
             rows[f"tierd-{n}"] = launch(args, "tierd", n, f"tierd-{n}", model, args.batches,
                                         args.steps, args.warmup, sock)
+        for case, tier in (("placed", "replicated"), ("sharded", "sharded")):
+            if case in only:
+                rows[f"tierd-{n}-{case}"] = launch(args, "tierd", n, f"tierd-{n}-{case}", model,
+                                                   args.batches, args.steps, args.warmup, sock,
+                                                   "--placed", "--gpu-tier", tier)
+        for mode in ("fsdp2", "fsdp2-offload"):
+            if mode in only:
+                rows[f"{mode}-{n}"] = launch(args, mode, n, f"{mode}-{n}", model, args.batches,
+                                             args.steps, args.warmup, sock)
         if "gpu" in only:
             rows["gpu-1"] = launch(args, "ddp", 1, "gpu-1", model, args.batches,
                                    args.steps, args.warmup, sock)

@@ -24,6 +24,7 @@ _GPU_TIERS = ("replicated", "sharded")
 _GPU_TIERS = ("replicated", "sharded")
 _GPU_TIERS = ("replicated", "sharded")
 _GPU_TIERS = ("replicated", "sharded")
+_GPU_TIERS = ("replicated", "sharded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +150,8 @@ class AttachConfig:
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
+        if self.gpu_tier not in _GPU_TIERS:
+            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         if self.gpu_tier not in _GPU_TIERS:
             raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         if self.gpu_tier not in _GPU_TIERS:
