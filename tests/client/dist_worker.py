@@ -58,10 +58,6 @@ def main() -> None:
                          "the granularity the caps of the placement tests are set for")
     ap.add_argument("--state", default="fp32", help="tierd.optim.AdamW's state= (compact)")
     ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
-    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
-    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
-    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
-    ap.add_argument("--gpu-tier", default="replicated", help="attach's gpu_tier")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--last-rank-n-embd", type=int, default=None,
@@ -91,10 +87,6 @@ def main() -> None:
                                  compute_dtype=args.compute_dtype,
                                  resident_below_bytes=args.resident_below,
                                  gpu_memory_bytes=cap, device=args.device,
-                                 gpu_tier=args.gpu_tier,
-                                 gpu_tier=args.gpu_tier,
-                                 gpu_tier=args.gpu_tier,
-                                 gpu_tier=args.gpu_tier,
                                  gpu_tier=args.gpu_tier,
                                  unit_modules=_owns_parameters if args.module_units else None)
             opt = tierd.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01,
@@ -135,10 +127,6 @@ def main() -> None:
                 "places": {i: p.value for i, p in plan.places.items()},
                 "device_bytes": plan.device_bytes, "streamed_bytes": plan.streamed_bytes}
             tierd.detach(model)
-            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
-            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
-            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
-            result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
             result["detached"] = {k: v.clone() for k, v in model.state_dict().items()}
     except Exception as exc:   # the test reads what each rank saw
         result["error"] = f"{type(exc).__name__}: {exc}"

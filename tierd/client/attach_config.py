@@ -21,10 +21,6 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _PLACEMENTS = ("gpu-stream", "cpu", "auto")
 _GPU_TIERS = ("replicated", "sharded")
-_GPU_TIERS = ("replicated", "sharded")
-_GPU_TIERS = ("replicated", "sharded")
-_GPU_TIERS = ("replicated", "sharded")
-_GPU_TIERS = ("replicated", "sharded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,14 +146,6 @@ class AttachConfig:
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
-        if self.gpu_tier not in _GPU_TIERS:
-            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
-        if self.gpu_tier not in _GPU_TIERS:
-            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
-        if self.gpu_tier not in _GPU_TIERS:
-            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
-        if self.gpu_tier not in _GPU_TIERS:
-            raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         if self.gpu_tier not in _GPU_TIERS:
             raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         units = self.unit_modules
