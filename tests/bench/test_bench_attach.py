@@ -30,6 +30,16 @@ def test_quick_run_reports_every_case(tmp_path):
     assert json.loads((tmp_path / "a.json").read_text())["rows"] == out["rows"]
 
 
+def test_cases_picks_the_rows_and_refuses_an_unknown_one(tmp_path, capsys):
+    out = bench.main(["--quick", "--tmp", str(tmp_path), "--cases", "weights,cpu-bf16"])
+    assert [r["case"] for r in out["rows"]] == [
+        "cpu fp32 model, compute bf16", "weights= bf16 file, meta fp32 model, compute bf16"]
+    assert all(r["daemon_segment_wait_s"] >= 0 for r in out["rows"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--cases", "cpu-bf16,gpu-fp8"])
+    assert "unknown gpu-fp8" in capsys.readouterr().err
+
+
 def test_a_wrong_stored_value_fails_the_case():
     model = bench.build(_Tiny())
     expected = model.layers[0].gate.weight.detach().clone()

@@ -167,3 +167,78 @@ def test_a_segment_the_daemon_zeroed_is_mapped_with_its_page_tables(daemon_facto
             assert faults > pages // 2, (faults, pages)
     finally:
         client.close()
+
+
+@pytest.fixture
+def small_lookahead(monkeypatch):
+    """put_batches reserves at most one batch past the one it copies."""
+    from tierd.client import connection
+    monkeypatch.setattr(connection, "PUT_AHEAD", 1)
+    monkeypatch.setattr(connection, "SHARED_SOURCE_PIECE", 4096)   # several pieces a tensor
+
+
+def test_put_batches_stores_each_batch_bitwise_made_lazily_and_reported_in_order(
+        daemon, small_lookahead):
+    """[Note: pipelined puts]: every batch is stored as put_many stores it (a
+    source under two keys converted to each dtype, read a piece at a time:
+    [Note: one read of a shared source]); a batch is made only when the
+    lookahead asks for it, and reported once readable, in order."""
+    import tierd
+    torch.manual_seed(0)
+    sources = [torch.randn(3000) * 100 for _ in range(8)]
+    strided = torch.randn(40, 30).t()   # not contiguous: copied whole, twice
+    with tierd.connect(daemon) as client:
+        for store in (client, LocalStore()):
+            reported = []
+
+            def batches():
+                for i, src in enumerate(sources):
+                    if i >= 2:   # made only once the batch two before is stored (sent before)
+                        assert f"m/{i - 2}" in store.keys("m/")
+                    yield ({f"m/{i}": src, f"p/{i}": src, f"s/{i}": strided},
+                           {f"p/{i}": torch.bfloat16})
+
+            def published(i: int) -> None:
+                assert torch.equal(store.get(f"p/{i}"), sources[i].bfloat16())
+                reported.append(i)
+
+            store.put_batches(batches(), published)
+            assert reported == list(range(len(sources)))
+            got = store.get_many([f"{k}/{i}" for i in range(len(sources)) for k in "mps"])
+            for i, src in enumerate(sources):
+                assert torch.equal(got[f"m/{i}"], src)
+                assert got[f"p/{i}"].dtype == torch.bfloat16
+                assert torch.equal(got[f"p/{i}"], src.bfloat16())
+                assert torch.equal(got[f"s/{i}"], strided)
+            store.delete(list(got))
+
+
+@pytest.mark.parametrize("failure", ["a batch the store refuses", "making a batch fails"])
+def test_put_batches_keeps_what_it_reported_and_gives_back_the_rest(daemon, small_lookahead,
+                                                                    failure):
+    """An error mid-way is raised, the batches reported stay stored, and no
+    slot of the others stays reserved (the pool holds exactly the stored)."""
+    import tierd
+    from tierd.errors import TierdError
+    src = torch.randn(4096)
+
+    def batches():
+        for i in range(6):
+            if i == 4:
+                if failure == "making a batch fails":
+                    raise TierdError("a value could not be read")
+                yield {f"k/{i}": torch.empty(4096, device="meta")}, None
+            yield {f"k/{i}": src}, None
+
+    with tierd.connect(daemon) as client:
+        reported = []
+        with pytest.raises(TierdError, match="could not be read|meta tensor"):
+            client.put_batches(batches(), reported.append)
+        assert client.keys("k/") == [f"k/{i}" for i in reported]
+        assert reported == list(range(len(reported))) and len(reported) >= 2
+        for k in client.keys("k/"):
+            assert torch.equal(client.get(k), src)
+        client.delete(client.keys("k/"))
+        assert client.stats()["pool_used_bytes"] == 0   # nothing left reserved
+        client.put_batches([({"k/5": src}, None)])   # a key reserved before is free again
+        assert torch.equal(client.get("k/5"), src)

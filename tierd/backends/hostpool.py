@@ -55,6 +55,7 @@ import logging
 import mmap
 import os
 import re
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -261,6 +262,9 @@ class HostPool:
         self._populate = ahead >= POPULATE_THREADS   # zero pages here, on threads
         self._populaters = (ThreadPoolExecutor(ahead, thread_name_prefix="tierd-populate")
                             if self._populate else None)
+        #: seconds reserves spent making segments or waiting for spares: time
+        #: the daemon answered nothing else, and a writing client waited
+        self.segment_wait_s = 0.0
 
     @property
     def mapped_bytes(self) -> int:
@@ -373,6 +377,7 @@ class HostPool:
             return None
 
     def _create(self, job: str, size: int) -> Segment:
+        began = time.perf_counter()
         made = self._take_spare() if size == self.segment_size else None
         if made is None:
             # The name only labels /proc/<pid>/fd links; a job name (perhaps from
@@ -381,6 +386,7 @@ class HostPool:
             big = self._populate and size > self.segment_size
             made = _make_memfd(f"tierd-{_UNSAFE.sub('_', job)[:64]}", size, big,
                                self._populaters if big else None)
+        self.segment_wait_s += time.perf_counter() - began
         fd, mm, populated = made
         seg = Segment(self._next_id, job, size, fd, mm, populated)
         self._next_id += 1

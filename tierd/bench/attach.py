@@ -2,6 +2,8 @@
 
     python -m tierd.bench.attach --json attach.json            # 8 Llama-3-8B layers: 2.8B params
     python -m tierd.bench.attach --quick                       # small, CPU, seconds
+    python -m tierd.bench.attach --layers 4 --cases cpu-bf16,weights --zeros-gb 0 --json a.json
+                                                               # issue 33's rows (H200: ~2 min)
     TIERD_POOL_THREADS=0 python -m tierd.bench.attach          # no segments made ahead
 
 Each case starts a fresh daemon (so the pool grows as in a real attach)
@@ -9,8 +11,10 @@ and times ``tierd.attach`` end to end, reporting GB/s of store state
 written (bf16 compute copies, plus fp32 masters where attach makes them:
 none for a value already in bf16, whose master the first update makes; or
 fp32 alone), the client's CPU time and minor page faults, and the daemon's
-CPU time. Cases: a CPU fp32 model attached with ``compute_dtype`` bf16 (the
-figure the project holds itself to: >= 5 GB/s on the GPU machine) and fp32,
+CPU time and the seconds its reserves spent making pool segments (its
+event loop answered nothing else meanwhile). Cases (``--cases``): a CPU
+fp32 model attached with ``compute_dtype`` bf16 (the figure the project
+holds itself to: >= 5 GB/s on the GPU machine) and fp32,
 the same values streamed from a bf16 safetensors file into a meta model
 (``weights=``), and, with CUDA, the model built on the GPU in bf16. The
 ``zeros`` cases store zero tensors in 64 MiB batches as the optimizer's
@@ -153,6 +157,7 @@ def attach_case(args, case: str, compute: torch.dtype, device: str = "cpu",
         client = tierd.connect(daemon.socket)
         with Meter(daemon.process.pid) as m:
             attach(model, client=client, compute_dtype=compute, weights=weights)
+        segment_wait = client.stats()["pool_segment_wait_s"]
         nbytes, masters = _stored_bytes(model, client, compute)
         detach(model)
         _check(model, expected)
@@ -160,7 +165,7 @@ def attach_case(args, case: str, compute: torch.dtype, device: str = "cpu",
     finally:
         daemon.stop()
     return m.row(case, nbytes, params=sum(p.numel() for p in model.parameters()),
-                 master_bytes=masters)
+                 master_bytes=masters, daemon_segment_wait_s=segment_wait)
 
 
 def zeros_case(args, how: str) -> list[dict]:
@@ -214,21 +219,29 @@ def _warm_up(args) -> None:
         daemon.stop()
 
 
+CASES = ("cpu-bf16", "cpu-fp32", "weights", "gpu", "zeros")
+
+
 def run(args) -> list[dict]:
     bf16, fp32 = torch.bfloat16, torch.float32
-    rows = [attach_case(args, "cpu fp32 model, compute bf16", bf16),
-            attach_case(args, "cpu fp32 model, compute fp32", fp32)]
-    if args.tmp:
-        Path(args.tmp).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        path = Path(tmp) / "model.safetensors"
-        _save_bf16(args, path)
-        os.sync()
-        rows.append(attach_case(args, "weights= bf16 file, meta fp32 model, compute bf16", bf16,
-                                weights=path))
-    if args.device == "cuda":
+    rows = []
+    if "cpu-bf16" in args.cases:
+        rows.append(attach_case(args, "cpu fp32 model, compute bf16", bf16))
+    if "cpu-fp32" in args.cases:
+        rows.append(attach_case(args, "cpu fp32 model, compute fp32", fp32))
+    if "weights" in args.cases:
+        if args.tmp:
+            Path(args.tmp).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            path = Path(tmp) / "model.safetensors"
+            _save_bf16(args, path)
+            os.sync()   # written just now: its pages stay cached (the page cache warm)
+            rows.append(attach_case(args, "weights= bf16 file, meta fp32 model, compute bf16",
+                                    bf16, weights=path))
+    if "gpu" in args.cases and args.device == "cuda":
         rows.append(attach_case(args, "gpu bf16 model, compute bf16", bf16, "cuda", bf16))
-    rows += zeros_case(args, "put_many") + zeros_case(args, "put_zeros")
+    if "zeros" in args.cases:
+        rows += zeros_case(args, "put_many") + zeros_case(args, "put_zeros")
     return rows
 
 
@@ -243,7 +256,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="a small model (CPU: seconds)")
     p.add_argument("--tmp", default=None, help="where the safetensors file is written")
     p.add_argument("--json", default=None, help="write the result here too")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"which rows, comma-separated among {', '.join(CASES)} (default: all)")
     args = p.parse_args(argv)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown {', '.join(unknown)}; choose among {', '.join(CASES)}")
     if args.quick:
         args.layers, args.d, args.ff, args.kv, args.vocab, args.zeros_gb = 2, 256, 512, 64, 1000, 0.2
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,7 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['case']:>52}: {r['bytes'] / 1e9:7.2f} GB in {r['seconds']:7.2f} s = "
               f"{r['gb_per_s']:6.2f} GB/s; client CPU {r['client_cpu_s']:.1f} s "
               f"({r['client_sys_s']:.1f} sys, {r['client_minor_faults']} faults), "
-              f"daemon CPU {r['daemon_cpu_s']:.1f} s")
+              f"daemon CPU {r['daemon_cpu_s']:.1f} s"
+              + (f", {r['daemon_segment_wait_s']:.2f} s making segments in reserves"
+                 if "daemon_segment_wait_s" in r else ""))
     out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "threads": torch.get_num_threads(),
            "pool_threads": os.environ.get("TIERD_POOL_THREADS", "default"), "rows": rows}

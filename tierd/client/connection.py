@@ -53,14 +53,25 @@ COPY_PIECE = 256 << 20
 #: and its two destinations within a core's L2 (about 2 MiB).
 SHARED_SOURCE_PIECE = 8 << 20
 #: [Note: pipelined puts]
-#: ``put_batches`` keeps reservations this many bytes ahead of its copies, so
-#: the daemon makes (and zeroes) the pool segments of the next batches, and a
-#: helper thread maps them here (page tables, ``cudaHostRegister``), while
-#: this thread copies into the current one: a put of one batch does those in
-#: series, and an attach of many small batches (one per module) waits on
-#: each. The sources of reserved batches are only referenced, not copied, so
-#: the lookahead costs pool slots reserved early, no memory besides.
-PUT_AHEAD = 1 << 30
+#: ``put_batches`` keeps reservations this many bytes ahead of the batch it
+#: copies, so the daemon makes (and zeroes) the pool segments of the next
+#: batches, and ``MAP_THREADS`` helper threads map them here (page tables,
+#: ``cudaHostRegister``, both without the GIL), while this thread copies
+#: into the current one: a put of one batch does those in series, and an
+#: attach of many small batches (one per module) waited on each. The daemon
+#: answers requests in order, so a segment it makes in a reserve (a tensor
+#: larger than the standard segment: an embedding) is made while the copies
+#: of the batches before it go on, if reserved far enough ahead. Requests
+#: and replies stay on the calling thread; the helpers only map. Reserved
+#: batches' sources are only referenced, not copied: the lookahead costs
+#: pool slots reserved early and the sources freed later (a CPU model's
+#: parameters are emptied once their batch is published), at most this
+#: many bytes of them.
+PUT_AHEAD = 4 << 30
+MAP_THREADS = 4
+#: requests of one ``put_batches`` in flight at most (the daemon answers a
+#: client's 257th with Busy), however small its batches
+PUT_REQUESTS = 64
 
 
 def _keys(keys: str | Iterable[str]) -> tuple[str, ...]:
@@ -500,9 +511,8 @@ class Client(_StoreCalls):
         puts]); ``batches`` is read lazily, so a caller may make each batch
         only when it is asked for. ``published(i)`` is called once batch
         ``i`` (from 0) is the keys' current version, after which its sources
-        are no longer read. On an error every batch reserved and not
-        published is given back, and the error raised; batches published
-        before stay stored.
+        are no longer read. On an error each batch is either reported (and
+        stays stored) or given back, and the error is raised.
 
         >>> c.put_batches(((m, None) for m in modules), published=print)   # doctest: +SKIP
         """
@@ -510,10 +520,13 @@ class Client(_StoreCalls):
         ahead: deque[_Reserved] = deque()     # reserve sent, not copied
         unconfirmed: deque[tuple[int, tuple[str, ...], Pending]] = deque()   # publish sent
         # maps segments only: every request and reply stays on this thread
-        mapper = ThreadPoolExecutor(1, thread_name_prefix="tierd-map")
+        mapper = ThreadPoolExecutor(MAP_THREADS, thread_name_prefix="tierd-map")
         try:
             while True:
-                while not ahead or sum(r.nbytes for r in ahead) < PUT_AHEAD:
+                # reserved beyond the batch copied next
+                while len(ahead) < 2 or (
+                        sum(r.nbytes for r in ahead) - ahead[0].nbytes < PUT_AHEAD
+                        and len(ahead) + len(unconfirmed) < PUT_REQUESTS):
                     item = next(source, None)
                     if item is None:
                         break
@@ -526,13 +539,14 @@ class Client(_StoreCalls):
                 copy_all(ahead[0].views.result(), ahead[0].sources)
                 done = ahead.popleft()
                 unconfirmed.append((done.index, done.keys, self.publish_async(done.keys)))
-                while unconfirmed and unconfirmed[0][2].done():
+                while unconfirmed and (unconfirmed[0][2].done()
+                                       or len(ahead) + len(unconfirmed) >= PUT_REQUESTS):
                     _confirm(unconfirmed.popleft(), published)
             while unconfirmed:
                 _confirm(unconfirmed.popleft(), published)
         except BaseException:
             mapper.shutdown(wait=True)   # no mapping goes on while slots are given back
-            self._give_back([r.keys for r in ahead] + [keys for _, keys, _ in unconfirmed])
+            self._settle(ahead, unconfirmed, published)
             raise
         finally:
             mapper.shutdown(wait=True)
@@ -546,14 +560,26 @@ class Client(_StoreCalls):
         return _Reserved(index, tuple(items), [t.detach() for t in items.values()],
                          sum(s.nbytes for s in specs), self._submit(P.Reserve(specs)))
 
-    def _give_back(self, batches: list[tuple[str, ...]]) -> None:
-        """After an error in :meth:`put_batches`, each batch sent and not
-        confirmed published: aborted (the daemon answers requests in order,
-        so a reserve still on its way is given back too, a failed one has
-        nothing to give back, and a published one is left stored)."""
-        for keys in batches:
+    def _settle(self, ahead: deque["_Reserved"],
+                unconfirmed: deque[tuple[int, tuple[str, ...], Pending]],
+                published: Callable[[int], None] | None) -> None:
+        """After an error in :meth:`put_batches`, leave every batch sent either
+        reported or given back: a publish sent is waited for and, if it
+        worked, reported; every batch reserved and not copied is aborted (the
+        daemon answers in order, so a reserve still on its way is given back
+        too; a failed one has nothing to give back)."""
+        for index, keys, pending in unconfirmed:
+            try:
+                pending.result()
+            except TierdError:
+                with contextlib.suppress(TierdError):
+                    self.abort(keys)
+            else:
+                if published is not None:
+                    published(index)
+        for reserved in ahead:
             with contextlib.suppress(TierdError):
-                self.abort(keys)
+                self.abort(reserved.keys)
 
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)

@@ -238,7 +238,11 @@ class ControlChannel:
             listeners, unmap = list(self._listeners), list(self._unmap_listeners)
         for sid, view in gone:
             self._unmap(sid, view, unmap)
-        for sid, view in new:
+        # outside the lock: several threads may map segments at once
+        for sid, view, mm in new:
+            if mm is not None:
+                with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
+                    populate_pages(mm, len(mm), write=False)
             for cb in listeners:
                 cb(sid, view)
         if missing:
@@ -257,7 +261,8 @@ class ControlChannel:
             except BufferError:
                 pass  # a stale tensor still uses it; see [Note: mapping lifetime]
 
-    def _map_batch(self, want: list[int]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+    def _map_batch(self, want: list[int]
+                   ) -> tuple[list[tuple[int, torch.Tensor, mmap.mmap | None]], list[int]]:
         """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
         descriptors in one message); called with the lock held. Also returns
         the ids of segments mapped earlier that the daemon has dropped since."""
@@ -274,9 +279,6 @@ class ControlChannel:
             for (sid, size, populated), fd in zip(reply.get("segments", []), fds):
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.mmaps[sid] = mm
-                if populated:
-                    with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
-                        populate_pages(mm, size, write=False)
                 # [Note: mapping lifetime]
                 # The tensor holds a memoryview of the
                 # mapping, an export that keeps ``mm.close()`` from unmapping it:
@@ -285,7 +287,7 @@ class ControlChannel:
                 # when the last tensor over them does.
                 import torch
                 self.views[sid] = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
-                new.append((sid, self.views[sid]))
+                new.append((sid, self.views[sid], mm if populated else None))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -326,6 +326,7 @@ class Catalog:
             "pool_bytes": self.pool.budget,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_mapped_bytes": self.pool.mapped_bytes,
+            "pool_segment_wait_s": round(self.pool.segment_wait_s, 3),
             "nvme_bytes": self.nvme.size,
             "nvme_used_bytes": self.nvme.extents.used,
             # how fragmented the free bytes are (a record may span several extents)
