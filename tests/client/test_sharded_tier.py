@@ -174,3 +174,22 @@ def test_sharded_units_updated_in_step_with_clipping_and_windows(daemon_factory,
         for name, want in y["weights"].items():
             assert torch.equal(x["weights"][name], want), f"rank {x['rank']}: {name}"
     assert_matches(sharded, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_on_one_gpu_shard_bitwise_like_replicas(daemon_factory, tmp_path_factory):
+    """Two gloo ranks share cuda:0, bf16 compute: whatever fits in 256 MiB is
+    resident; sharded gives bitwise the replicated run's losses and values,
+    and each rank holds less than a replica."""
+    daemon = daemon_factory(pool="256MiB")
+    args = ("--steps", "4", "--tierd", "--device", "cuda:0", "--compute-dtype", "bf16",
+            "--gpu-memory-bytes", str(256 << 20))
+    replicated = run_ranks(tmp_path_factory.mktemp("replicated"), [daemon.socket] * 2, *args,
+                           "--job", "replicated")
+    sharded = run_ranks(tmp_path_factory.mktemp("sharded"), [daemon.socket] * 2, *args,
+                        "--job", "sharded", "--gpu-tier", "sharded")
+    _assert_same_run(sharded, replicated)
+    assert "resident" in sharded[0]["plan"]["places"].values()
+    for s, r in zip(sharded, replicated):
+        assert s["session"]["resident_bytes"] < r["session"]["resident_bytes"]
