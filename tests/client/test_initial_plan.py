@@ -274,6 +274,42 @@ def test_a_user_write_to_a_kept_parameter_stays_on_the_device(monkeypatch):
     assert tp.key not in set(store.keys(session.keys.all)) and not tp.in_store
 
 
+def test_a_daemon_smaller_than_the_model_attaches_it_and_refuses_to_stream_it(
+        monkeypatch, daemon_factory):
+    """init=True of a model larger than the daemon's pool + NVMe: the units
+    the plan keeps on the (faked) device are never stored, so the capacity
+    check and the puts pass; a plan that would stream them is refused with
+    the sizes, and nothing is lost."""
+    with torch.device("meta"):
+        probe = _Frozen(width=256)
+    whole = sum(p.nbytes for p in probe.parameters())   # 4.3 MB
+    client = tierd.connect(daemon_factory(pool="2MiB", nvme_size="1MiB"))
+    extra = _fake_device(monkeypatch)
+    extra["bytes"] = 0
+    torch.manual_seed(SEED)
+    ref = _Frozen(width=256)
+    torch.manual_seed(SEED)
+    model = attach(_on_meta_frozen(256), client=client, device="cpu", init=True,
+                   gpu_memory_bytes=whole * 4 // 3 + 4)
+    session = session_of(model)
+    assert whole > 3 << 20 and set(_kept(session)) == set(session.params.values())
+    assert not client.keys(session.keys.all)
+    want = _outputs(ref)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model), want))
+    extra["bytes"] = session.placer.cap   # nothing may stay on the device
+    with pytest.raises(CapacityError, match="in the store"):
+        _outputs(model, 1)
+    assert set(_kept(session)) == set(session.params.values())
+    assert_same_weights(model, ref)
+    detach(model)
+    assert_same_weights(model, ref)
+
+
+def _on_meta_frozen(width: int) -> _Frozen:
+    with torch.device("meta"):
+        return _Frozen(width=width)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_kept_frozen_units_live_on_the_device_only(daemon_factory):

@@ -65,7 +65,11 @@ estimate above, made at attach from the meta model's sizes
 the first step keeps, and their frozen parameters are initialized on the
 device and kept there, never stored (``InitPlan.store``, the registry's
 ``kept``); a model larger than pool + NVMe attaches when the GPU keeps the
-difference. The placer adopts them as placed. The transitions out, each
+difference. A trainable parameter of a kept unit is stored as before: its
+fp32 master is made from the stored compute copy, and its gradients and
+optimizer state pass through the store until a plan pins them ([Note:
+resident state leaves the store] in ``tierd.updates.resident``). The
+placer adopts the RESIDENT_ONLY ones as placed. The transitions out, each
 owned here:
 
 - RESIDENT_ONLY -> STREAMED: a plan that no longer keeps the unit (the
