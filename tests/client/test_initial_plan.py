@@ -252,6 +252,44 @@ def test_kept_frozen_units_are_committed_and_resume_bitwise(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(_outputs(again), want))
 
 
+def test_kept_units_with_trainable_parameters_train_like_torch(monkeypatch):
+    """A LoRA-like model: frozen weights, a trainable bias in every block. The
+    kept units' frozen weights are never stored, their trainable biases are
+    (masters and state go through the store); training is torch's, bitwise."""
+    _fake_device(monkeypatch)["bytes"] = 0
+    with torch.device("meta"):
+        meta = _Frozen()
+    torch.manual_seed(SEED)
+    ref = _Frozen()
+    for m in (meta, ref):
+        for block in m.blocks:
+            block[2].bias.requires_grad_(True)
+    rest = sum(p.nbytes for mod in (ref.embed, ref.head) for p in mod.parameters())
+    store = LocalStore()
+    torch.manual_seed(SEED)
+    model = attach(meta, client=store, device="cpu", init=True,
+                   gpu_memory_bytes=(rest + 5 * _block_bytes(ref)) * 2 + (1 << 30))
+    session = session_of(model)
+    kept = _kept(session)
+    assert kept and all(not tp.param.requires_grad for tp in kept)
+    opt = tierd.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                foreach=False)
+    for step in range(4):
+        ids = (torch.arange(12).reshape(2, 6) * (step + 1)) % 32
+        losses = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(ids).float().pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], step
+    assert session.placer.state is PlacerState.PLACED
+    assert not {tp.key for tp in _kept(session)} & set(store.keys(session.keys.all))
+    assert_same_weights(model, ref)
+
+
 def test_a_kept_frozen_parameter_cannot_be_unfrozen(monkeypatch):
     model, ref, _ = _frozen_init(monkeypatch, store=LocalStore(), kept_blocks=5)
     tp = _kept(session_of(model))[0]
