@@ -60,15 +60,27 @@ pool's older copy meanwhile: the copy out is queued before any swap-in of
 the next forward (a copy in of a key waits for the last copy out into it,
 [Note: two copy streams]), and before the host reads the store (``settle``:
 ``state_dict``, ``commit``, ``detach``, a deferred ``step()``, placement)
-or the next backward begins. Once queued, the bytes count in the fetch
-window until they land, so the next backward's fetches never hold more
-state on the device than without deferring. The default, the fetch window
-(twice ``prefetch_bytes``), bounds the state kept to what backward already
-holds at once; a bucket not all of whose parameters were updated, a pinned
-or CPU one, and any under torch.distributed (the other ranks read the new
-values from the store) is written out as before. On the CPU the deferred
+or the next backward begins. The state kept adds to the fetch window only
+at the end of backward, when most activations are freed; once queued, its
+bytes count in the fetch window until they land, so a copy out still
+running as the next backward begins holds back that backward's fetches
+instead of adding to them. The default, the fetch window (twice
+``prefetch_bytes``), is what backward already holds at once; a bucket
+not all of whose parameters were updated, a pinned or CPU one, and any
+under torch.distributed (the other ranks read the new values from the
+store) is written out as before. On the CPU the deferred
 buckets are fetched as copies of the pool's views (the update would write
 the pool in place otherwise), so the same states and order run there.
+
+[Note: leases asked ahead]
+Unless the pool holds them ([Note: held leases] in tierd.client.leases), a
+bucket's keys are leased as it is fetched, and the host waits there for the
+daemon's grant (``lease_wait_seconds``), in backward, where the host must
+keep issuing the copies that keep the link busy. So beyond the fetch window
+the keys of the next buckets in the learned order (within a quarter of
+``prefetch_bytes``, and of the lease cap) are asked for early, and the grant
+is in by the fetch; the fetch takes its own reference on them and drops the
+early one, and what no fetch took is released as the backward ends.
 
 The first backward only learns (delivery counts and order); ``step()``
 updates its window. On the CPU the same code runs on the pool views in place.
@@ -129,6 +141,9 @@ class FusedUpdates:
         # (indices) chosen for it in this backward
         self.defer_bytes = self._defer_budget()
         self._deferring: set[int] = set()
+        # [Note: leases asked ahead]: bucket index -> its keys leased before its fetch
+        self._ahead: dict[int, list[str]] = {}
+        self._ahead_bytes = min(prefetch_bytes, session.lease_cap) // 4
         # buckets updated on the host ([Note: CPU updates overlapped with backward])
         self.host = HostUpdates(self)
 
@@ -432,9 +447,27 @@ class FusedUpdates:
             b = self.buckets[self.order[self._cursor]]
             if b.state is BucketState.HOST and not b.cpu:
                 if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
+                    self._lease_ahead()
                     return
                 self._fetch(b)
             self._cursor += 1
+
+    def _lease_ahead(self) -> None:
+        """Ask for the keys of the streamed buckets next in order beyond the
+        fetch window, within ``_ahead_bytes`` ([Note: leases asked ahead])."""
+        leases, opt = self.session.leases, self.opt
+        leased = sum(self.buckets[i].nbytes for i in self._ahead)
+        for i in self.order[self._cursor:]:
+            b = self.buckets[i]
+            if b.state is not BucketState.HOST or b.cpu or b.pinned or i in self._ahead:
+                continue
+            if leased + b.nbytes > self._ahead_bytes:
+                return
+            keys = [k for tp in b.tps for k in opt.state_keys(tp) if k not in opt.unmade]
+            if keys and not all(leases.is_held(k) for k in keys):
+                leases.acquire(keys)
+                self._ahead[i] = keys
+                leased += b.nbytes
 
     def _fetch(self, b: Bucket) -> None:
         self._reclaim(need=b.nbytes)
@@ -457,6 +490,9 @@ class FusedUpdates:
                                            if writes_compute_copy(session, opt, tp)]
         fresh = {**fresh, **on_device}
         session.leases.acquire(b.keys)
+        ahead = self._ahead.pop(b.index, None)
+        if ahead:   # granted early ([Note: leases asked ahead]): the fetch's reference stays
+            session.leases.release(ahead)
         views = session.leases.views(b.keys)
         copy = session.copy
         if copy.on_device:
@@ -591,7 +627,11 @@ class FusedUpdates:
             self._fetched_bytes -= b.nbytes
 
     def _release_fetched(self) -> None:
-        """Give back the buckets fetched but not updated in this backward."""
+        """Give back the buckets fetched but not updated in this backward, and
+        the leases asked ahead for buckets not fetched."""
+        for keys in self._ahead.values():
+            self.session.leases.release(keys)
+        self._ahead.clear()
         for b in self.buckets:
             if b.state is BucketState.FETCHED:
                 if b.copy is not None:
