@@ -156,15 +156,65 @@ def test_adamw_step_is_torchaos_single_param_adam_bitwise(state, master):
     for step in range(1, 5):
         grad = torch.randn(p.shape, generator=g).to(dtype)
         torch.manual_seed(step)
-        compact.adamw_step(p, grad, m, v, step=float(step), lr=1e-3, beta1=0.9, beta2=0.999,
-                           weight_decay=1e-2, eps=1e-8, maximize=False,
-                           stochastic=dtype == torch.bfloat16)
+        compact.adamw_step([p], [grad], [m], [v], step=float(step), lr=1e-3, beta1=0.9,
+                           beta2=0.999, weight_decay=1e-2, eps=1e-8, maximize=False)
         ref_p.grad = grad
         torch.manual_seed(step)
         ref.step()
         assert torch.equal(p, ref_p), step
         st = ref.state[ref_p]
         assert torch.equal(m, _stored(st["exp_avg"])) and torch.equal(v, _stored(st["exp_avg_sq"]))
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+def test_one_multi_tensor_step_is_torchaos_steps_tensor_by_tensor_bitwise(state, monkeypatch):
+    """One call over many tensors (fp32 masters and bf16 compute copies
+    mixed, 8-bit and fp32 moments mixed, large ones cut into pieces, in
+    several runs) gives
+    torchao's single-tensor steps in order bit for bit, the stochastic
+    rounding draws included, and so do single-tensor calls; ``maximize``
+    of the negated gradient is the same step."""
+    _torchao()
+    monkeypatch.setattr(compact, "RUN_NUMEL", 10 * compact.BLOCK)
+    g = torch.Generator().manual_seed(2)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    shapes = [(64, 64), (64,), (16, 256), (3, 5), (48, 256), (8192,), (7,), (4096,)]
+    dtypes = [bf16, bf16, fp32, fp32, bf16, bf16, fp32, fp32]
+    params = [torch.randn(s, generator=g).to(dt) for s, dt in zip(shapes, dtypes)]
+    # tensors in pieces (8-bit ones at block boundaries), several runs
+    assert max(p.numel() for p in params) > 4 * compact.RUN_NUMEL
+    assert sum(p.numel() for p in params) > 10 * compact.RUN_NUMEL
+    one_by_one = [p.clone() for p in params]
+    ref_params = [p.clone() for p in params]
+    ref = TorchaoAdamW(ref_params, state, lr=1e-3)
+
+    def zeros():
+        likes = [CompactState(state=state).moment_like(p) for p in params]
+        return [torch.zeros(like.shape, dtype=like.dtype) for like in likes]
+
+    (ms, vs), (ms1, vs1) = (zeros(), zeros()), (zeros(), zeros())
+    assert {m.dtype for m in ms} == ({torch.uint8, fp32} if state == "8bit"
+                                     else {bf16} if state == "bf16" else {fp32})
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8)
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+        torch.manual_seed(step)
+        compact.adamw_step(params, [-x for x in grads], ms, vs, step=float(step),
+                           maximize=True, **hyper)
+        torch.manual_seed(step)
+        for i, p in enumerate(one_by_one):
+            compact.adamw_step([p], [grads[i]], [ms1[i]], [vs1[i]], step=float(step),
+                               maximize=False, **hyper)
+        for p, grad in zip(ref_params, grads):
+            p.grad = grad
+        torch.manual_seed(step)
+        ref.step()
+        for i, p in enumerate(ref_params):
+            st = ref.state[p]
+            assert torch.equal(params[i], p) and torch.equal(one_by_one[i], p), (step, i)
+            assert torch.equal(ms[i], _stored(st["exp_avg"])), (step, i)
+            assert torch.equal(vs[i], _stored(st["exp_avg_sq"])), (step, i)
+            assert torch.equal(ms1[i], ms[i]) and torch.equal(vs1[i], vs[i]), (step, i)
 
 
 # ------------------------------------------------------------------ attached

@@ -120,11 +120,11 @@ class AdamW(StreamedOptimizer):
 
     def _compact_update(self, group: dict, step: float, params, grads, exp_avgs,
                         exp_avg_sqs) -> None:
-        """Compact state's update, tensor by tensor (:func:`tierd.optim.compact.adamw_step`)."""
+        """Compact state's update, all tensors at once (:func:`tierd.optim.compact.adamw_step`)."""
+        if not params:
+            return
         lr, (beta1, beta2) = group["lr"], group["betas"]
-        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-            tables = self._tables.setdefault(param.device, {})
-            adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
-                       beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                       maximize=group["maximize"],
-                       stochastic=param.dtype == torch.bfloat16, tables=tables)
+        adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step=step,
+                   lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                   eps=group["eps"], maximize=group["maximize"],
+                   tables=self._tables.setdefault(params[0].device, {}))

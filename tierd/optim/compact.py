@@ -29,7 +29,8 @@ decoupled weight decay as ``p - lr * wd * p``), the same ops in the same
 order, so a step is bitwise torchao's eager step on CPU
 (tests/optim/test_compact.py). The kernels are plain torch ops on whatever
 device the update runs (pool views on the host, device copies for a fused
-or resident update). The setting is part of what a commit and a state dict
+or resident update), over all the tensors of an update at once ([Note: a
+compact update is a few dozen launches]). The setting is part of what a commit and a state dict
 hold; a job resumed, or a dict loaded, with a different one raises instead
 of reading bytes as another format ([Note: compact state on resume]).
 
@@ -41,10 +42,34 @@ reads anything: a different setting is a StateError that names both, not
 moments read as another format. Masters tell too: ``master="bf16"`` with a
 stored fp32 master, or ``master="fp32"`` for a parameter that stepped
 without one, are refused the same way.
+
+[Note: a compact update is a few dozen launches]
+torchao's step is some 25 eager ops per tensor, twice that with 8-bit
+moments (dequantize, quantize). Tensor by tensor over GPT-2's 148 tensors
+that is thousands of small kernel launches a step, which the GPU waits on:
+on the H200 a compact step cost over twice an exact one (torch's fused
+AdamW, one pass per tensor). So :func:`adamw_step` takes all the tensors of
+an update (a bucket) at once, in runs of up to :data:`RUN_NUMEL` elements
+(a larger tensor in pieces of whole blocks, which bounds the fp32
+temporaries: tensor by tensor, the update of an 8B-wide model's 525M-element
+embedding makes a dozen fp32 temporaries of 2.1 GB, which the first step's
+measured peak then takes from placement): values that need a cast, and the
+8-bit codes and scales, go through one flat buffer per stored form, and the
+arithmetic runs as ``torch._foreach_*`` ops over the run: a few dozen
+launches per run. It stays torchao's math bit for bit: on the CPU a foreach
+op is the single-tensor op applied tensor by tensor; pieces and flat
+buffers change no value (the ops are elementwise, and quantization is per
+block: pieces are cut at block boundaries and a quantized tensor is whole
+blocks); the stochastic rounding of a run is one draw of the CPU generator,
+the same bits as one draw per tensor in order (tests/optim/test_compact.py
+checks it all against torchao). No op is left per tensor. On CUDA, torch's
+foreach kernels and one Philox draw per run are not claimed bitwise
+torchao's; every update path runs this same function.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +78,10 @@ import torch
 BLOCK = 256
 #: smaller tensors keep fp32 moments under state="8bit" (bitsandbytes' min_8bit_size)
 MIN_QUANTIZED = 4096
+#: elements one multi-tensor update works on at once (a larger tensor in
+#: pieces of whole blocks): bounds its fp32 temporaries ([Note: a compact
+#: update is a few dozen launches])
+RUN_NUMEL = 1 << 24
 STATES = ("fp32", "bf16", "8bit")
 MASTERS = ("fp32", "bf16")
 
@@ -129,20 +158,30 @@ def dequantize_blockwise(codes: torch.Tensor, scale: torch.Tensor,
     return out.view(codes.shape)
 
 
-def unpack(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of one packed 8-bit moment (:func:`packed_numel`
-    bytes); the codes are a view, the scales a view where aligned, else a copy."""
+def split_packed(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, the block scales' raw bytes) of one packed 8-bit moment
+    (:func:`packed_numel` uint8 bytes), both views of it."""
     if packed.dtype != torch.uint8 or packed.numel() != packed_numel(numel):
         raise ValueError(f"a packed 8-bit moment of {numel} elements is "
                          f"{packed_numel(numel)} uint8 bytes; got {packed.dtype} "
                          f"with {packed.numel()} elements")
     flat = packed.reshape(-1)
-    raw = flat[numel:]
+    return flat[:numel], flat[numel:]
+
+
+def _float32(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes read as fp32: a view where aligned, else a copy."""
     try:
-        scale = raw.view(torch.float32)
+        return raw.view(torch.float32)
     except RuntimeError:   # a storage offset not a multiple of 4
-        scale = raw.clone().view(torch.float32)
-    return flat[:numel], scale
+        return raw.clone().view(torch.float32)
+
+
+def unpack(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of one packed 8-bit moment (:func:`packed_numel`
+    bytes); the codes are a view, the scales a view where aligned, else a copy."""
+    codes, raw = split_packed(packed, numel)
+    return codes, _float32(raw)
 
 
 def pack_into(packed: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
@@ -247,64 +286,211 @@ class CompactState:
         return value.to(like.dtype).reshape(like.shape)
 
 
-class _Moment:
-    """One stored moment during an update: its fp32 values, written back
-    into the stored form (:meth:`store`)."""
-
-    def __init__(self, stored: torch.Tensor, shape: torch.Size, table: torch.Tensor | None):
-        self.stored, self.shape, self.table = stored, shape, table
-        if table is None:
-            self.values = stored.float().view(shape)
-        else:
-            codes, scale = unpack(stored, shape.numel())
-            self.values = dequantize_blockwise(codes, scale, table).view(shape)
-
-    def store(self, new: torch.Tensor) -> None:
-        if self.table is None:
-            self.stored.view(self.shape).copy_(new)
-            return
-        codes, scale = quantize_blockwise(new, self.table)
-        pack_into(self.stored, codes, scale)
+#: one stored moment of a piece during an update: an fp32 or bf16 tensor, or
+#: the codes and the block scales' bytes of an 8-bit one (:func:`split_packed`)
+Moment = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-               exp_avg_sq: torch.Tensor, *, step: float, lr: float, beta1: float,
-               beta2: float, weight_decay: float, eps: float, maximize: bool,
-               stochastic: bool, tables: dict[bool, torch.Tensor] | None = None) -> None:
-    """One AdamW step of one tensor on compact state, in place: torchao's
-    ``single_param_adam`` (AdamW, no amsgrad) op for op, with ``lr`` and
-    ``step`` as fp32 CPU scalars as torchao holds them (on CUDA too: a CPU
-    scalar joins a device op without a copy or a sync). ``exp_avg`` and
-    ``exp_avg_sq`` are stored moments (fp32, bf16, or packed 8-bit uint8: see
-    [Note: compact optimizer state]); ``param`` is the master (fp32) or, with
-    ``stochastic``, a bf16 compute copy rounded stochastically. ``tables``
-    keeps the quantization maps on ``param``'s device between calls (by
-    signedness; made here when missing)."""
-    tables = {} if tables is None else tables
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """1-D ``tensors`` one after another in one tensor (the tensor itself if one)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    def table(signed: bool, stored: torch.Tensor) -> torch.Tensor | None:
-        if stored.dtype != torch.uint8:
-            return None
-        if signed not in tables:
-            tables[signed] = qmap(signed, param.device)
-        return tables[signed]
 
-    shape = param.shape
-    m = _Moment(exp_avg, shape, table(True, exp_avg))
-    v = _Moment(exp_avg_sq, shape, table(False, exp_avg_sq))
+def _fp32(tensors: list[torch.Tensor]):
+    """fp32 values of 1-D ``tensors``: fp32 ones as they are (the same
+    tensors), the others cast into one flat buffer. Returns (the list, the
+    buffer or None, the positions cast)."""
+    out = list(tensors)
+    where = [i for i, t in enumerate(tensors) if t.dtype != torch.float32]
+    if not where:
+        return out, None, where
+    flat = _flat([tensors[i] for i in where]).float()
+    for i, view in zip(where, flat.split([tensors[i].numel() for i in where])):
+        out[i] = view
+    return out, flat, where
+
+
+class _Moments:
+    """One moment of a run of pieces during an update: fp32 values
+    (``values``: the stored pieces themselves where stored in fp32, else
+    views of one flat buffer per stored form), written back into the stored
+    forms by :meth:`store`. Blocks never span pieces (a quantized tensor is
+    whole blocks, cut at block boundaries), so the 8-bit ones are
+    (de)quantized as one flat tensor: per block, the values of tensor by tensor."""
+
+    def __init__(self, stored: list[Moment], table: torch.Tensor | None):
+        self.stored, self.table = stored, table
+        # fp32: the stored pieces themselves, changed in place
+        self.values = [s if isinstance(s, torch.Tensor) and s.dtype == torch.float32 else None
+                       for s in stored]
+        self.bf16 = [i for i, s in enumerate(stored)
+                     if isinstance(s, torch.Tensor) and s.dtype == torch.bfloat16]
+        self.packed = [i for i, s in enumerate(stored) if isinstance(s, tuple)]
+        self._bf16_flat = self._packed_flat = None
+        if self.bf16:
+            self._bf16_flat = _flat([stored[i] for i in self.bf16]).float()
+            self._fill(self.bf16, self._bf16_flat)
+        if self.packed:
+            codes = _flat([stored[i][0] for i in self.packed])
+            scale = _float32(_flat([stored[i][1] for i in self.packed]))
+            self._packed_flat = dequantize_blockwise(codes, scale, table)
+            self._fill(self.packed, self._packed_flat)
+
+    def _sizes(self, where: list[int]) -> list[int]:
+        return [self.values[i].numel() if self.values[i] is not None
+                else self.stored[i][0].numel() if isinstance(self.stored[i], tuple)
+                else self.stored[i].numel() for i in where]
+
+    def _fill(self, where: list[int], flat: torch.Tensor) -> None:
+        for i, view in zip(where, flat.split(self._sizes(where))):
+            self.values[i] = view
+
+    def store(self) -> None:
+        """The (changed) values into the stored forms, in place."""
+        if self.bf16:
+            rounded = self._bf16_flat.bfloat16()
+            torch._foreach_copy_([self.stored[i] for i in self.bf16],
+                                 list(rounded.split(self._sizes(self.bf16))))
+        if self.packed:
+            codes, scale = quantize_blockwise(self._packed_flat, self.table)
+            n = self._sizes(self.packed)
+            parts = [self.stored[i] for i in self.packed]
+            torch._foreach_copy_(
+                [c for c, _ in parts] + [b for _, b in parts],
+                list(codes.split(n)) + list(scale.view(torch.uint8).split(
+                    [4 * k // BLOCK for k in n])))
+
+
+def _whole(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as a 1-D view (updated in place through it)."""
+    if not t.is_contiguous():
+        raise ValueError(f"compact AdamW updates contiguous tensors in place; the {what} of "
+                         f"shape {tuple(t.shape)} is not contiguous")
+    return t.view(-1)
+
+
+def _moment(stored: torch.Tensor, numel: int) -> Moment:
+    if stored.dtype == torch.uint8:
+        return split_packed(stored, numel)
+    if stored.dtype not in (torch.float32, torch.bfloat16) or stored.numel() != numel:
+        raise ValueError(f"a stored AdamW moment of a {numel}-element tensor is {numel} fp32 "
+                         f"or bf16 values, or packed 8-bit uint8; got {stored.dtype} with "
+                         f"{stored.numel()} elements")
+    return _whole(stored, "moment")
+
+
+def _cut(moment: Moment, a: int, b: int) -> Moment:
+    """Elements ``a:b`` of a moment (whole blocks of an 8-bit one)."""
+    if isinstance(moment, tuple):
+        codes, raw = moment
+        return codes[a:b], raw[4 * a // BLOCK:4 * b // BLOCK]
+    return moment[a:b]
+
+
+def _pieces(params, grads, exp_avgs, exp_avg_sqs, limit: int) -> list[tuple]:
+    """Every tensor as 1-D pieces of at most ``limit`` elements (whole
+    blocks), in order: (param, grad, exp_avg, exp_avg_sq) views of each."""
+    out = []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        n = p.numel()
+        if g.numel() != n:
+            raise ValueError(f"a gradient of {g.numel()} elements for a parameter of "
+                             f"shape {tuple(p.shape)}")
+        whole = (_whole(p, "parameter"), g.reshape(-1), _moment(m, n), _moment(v, n))
+        if n <= limit:
+            out += [whole] if n else []
+            continue
+        out += [tuple(_cut(x, a, min(n, a + limit)) for x in whole)
+                for a in range(0, n, limit)]
+    return out
+
+
+def _runs(sizes: list[int], limit: int) -> list[slice]:
+    """Consecutive runs of pieces of ``sizes`` elements, at most ``limit`` in
+    all: what one multi-tensor update works on at once."""
+    runs, start, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and size + n > limit:
+            runs.append(slice(start, i))
+            start, size = i, 0
+        size += n
+    return runs + [slice(start, len(sizes))] if sizes else runs
+
+
+@functools.lru_cache(maxsize=64)
+def _scalars(lr: float, step: float, beta1: float, beta2: float,
+             weight_decay: float) -> dict[str, float]:
+    """torchao's scalars, computed as it computes them (fp32 CPU tensors),
+    as numbers: a multi-tensor op takes the same fp32 value as a Python
+    scalar, exactly. Kept for the calls of a step (they share them)."""
     lr_t = torch.tensor(lr, dtype=torch.float32)
     step_t = torch.tensor(step, dtype=torch.float32)
-    p32 = param.float()
-    g32 = grad.float()
+    return dict(lr=lr_t.item(), decay=(lr_t * weight_decay).item(),
+                bias_correction1=(1 - beta1 ** step_t).item(),
+                bias_correction2_sqrt=(1 - beta2 ** step_t).sqrt().item())
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
+               exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+               step: float, lr: float, beta1: float, beta2: float, weight_decay: float,
+               eps: float, maximize: bool,
+               tables: dict[bool, torch.Tensor] | None = None) -> None:
+    """One AdamW step of several tensors on compact state, in place: for each
+    tensor, torchao's ``single_param_adam`` (AdamW, no amsgrad) op for op,
+    bitwise on the CPU, run as multi-tensor ops over runs of up to
+    :data:`RUN_NUMEL` elements ([Note: a compact update is a few dozen
+    launches]). ``exp_avgs`` and ``exp_avg_sqs`` are stored moments (fp32,
+    bf16, or packed 8-bit uint8: see [Note: compact optimizer state]); each
+    ``params`` entry is its master: fp32, or a bf16 compute copy rounded
+    stochastically. Tensors are updated in place and must be contiguous.
+    ``tables`` keeps the quantization maps on the parameters' device between
+    calls (by signedness; made here when missing)."""
+    odd = [p.dtype for p in params if p.dtype not in (torch.float32, torch.bfloat16)]
+    if odd:
+        raise ValueError(f"compact AdamW updates fp32 masters or bf16 compute copies; got "
+                         f"a {odd[0]} parameter")
+    assert RUN_NUMEL % BLOCK == 0, "a run is cut at block boundaries"
+    pieces = _pieces(params, grads, exp_avgs, exp_avg_sqs, RUN_NUMEL)
+    if not pieces:
+        return
+    tables = {} if tables is None else tables
+    for signed, stored in ((True, exp_avgs), (False, exp_avg_sqs)):
+        if signed not in tables and any(s.dtype == torch.uint8 for s in stored):
+            tables[signed] = qmap(signed, params[0].device)
+    scalars = dict(_scalars(float(lr), float(step), beta1, beta2, weight_decay),
+                   beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
+    for run in _runs([piece[0].numel() for piece in pieces], RUN_NUMEL):
+        _adamw_run(pieces[run], tables.get(True), tables.get(False), **scalars)
+
+
+def _adamw_run(pieces: list[tuple], m_table: torch.Tensor | None,
+               v_table: torch.Tensor | None, *, lr: float, decay: float,
+               bias_correction1: float, bias_correction2_sqrt: float, beta1: float,
+               beta2: float, eps: float, maximize: bool) -> None:
+    """:func:`adamw_step` of one run of pieces: torchao's ops, each over the run."""
+    params, grads, exp_avgs, exp_avg_sqs = (list(x) for x in zip(*pieces))
+    p32, p_flat, rounded = _fp32(params)   # fp32 masters are changed in place
+    g32, _, _ = _fp32(grads)               # gradients are not changed
     if maximize:
-        g32 = -g32
-    p32 = p32 - lr_t * weight_decay * p32
-    bias_correction1 = 1 - beta1 ** step_t
-    bias_correction2 = 1 - beta2 ** step_t
-    m32 = m.values.lerp(g32, 1 - beta1)
-    v32 = v.values.lerp(g32.square(), 1 - beta2)
-    m.store(m32)
-    v.store(v32)
-    denom = (v32.sqrt() / bias_correction2.sqrt()) + eps
-    p32 = p32 - lr_t * (m32 / bias_correction1) / denom
-    param.copy_(stochastic_round_bf16(p32) if stochastic else p32)
+        g32 = torch._foreach_neg(g32)
+    m = _Moments(exp_avgs, m_table)
+    v = _Moments(exp_avg_sqs, v_table)
+    # p = p - lr * weight_decay * p
+    torch._foreach_sub_(p32, torch._foreach_mul(p32, decay))
+    torch._foreach_lerp_(m.values, g32, 1 - beta1)
+    torch._foreach_lerp_(v.values, torch._foreach_mul(g32, g32), 1 - beta2)
+    m.store()
+    v.store()
+    # denom = v.sqrt() / bias_correction2.sqrt() + eps
+    denom = torch._foreach_sqrt(v.values)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    # p = p - lr * (m / bias_correction1) / denom
+    delta = torch._foreach_div(m.values, bias_correction1)
+    torch._foreach_mul_(delta, lr)
+    torch._foreach_div_(delta, denom)
+    torch._foreach_sub_(p32, delta)
+    if rounded:   # bf16 compute copies: one draw for the run, in order
+        new = stochastic_round_bf16(p_flat)
+        torch._foreach_copy_([params[i] for i in rounded],
+                             list(new.split([params[i].numel() for i in rounded])))
