@@ -370,6 +370,7 @@ class Client(_StoreCalls):
         #: seconds a reply may take before the daemon is checked ([Note: overdue replies])
         self.request_timeout = _bound(request_timeout)
         self.control = ControlChannel(self.path, job)
+        self.control.reply_timeout = self.request_timeout
         self.job = self.control.job
         self._zctx = zmq.Context()
         self._sock = self._zctx.socket(zmq.DEALER)
@@ -612,6 +613,7 @@ class AsyncClient(_StoreCalls):
         self.path = control.path
         #: seconds a reply may take before the daemon is checked ([Note: overdue replies])
         self.request_timeout = _bound(request_timeout)
+        control.reply_timeout = self.request_timeout
         self.job = control.job
         self._zctx = zmq.asyncio.Context()
         self._sock = self._zctx.socket(zmq.DEALER)

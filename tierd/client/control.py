@@ -148,6 +148,10 @@ class ControlChannel:
         if not reply.get("ok"):
             self.ctl.close()
             raise from_wire(*reply.get("error", ["tierd", "handshake refused"]))
+        #: seconds a segment reply may take: the daemon answers the control
+        #: socket between requests, and a reserve making a large segment
+        #: holds it (the client sets its request timeout here)
+        self.reply_timeout = CONNECT_TIMEOUT
         self.token: bytes = reply["token"]
         self.job: str = reply["job"]
         self.lock = threading.Lock()  # guards the control socket and the maps
@@ -182,7 +186,7 @@ class ControlChannel:
         if not self.alive():
             return "the daemon went away (its control socket closed)"
         try:
-            self.map([], ask=True)
+            self.map([], ask=True, timeout=CONNECT_TIMEOUT)
         except TierdError as exc:
             return f"the daemon does not answer on its control socket ({exc})"
         return data_socket_problem(self.path)
@@ -222,16 +226,18 @@ class ControlChannel:
         raw = self.views[p.segment][p.offset:p.offset + p.nbytes]
         return raw.view(torch_dtypes()[p.dtype]).view(p.shape)
 
-    def map(self, ids: list[int], ask: bool = False) -> None:
+    def map(self, ids: list[int], ask: bool = False, timeout: float | None = None) -> None:
         """Map the segments ``ids`` not mapped yet; with ``ask``, ask the daemon
-        even when that is none (a round trip that shows it answers)."""
+        even when that is none (a round trip that shows it answers). A reply
+        not here within ``timeout`` (default ``reply_timeout``) seconds loses
+        the channel (DaemonUnavailable)."""
         new, gone = [], []
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
             batches = [want[start:start + P.MAX_SEGMENTS_PER_MESSAGE]
                        for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE)]
             for batch in batches or ([[]] if ask else []):
-                got, dropped = self._map_batch(batch)
+                got, dropped = self._map_batch(batch, timeout or self.reply_timeout)
                 new += got
                 gone += [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
             missing = set(want) - self.views.keys()
@@ -261,12 +267,13 @@ class ControlChannel:
             except BufferError:
                 pass  # a stale tensor still uses it; see [Note: mapping lifetime]
 
-    def _map_batch(self, want: list[int]
+    def _map_batch(self, want: list[int], timeout: float
                    ) -> tuple[list[tuple[int, torch.Tensor, mmap.mmap | None]], list[int]]:
         """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
         descriptors in one message); called with the lock held. Also returns
         the ids of segments mapped earlier that the daemon has dropped since."""
         try:
+            self.ctl.settimeout(timeout)
             self._send({"segments": want})
             reply, fds = self._recv()
         except (OSError, EOFError) as exc:
