@@ -193,3 +193,22 @@ def test_two_ranks_on_one_gpu_shard_bitwise_like_replicas(daemon_factory, tmp_pa
     assert "resident" in sharded[0]["plan"]["places"].values()
     for s, r in zip(sharded, replicated):
         assert s["session"]["resident_bytes"] < r["session"]["resident_bytes"]
+
+
+def test_two_nodes_shard_within_each_node(daemon_factory, tmp_path_factory):
+    """Two nodes (daemons) of two ranks: gradients are summed across both
+    nodes, each node's owner updates and sends the new weights to its node's
+    other rank over a group of that node's ranks. Bitwise the replicated
+    run, within TOL of one process."""
+    a, b = daemon_factory(pool="256MiB"), daemon_factory(pool="256MiB")
+    sockets = [a.socket, a.socket, b.socket, b.socket]
+    args = ("--steps", "4", "--tierd", "--module-units", "--gpu-memory-bytes",
+            str(EMBEDDING_CAP))
+    replicated = run_ranks(tmp_path_factory.mktemp("replicated"), sockets, *args,
+                           "--job", "replicated")
+    sharded = run_ranks(tmp_path_factory.mktemp("sharded"), sockets, *args, "--job", "sharded",
+                        "--gpu-tier", "sharded")
+    _assert_same_run(sharded, replicated)
+    assert "resident" in sharded[0]["plan"]["places"].values()
+    ref = run_ranks(tmp_path_factory.mktemp("ref"), [None], "--steps", "4")[0]
+    assert_matches(sharded, ref)

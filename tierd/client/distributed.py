@@ -238,16 +238,18 @@ def join(process_group, *, socket_path: Path | None, job: str | None, model: nn.
                                   use_local_synchronization=True)
                    if dist.get_rank() in r else None for r in order]
     index = next(i for i, r in enumerate(order) if dist.get_rank() in r)
+    node_compute = None
+    if config.gpu_tier == "sharded":   # [Note: resident state sharded by unit]
+        # before the leaders' group: a locally synchronized group's name counts
+        # the groups its process made, which must be alike on the node's ranks
+        node_compute = process_group if len(order) == 1 else dist.new_group(
+            sorted(order[index]), backend=dist.get_backend(process_group),
+            use_local_synchronization=True)
     heads = [min(r) for r in order]
     leaders = None
     if len(order) > 1 and dist.get_rank() in heads:
         leaders = dist.new_group(heads, backend="gloo", timeout=CONTROL_TIMEOUT,
                                  use_local_synchronization=True)
-    node_compute = None
-    if config.gpu_tier == "sharded":   # [Note: resident state sharded by unit]
-        node_compute = process_group if len(order) == 1 else dist.new_group(
-            sorted(order[index]), backend=dist.get_backend(process_group),
-            use_local_synchronization=True)
     me = Ranks(group=process_group, control=control, node=node_groups[index], leaders=leaders,
                all_ranks=tuple(ranks), rank=dist.get_rank(),
                world=len(ranks), node_ranks=tuple(sorted(order[index])),
