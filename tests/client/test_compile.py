@@ -13,6 +13,9 @@ import tierd
 import tierd.optim
 from tierd.client.attach import attach, session_of
 from tierd.client.store import LocalStore
+from tierd.client.torch_internals import (compiled_regions_run, dynamo_frames_compiled,
+                                          dynamo_reset)
+from tierd.bench.bigmodel_models import checkpointed
 from tests.client.models import llama
 
 LENGTHS = (8, 12, 16)
@@ -141,3 +144,62 @@ def test_a_model_compiled_after_placement_trains_as_eager():
         want = ref(input_ids=ids, labels=ids).loss
         want.backward(); ref_opt.step(); ref_opt.zero_grad()
         assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+
+
+
+def _checkpointed_llama(layers: int):
+    """tests.client.models.llama with ``layers`` blocks, checkpointed as the
+    8B benchmark trains (Hugging Face's non-reentrant checkpointing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=100,
+                      max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return checkpointed(LlamaForCausalLM(cfg))
+
+
+def _frames_first_and_warm(layers: int, cap: int) -> tuple[int, int]:
+    """Train ``torch.compile(attach(m, gpu_memory_bytes=cap))`` as eager torch
+    for 5 steps; the compiled frames its first step and a warm one ran."""
+    dynamo_reset()
+    ref = _checkpointed_llama(layers)
+    model = attach(_checkpointed_llama(layers), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=cap)
+    run = torch.compile(model, backend="aot_eager")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+
+    first = compiled_regions_run(step)
+    for _ in range(3):   # placed from the measured step, settled
+        step()
+    assert all(not unit.params for unit in session_of(model).units)   # all kept on the device
+    compiled = dynamo_frames_compiled()
+    warm = compiled_regions_run(step)
+    assert dynamo_frames_compiled() == compiled   # no recompile once warm
+    return first, warm
+
+
+def test_a_deep_model_compiled_whole_runs_a_step_in_as_few_frames_as_a_shallow_one():
+    """The first step runs the plan estimated from sizes: within three
+    quarters of this cap, some of the deep model's units stream, their hooks
+    are traced, and dynamo runs Llama's loop of layers eagerly, a compiled
+    frame per layer. The measured plan keeps every unit on the device and
+    removes the hooks; before, that split stayed (dynamo neither guards on
+    hooks nor retries the loop: the 32-layer 8B model compiled whole ran as
+    ~32 frames, behind compiled torch). Now a warm step runs as few frames
+    at 4 layers as at 2 ([Note: hooks under torch.compile])."""
+    cap = int(1.1 * sum(p.numel() * p.element_size()
+                        for p in _checkpointed_llama(4).parameters()))
+    first, deep = _frames_first_and_warm(4, cap)
+    assert first > 4   # the premise: the first step ran split at its streamed blocks
+    _, shallow = _frames_first_and_warm(2, cap)
+    assert deep == shallow <= 2, (shallow, deep)

@@ -156,5 +156,23 @@ def test_dynamo_frames_compiled_rises_on_a_recompile_and_not_on_a_warm_call():
     assert ti.dynamo_frames_compiled() == 0
 
 
+def test_compiled_regions_counted_and_forgotten_code_traced_again():
+    """A graph break splits a call into two compiled frames; forgetting
+    compiled code makes the next call compile again."""
+    def broken(x):
+        x = x + 1
+        print(end="")   # a graph break
+        return x * 2
+    ti.dynamo_reset()
+    compiled = torch.compile(broken, backend="eager")
+    compiled(torch.ones(2))
+    assert ti.compiled_regions_run(lambda: compiled(torch.ones(2))) == 2
+    assert ti.compiled_regions_run(lambda: broken(torch.ones(2))) == 0
+    warm = ti.dynamo_frames_compiled()
+    ti.forget_compiled_code()
+    compiled(torch.ones(2))
+    assert ti.dynamo_frames_compiled() > warm
+
+
 def test_free_pinned_host_cache_needs_cuda():
     assert ti.free_pinned_host_cache() is torch.cuda.is_available()

@@ -24,6 +24,17 @@ block, or as part of the model) sees its compute tensors, whose identity
 never changes: no recompile after warm-up. A unit that placement keeps on
 the device loses its hooks, so a model that fits compiles to one graph (the
 root's begin-step hook, at the very start, is the only break).
+Dynamo cannot resume after a break inside a loop: a model whose blocks run
+in a loop (Hugging Face's ``for layer in self.layers``) and whose streamed
+units have hooks runs that loop eagerly, one compiled frame per block, as
+regional compile does. Dynamo marks the loop's function so for good and
+does not guard on module hooks, so code traced with hooks that placement
+has removed since (a step measured before placing, a plan changed) would
+keep that split, and code traced without hooks added since would skip
+them. So every change of the units' hooks (:meth:`ModuleHooks.sync`,
+detach) makes dynamo trace again (``forget_compiled_code``: every frame of
+the process recompiles once; placement changes only while it settles, or
+when memory forces it).
 ``attach(torch.compile(m))`` is refused: the compiled wrapper hides the
 model's modules behind ``_orig_mod``; compile after attaching.
 
@@ -54,7 +65,8 @@ from tierd.client.parts import StepEvents
 from tierd.client.registry import ParamRegistry, Unit
 from tierd.client.optimizers import TierdOptimizer
 from tierd.client.tiered_param import MOVED_ATTR, tiered_of
-from tierd.client.torch_internals import is_compiled_module, tree_flatten, weak_hook
+from tierd.client.torch_internals import (forget_compiled_code, is_compiled_module,
+                                          tree_flatten, weak_hook)
 from tierd.errors import StateError
 
 def refuse_compiled(model: nn.Module) -> None:
@@ -122,7 +134,9 @@ class ModuleHooks:
 
     def sync(self) -> None:
         """Hooks on every unit that streams something, none on the others
-        (placed whole on the device: [Note: hooks under torch.compile])."""
+        (placed whole on the device); code compiled before a change is traced
+        again ([Note: hooks under torch.compile])."""
+        changed = False
         for unit in self._registry.units:
             hooked = unit.index in self._unit_handles
             if unit.params and not hooked:
@@ -130,9 +144,13 @@ class ModuleHooks:
                 self._unit_handles[unit.index] = (
                     module.register_forward_pre_hook(self._pre_forward),
                     module.register_forward_hook(self._post_forward, always_call=True))
+                changed = True
             elif not unit.params and hooked:
                 for handle in self._unit_handles.pop(unit.index):
                     handle.remove()
+                changed = True
+        if changed:
+            forget_compiled_code()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -144,6 +162,7 @@ class ModuleHooks:
         self._unit_handles.clear()
         for module in self._model.modules():
             module.__dict__.pop("_apply", None)
+        forget_compiled_code()   # no compiled frame may call the hooks of a detached model
 
     # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
     def _begin_step(self, module: nn.Module, args: Any, kwargs: dict) -> None:

@@ -29,7 +29,11 @@ What each is for:
 - ``is_compiled_module``: tells a ``torch.compile``'d module (attach refuses it).
 - ``dynamo_reset`` / ``dynamo_graph_breaks`` / ``dynamo_frames_compiled``: the
   benchmarks count graph breaks, and the frames compiled after warm-up
-  (recompiles).
+  (recompiles). ``compiled_regions_run``: the compiled frames one call runs
+  (a forward split at every block runs one per block).
+- ``forget_compiled_code``: dynamo does not guard on module hooks, so code
+  traced before tierd changed a unit's hooks must be traced again
+  ([Note: hooks under torch.compile] in ``tierd.client.hooks``).
 - ``free_pinned_host_cache``: gives the caching host allocator's pinned
   memory back (the activation benchmark measures host memory).
 """
@@ -46,10 +50,10 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef as StorageRef
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["StorageRef", "checkpoint_without_reentrant",
+__all__ = ["StorageRef", "checkpoint_without_reentrant", "compiled_regions_run",
            "current_graph_task", "dynamo_frames_compiled", "dynamo_graph_breaks", "dynamo_reset",
-           "foreach_adamw", "free_pinned_host_cache", "fused_adamw", "in_backward",
-           "in_torch_machinery",
+           "foreach_adamw", "forget_compiled_code", "free_pinned_host_cache", "fused_adamw",
+           "in_backward", "in_torch_machinery",
            "is_compiled_module", "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
 
 
@@ -176,6 +180,31 @@ def dynamo_frames_compiled() -> int:
     (``counters["frames"]["total"]`` is the count of these requests)."""
     from torch._dynamo.utils import counters
     return counters["frames"]["total"]
+
+
+def forget_compiled_code() -> None:
+    """Make dynamo trace every frame again at its next call: the code it
+    compiled, and the frames it marked to run eagerly (a graph break inside a
+    loop marks the loop's whole function so, for good). Dynamo does not guard
+    on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``, on
+    by default): code traced before a hook was added or removed runs as
+    traced. Does nothing where dynamo was never imported (nothing compiled)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset_code_caches()
+
+
+#: the profiler's name for a run of a dynamo-compiled frame ("... 3/0")
+_COMPILED_REGION = "Torch-Compiled Region: "
+
+
+def compiled_regions_run(fn: Callable[[], Any]) -> int:
+    """Call ``fn`` once under the profiler (host events only) and count the
+    dynamo-compiled frames it ran: 1 for a model compiled into one graph,
+    about one per block for a forward split at its blocks."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith(_COMPILED_REGION))
 
 
 def free_pinned_host_cache() -> bool:
