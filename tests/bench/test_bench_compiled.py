@@ -12,7 +12,8 @@ import pytest
 from tierd.bench import compiled
 
 FIELDS = {"case", "model", "compiled", "allgpu_s", "tierd_s", "floor_s", "ratio", "ratio_to",
-          "recompiles", "graph_breaks", "frames", "peak_gb", "error", "allgpu_error"}
+          "recompiles", "graph_breaks", "frames", "frames_per_step", "allgpu_frames_per_step",
+          "peak_gb", "error", "allgpu_error"}
 SMOKE = ["--tiny", "--device", "cpu", "--backend", "aot_eager", "--layers", "1", "--steps",
          "2", "--warmup", "2", "--pool-gib", "1", "--nvme-gib", "1"]
 
@@ -40,7 +41,7 @@ def test_whole_model_compile_rows_of_gpt2_and_llama_with_a_floor_where_capped(tm
     for r in rows:
         check(r)
         assert r["compiled"] == "whole"
-        assert r["frames"] > 0   # it really was compiled
+        assert r["frames"] > 0 and r["frames_per_step"] > 0   # it really was compiled
     plain, capped = rows
     assert plain["floor_s"] is None and plain["ratio_to"] == "allgpu"
     # capped: the floor is at least the all-GPU step, and the ratio is taken to it
@@ -57,6 +58,7 @@ def test_every_way_of_every_tiny_case(tmp_path):
     for r in rows:
         check(r)
         assert (r["frames"] == 0) == (r["compiled"] == "eager")
+        assert (r["frames_per_step"] == 0) == (r["compiled"] == "eager")
 
 
 def test_a_case_filter_that_matches_nothing_is_refused_before_anything_runs(tmp_path, capsys):

@@ -52,7 +52,10 @@ Writes ``DIR/compiled.json``: ``{"commit", "device", "torch", "transformers",
 ``ratio_to`` (``allgpu`` or ``floor``), ``recompiles`` (frames dynamo
 compiled during tierd's timed steps; ``allgpu_recompiles`` likewise),
 ``graph_breaks`` (counted while tierd's row compiled; ``allgpu_graph_breaks``),
-``frames`` (frames dynamo compiled in tierd's row, warm-up included), ``peak_gb`` (tierd's
+``frames`` (frames dynamo compiled in tierd's row, warm-up included),
+``frames_per_step`` (compiled frames one step after the timed ones runs, from
+the profiler: 1 where the model compiled into one graph, about one a block
+where the forward is split at its blocks; ``allgpu_frames_per_step``), ``peak_gb`` (tierd's
 peak allocated over the timed steps; ``allgpu_peak_gb``), ``worst_s``,
 ``replans`` (placement changes in the timed steps), ``planned_pcie_gb`` and
 ``error`` / ``allgpu_error`` (an out-of-memory is recorded, not fatal).
@@ -91,8 +94,8 @@ from tierd.bench.placement import both_ways_bandwidth
 from tierd.bench.steploop import train_step
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
-from tierd.client.torch_internals import (dynamo_frames_compiled, dynamo_graph_breaks,
-                                          dynamo_reset)
+from tierd.client.torch_internals import (compiled_regions_run, dynamo_frames_compiled,
+                                          dynamo_graph_breaks, dynamo_reset)
 from tierd.errors import CapacityError
 
 GB = 1e9
@@ -195,7 +198,8 @@ class Clock:
 
     def run(self, step, warmup: int, steps: int) -> dict:
         """``warmup`` untimed steps, then ``steps`` back to back: median and
-        worst step seconds, peak GB, frames compiled in the timed steps."""
+        worst step seconds, peak GB, frames compiled in the timed steps; then
+        one step under the profiler: the compiled frames a step runs."""
         for _ in range(warmup):
             step()
         self.sync()
@@ -215,11 +219,14 @@ class Clock:
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)
-        return {"step_s": statistics.median(times), "worst_s": max(times),
-                "peak_gb": torch.cuda.max_memory_allocated(self.device) / GB
-                if self.cuda else None,
-                "recompiles": dynamo_frames_compiled() - frames,
-                "frames": dynamo_frames_compiled()}
+        got = {"step_s": statistics.median(times), "worst_s": max(times),
+               "peak_gb": torch.cuda.max_memory_allocated(self.device) / GB
+               if self.cuda else None,
+               "recompiles": dynamo_frames_compiled() - frames,
+               "frames": dynamo_frames_compiled()}
+        got["frames_per_step"] = compiled_regions_run(step)
+        self.sync()
+        return got
 
     def free(self) -> None:
         gc.collect()
@@ -322,7 +329,8 @@ def row(case: Case, spec: Model, way: str, cls: str, ref: dict, got: dict,
             "ratio": tierd_s / base if tierd_s and base else None,
             "ratio_to": to if tierd_s and base else None,
             "recompiles": got.get("recompiles"), "graph_breaks": got.get("graph_breaks"),
-            "frames": got.get("frames"),
+            "frames": got.get("frames"), "frames_per_step": got.get("frames_per_step"),
+            "allgpu_frames_per_step": ref.get("frames_per_step"),
             "peak_gb": got.get("peak_gb"), "worst_s": got.get("worst_s"),
             "replans": got.get("replans"), "planned_pcie_gb": got.get("planned_pcie_gb"),
             "compute_busy_s": got.get("compute_busy_s"),
@@ -464,12 +472,13 @@ def main(argv=None) -> dict:
 def report(rows: list[dict]) -> None:
     fmt = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
     print(f"\n{'case':48} {'way':8} {'all-GPU s':>9} {'tierd s':>8} {'floor s':>8} "
-          f"{'ratio':>6} {'recomp':>6} {'breaks':>6} {'peak GB':>7}")
+          f"{'ratio':>6} {'recomp':>6} {'breaks':>6} {'frames':>6} {'peak GB':>7}")
     for r in rows:
         print(f"{r['case']:48} {r['compiled'] or '-':8} {fmt(r.get('allgpu_s'), '9.4f')} "
               f"{fmt(r.get('tierd_s'), '8.4f')} {fmt(r.get('floor_s'), '8.4f')} "
               f"{fmt(r.get('ratio'), '6.2f')} {fmt(r.get('recompiles'), '6d')} "
-              f"{fmt(r.get('graph_breaks'), '6d')} {fmt(r.get('peak_gb'), '7.1f')}"
+              f"{fmt(r.get('graph_breaks'), '6d')} {fmt(r.get('frames_per_step'), '6d')} "
+              f"{fmt(r.get('peak_gb'), '7.1f')}"
               + (f"  {r['error']}" if r.get("error") else ""))
 
 
