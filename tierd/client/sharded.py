@@ -12,7 +12,8 @@ GPU only (the owner's pinned buckets, as without ranks), and every rank
 keeps the unit's weights:
 
 - backward reduces the unit's gradient to its owner (``reduce``, not
-  ``all_reduce``: (G-1)/G * P*b sent per rank, half the all-reduce's);
+  ``all_reduce``: (G-1)/G * P*b sent per rank, half the all-reduce's; with
+  several nodes every node's owner needs it: ``all_reduce``);
 - the owner updates on its GPU; no other rank runs the update;
 - at the end of ``opt.step()`` each unit's owner broadcasts its new values
   (fp32: the master where one is separate, else the compute copy itself)
@@ -34,7 +35,10 @@ the update, on the critical path, where the all-reduce hid under backward.
 The owner's copy in the daemon is written back by the owner alone when the
 host reads the store, as for replicas. Units are whole (owner granularity):
 a unit's weights are not split, so forward and backward need no gather and
-resident units keep running hook-free.
+resident units keep running hook-free. The plan is made as for replicas
+([Note: one plan for every rank] in ``tierd.client.placer``: every rank's
+budget counts every placed unit's state), so the device bytes sharding
+frees are not spent on more units yet.
 """
 
 from __future__ import annotations
