@@ -27,14 +27,16 @@ root's begin-step hook, at the very start, is the only break).
 Dynamo cannot resume after a break inside a loop: a model whose blocks run
 in a loop (Hugging Face's ``for layer in self.layers``) and whose streamed
 units have hooks runs that loop eagerly, one compiled frame per block, as
-regional compile does. Dynamo marks the loop's function so for good and
-does not guard on module hooks, so code traced with hooks that placement
-has removed since (a step measured before placing, a plan changed) would
-keep that split, and code traced without hooks added since would skip
-them. So every change of the units' hooks (:meth:`ModuleHooks.sync`,
-detach) makes dynamo trace again (``forget_compiled_code``: every frame of
-the process recompiles once; placement changes only while it settles, or
-when memory forces it).
+regional compile does. Dynamo marks the loop's function so for good, and
+it does not guard on module hooks (``skip_nnmodule_hook_guards``: code runs
+as first traced), so code traced with hooks that placement has removed
+since (the first step's plan estimated from sizes, a plan changed) kept
+that split, and code traced before hooks were added would not call them.
+So every change of the units' hooks (:meth:`ModuleHooks.sync`, detach)
+makes dynamo trace again (``forget_compiled_code``: every compiled frame of
+the process is traced again once). Placement changes hooks while it
+settles, when memory forces a new plan, and for inputs larger than any
+measured (streamed to be measured, then placed: two traces).
 ``attach(torch.compile(m))`` is refused: the compiled wrapper hides the
 model's modules behind ``_orig_mod``; compile after attaching.
 
