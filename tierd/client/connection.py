@@ -65,8 +65,8 @@ SHARED_SOURCE_PIECE = 8 << 20
 #: and replies stay on the calling thread; the helpers only map. Reserved
 #: batches' sources are only referenced, not copied: the lookahead costs
 #: pool slots reserved early and the sources freed later (a CPU model's
-#: parameters are emptied once their batch is published), at most this
-#: many bytes of them.
+#: parameters are emptied once their batch is published), those of at most
+#: this many stored bytes.
 PUT_AHEAD = 4 << 30
 MAP_THREADS = 4
 #: requests of one ``put_batches`` in flight at most (the daemon answers a

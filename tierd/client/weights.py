@@ -10,10 +10,13 @@ stored, so a bad checkpoint fails with the model untouched.
 [Note: loading without materialising]
 The registry asks a :class:`WeightsPlan` for each parameter's value while it
 uploads one module at a time (``ParamRegistry._take``): a value is read from
-its file (a mapping of its bytes, see [Note: reading a tensor]), converted to the parameter's dtype,
-stored and dropped before the next module is read. The process holds a few
-module-sized buffers at once, never the model, so a model built on the meta
-device (``with torch.device("meta"):``) can be larger than host memory.
+its file (a mapping of its bytes, see [Note: reading a tensor]), converted to
+the parameter's dtype where that loses nothing only in the copy, stored and
+dropped once stored. The store asks for a module's values only a bounded
+number of bytes ahead of its copies ([Note: pipelined puts] in
+``tierd.client.connection``), so the process holds the values of a few
+modules at once, never the model, and a model built on the meta device
+(``with torch.device("meta"):``) can be larger than host memory.
 
 [Note: buffers of a meta model]
 Persistent buffers are in the checkpoint and are loaded from it. Non-persistent
