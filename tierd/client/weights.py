@@ -11,7 +11,7 @@ stored, so a bad checkpoint fails with the model untouched.
 The registry asks a :class:`WeightsPlan` for each parameter's value while it
 uploads one module at a time (``ParamRegistry._take``): a value is read from
 its file (a mapping of its bytes, see [Note: reading a tensor]), converted to
-the parameter's dtype where that loses nothing only in the copy, stored and
+the parameter's dtype (in the copy into the pool where that is exact), and
 dropped once stored. The store asks for a module's values only a bounded
 number of bytes ahead of its copies ([Note: pipelined puts] in
 ``tierd.client.connection``), so the process holds the values of a few
