@@ -150,7 +150,7 @@ def test_a_commit_right_after_a_step_holds_the_deferred_state(tmp_path):
         d.stop()
 
 
-def test_deferral_is_off_on_the_cpu_by_default_and_sized_by_the_config(daemon):
+def test_deferral_is_off_by_default_and_sized_by_the_config(daemon):
     model = attach(gpt2(), client=tierd.connect(daemon), name="default")
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     assert opt._fused[0].defer_bytes == 0
@@ -158,6 +158,10 @@ def test_deferral_is_off_on_the_cpu_by_default_and_sized_by_the_config(daemon):
                    deferred_write_bytes="3MiB")
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     assert opt._fused[0].defer_bytes == 3 << 20
+    model = attach(gpt2(), client=tierd.connect(daemon), name="window",
+                   deferred_write_bytes=None)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    assert opt._fused[0].defer_bytes == 0   # the fetch window on CUDA; none on the CPU
     with pytest.raises(ValueError, match="deferred_write_bytes"):
         attach(gpt2(), client=tierd.connect(daemon), name="bad", deferred_write_bytes=-1)
 
@@ -167,7 +171,7 @@ def test_deferral_is_off_on_the_cpu_by_default_and_sized_by_the_config(daemon):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("cap", [pytest.param(0, id="all-streamed"),
                                  pytest.param(10 << 20, id="some-resident")])
-def test_on_cuda_deferring_by_default_trains_bitwise_like_writing_out_in_backward(
+def test_on_cuda_deferring_the_fetch_window_trains_bitwise_like_writing_out_in_backward(
         daemon, dtype, cap, monkeypatch):
     # the copies out run on the copy-out stream as the next forward begins,
     # the next fetches of those keys wait for them; the plan from the cap alone
@@ -176,7 +180,7 @@ def test_on_cuda_deferring_by_default_trains_bitwise_like_writing_out_in_backwar
     monkeypatch.setattr(Placer, "_memory", lambda self: None)
     data = batches(6, batch=2, seq=16)
     runs = []
-    for name, defer in (("default", None), ("plain", 0)):
+    for name, defer in (("window", None), ("plain", 0)):
         model = attach(gpt2(n_layer=4, n_embd=128), client=tierd.connect(daemon), name=name,
                        compute_dtype=dtype, gpu_memory_bytes=cap, deferred_write_bytes=defer)
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -59,9 +59,9 @@ class AttachConfig:
     #: update reaches last in backward that stays on the device after their
     #: update, to be copied out at the next forward's start, when the copy
     #: engine is idle, instead of during backward ([Note: deferred write-out]
-    #: in ``tierd.updates.fused``). None: on CUDA the fused optimizer's fetch
-    #: window (twice its ``prefetch_bytes``), on the CPU 0; 0: none.
-    deferred_write_bytes: int | None = None
+    #: in ``tierd.updates.fused``). 0 (the default): none; None: on CUDA the
+    #: fused optimizer's fetch window (twice its ``prefetch_bytes``), on the CPU 0.
+    deferred_write_bytes: int | None = 0
     #: Parameters smaller than this stay on the compute device all the time.
     resident_below_bytes: int = 0
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
