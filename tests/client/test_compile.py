@@ -29,12 +29,19 @@ def _compiled(model, mode: str, backend: str):
     return model
 
 
-def _run(mode: str, backend: str, device: str, steps: int = 7):
+#: steps until placement has settled on every length: the first cycle of
+#: LENGTHS measures each, the next step places for all of them, and each of
+#: those hook changes makes dynamo trace again ([Note: hooks under
+#: torch.compile]): the two other lengths are traced once more after it
+SETTLED = 6
+
+
+def _run(mode: str, backend: str, device: str, steps: int = 7, **options):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     ref = llama().to(device)
-    model = attach(llama(), client=LocalStore(), device=device)
+    model = attach(llama(), client=LocalStore(), device=device, **options)
     run = _compiled(model, mode, backend)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
@@ -60,20 +67,32 @@ def test_compiled_attached_model_trains_as_eager_with_no_recompile_once_warm(mod
         assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
     assert graphs[3:] == [graphs[3]] * len(graphs[3:])   # after 3 warm-up steps
     assert "recompile_limit" not in caplog.text and "cache_size_limit" not in caplog.text
-    # per compiled pass at most one break at each unit boundary (2 a unit) and
+    # (unplaced on the CPU: no hook changes once the first step ran) per compiled pass at most one break at each unit boundary (2 a unit) and
     # two more (the step's start, the loss); dynamo compiles twice: the first
     # length, then dynamic lengths
     assert breaks <= 2 * (2 * units + 2)
+
+
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_a_placed_compiled_model_trains_as_eager_and_stops_recompiling_once_placed(mode):
+    """Placement keeps every unit (a cap far above the model), as on a GPU with
+    room: each new length streams everything to measure, then the plan for
+    all of them places again; from then on nothing recompiles."""
+    losses, graphs, _, _ = _run(mode, "aot_eager", "cpu", steps=SETTLED + 3,
+                                gpu_memory_bytes=1 << 30)
+    for got, want in losses:
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    assert graphs[SETTLED - 1:] == [graphs[SETTLED - 1]] * (len(graphs) - SETTLED + 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["whole", "regional"])
 def test_inductor_on_cuda_trains_as_eager(mode):
-    losses, graphs, _, _ = _run(mode, "inductor", "cuda")
+    losses, graphs, _, _ = _run(mode, "inductor", "cuda", steps=SETTLED + 3)
     for got, want in losses:
         assert abs(got - want) <= 1e-4 * max(1.0, abs(want))
-    assert graphs[3:] == [graphs[3]] * len(graphs[3:])
+    assert graphs[SETTLED - 1:] == [graphs[SETTLED - 1]] * (len(graphs) - SETTLED + 1)
 
 
 @pytest.mark.slow
