@@ -212,3 +212,43 @@ def test_classes_stay_under_the_method_limit():
                     large[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
     unexpected = {c: n for c, n in large.items() if c not in KNOWN_LARGE_CLASSES}
     assert not unexpected, f"classes over {MAX_METHODS} methods (split them): {unexpected}"
+
+
+def redefined(source: str) -> list[str]:
+    """Functions and classes defined twice in one body of ``source`` (module or
+    class): the later silently replaces the earlier, so a test pasted twice
+    runs only its last copy. Property setters and ``@overload`` are not
+    redefinitions."""
+    found = []
+
+    def scan(body, where: str) -> None:
+        seen: set[str] = set()
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.ClassDef):
+                scan(node.body, f"{where}{node.name}.")
+            exempt = any(isinstance(d, ast.Attribute)
+                         or (isinstance(d, ast.Name) and d.id == "overload")
+                         for d in node.decorator_list)
+            if node.name in seen and not exempt:
+                found.append(f"{where}{node.name} (line {node.lineno})")
+            seen.add(node.name)
+
+    scan(ast.parse(source).body, "")
+    return found
+
+
+def test_redefinition_finder_names_the_second_copy():
+    source = ("def a(): pass\nclass C:\n    @property\n    def x(self): pass\n"
+              "    @x.setter\n    def x(self, v): pass\n    def m(self): pass\n"
+              "    def m(self): pass\ndef a(): pass\n")
+    assert redefined(source) == ["C.m (line 8)", "a (line 9)"]
+
+
+def test_no_function_or_class_is_defined_twice_in_the_package_or_its_tests():
+    root = PACKAGE.parent
+    found = {str(p.relative_to(root)): r for p in sorted([*PACKAGE.rglob("*.py"),
+                                                          *(root / "tests").rglob("*.py")])
+             if (r := redefined(p.read_text()))}
+    assert not found, f"defined twice (the later copy replaces the earlier): {found}"
