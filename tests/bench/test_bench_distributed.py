@@ -22,9 +22,14 @@ def test_quick_run_reports_the_sharded_tier_beside_fsdp2(tmp_path):
     report = json.loads((tmp_path / "distributed.json").read_text())
     (rows,) = report["steps"].values()   # one batch size
     sharded, fsdp = rows["tierd-2-sharded"], rows["fsdp2-2"]
-    assert sharded["step_s"] > 0 and sharded["vs_fsdp2_same_ranks"] > 0
+    assert sharded["step_s"] > 0
     assert sharded["pcie_per_gpu_gb"] and len(sharded["pcie_per_gpu_gb"]) == 2
-    assert fsdp["vs_fsdp2_same_ranks"] == 1.0
+    if fsdp.get("failed"):   # torch's gloo ranks now and then abort at exit on a loaded
+        # machine ("terminate called without an active exception"): the row says so
+        assert "vs_fsdp2_same_ranks" not in sharded
+        assert (tmp_path / "fsdp2-2.log").read_text()
+    else:
+        assert sharded["vs_fsdp2_same_ranks"] > 0 and fsdp["vs_fsdp2_same_ranks"] == 1.0
     # CPUOffloadPolicy needs an accelerator: the row says it did not run
     assert rows["fsdp2-offload-2"] == {"failed": True}
     assert (tmp_path / "fsdp2-offload-2.log").read_text()
