@@ -556,15 +556,7 @@ class Placer:
             keep = {tp for i in kept for tp in session.registry.members(units[i])}
             demoted = self._demote([tp for tp in self._placed if tp not in keep])
             units = session.units
-        weights = list(dict.fromkeys(tp for i in kept for tp in units[i].params))
-        if weights:
-            keys = [tp.key for tp in weights]
-            session.leases.acquire(keys)
-            try:
-                session.registry.set_resident(weights, True, session.leases.views(keys))
-            finally:
-                session.leases.release(keys)
-        self._placed += weights
+        self._make_resident([units[i].params for i in kept])
         if weights_only:
             session.mover.replan(keep_trace=not demoted)
             return
@@ -578,6 +570,27 @@ class Placer:
                    for tp in session.registry.members(units[i])]
         self._updates.place(resident, on_host)
         session.mover.replan(keep_trace=not demoted)
+
+    def _make_resident(self, by_unit: list) -> None:
+        """Copy the kept units' parameters (``by_unit``: a list per unit)
+        onto the device, one unit's leases at a time: a unit's values need
+        pool room only while they are copied, so a plan keeping most of the
+        model needs no more room than the largest unit (leasing them all at
+        once needed the whole plan's bytes in the pool)."""
+        session = self._session
+        done: set = set()
+        for params in by_unit:
+            todo = [tp for tp in params if tp not in done]
+            if not todo:
+                continue
+            keys = [tp.key for tp in todo]
+            session.leases.acquire(keys)
+            try:
+                session.registry.set_resident(todo, True, session.leases.views(keys))
+            finally:
+                session.leases.release(keys)
+            done.update(todo)
+            self._placed += todo
 
     def _demote(self, tps: list) -> bool:
         """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
