@@ -103,6 +103,29 @@ def test_a_tight_store_trades_kept_weights_for_whole_units():
     assert stored(UNITS, hopeless.places) > 0 and hopeless.device_bytes <= budget
 
 
+def test_units_sharded_over_two_ranks_are_placed_within_each_ranks_budget():
+    """[Note: one budget on every rank]: four units' state split between two
+    owners (the others keep 100 B of fp32 values each): where replicas fit
+    one unit's state beside the weights, each rank fits two of its own."""
+    replicas = [UnitBytes(i, 200, 1200) for i in range(4)]
+    owners = [UnitBytes(i, 200, 1200, rank_state=(1200, 100) if i % 2 == 0 else (100, 1200))
+              for i in range(4)]
+    budget = 4 * 200 + 2 * 1200 + 2 * 100
+    assert len(plan_placement(replicas, budget).units_at(Place.RESIDENT)) == 2
+    plan = plan_placement(owners, budget)
+    assert plan.units_at(Place.RESIDENT) == [0, 1, 2, 3]
+    assert plan.device_bytes == budget == 4 * 200 + 2 * 1200 + 2 * 100
+    assert plan.streamed_bytes == 0
+    # a rank short of room holds the plan back for both: one rank's 100 B less
+    lopsided = [UnitBytes(i, 200, 1200, rank_state=(1200, 100)) for i in range(4)]
+    tight = plan_placement(lopsided, budget)
+    assert tight.units_at(Place.RESIDENT) == [1, 2] and tight.device_bytes <= budget
+    # the store's room is found on every rank too
+    room = stored(owners, plan_placement(owners, 4 * 200).places) - owners[0].store_bytes
+    fitted = plan_placement(owners, 4 * 200 + 1200, store_bytes=room)
+    assert stored(owners, fitted.places) <= room and fitted.device_bytes <= 4 * 200 + 1200
+
+
 @pytest.mark.parametrize("small,large", [(0, TOTAL), (300, 2500), (700, 5000), (1000, 1000)])
 def test_a_grown_plan_only_moves_units_up_and_stays_within_its_budget(small, large):
     rank = {Place.STREAM: 0, Place.WEIGHTS: 1, Place.RESIDENT: 2}

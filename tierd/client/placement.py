@@ -98,6 +98,17 @@ A ``CPU`` unit's compute copy streams like a ``STREAM`` unit's rather than
 staying on the device: the device bytes are already spent on the units that
 save the most, and a compute copy kept on the device would have to be
 refreshed from the host's result over PCIe anyway.
+
+[Note: one budget on every rank]
+Under torch.distributed every rank of a node runs the same plan within the
+same budget, but with a sharded GPU tier ([Note: resident state sharded by
+unit] in ``tierd.client.sharded``) a ``RESIDENT`` unit costs its ranks
+different bytes: its owner holds its master and moments, the others the
+fp32 values they keep of it (:attr:`UnitBytes.rank_state`). A move is taken
+only where it fits on every rank, each rank's bytes counted as it holds
+them, so the device bytes sharding frees are spent on more units; where
+every rank holds the same (replicas, one process) this is the one budget.
+:attr:`Placement.device_bytes` is the most any rank holds.
 """
 
 from __future__ import annotations
@@ -138,6 +149,10 @@ class UnitBytes:
     #: the unit's weights stay there ([Note: frozen weights kept only on the
     #: device] in ``tierd.client.placer``): in the store only once it streams
     kept_bytes: int = 0
+    #: under a sharded GPU tier, the state bytes each local rank holds while
+    #: the unit is ``RESIDENT`` ([Note: one budget on every rank]); empty:
+    #: every rank holds ``state_bytes``
+    rank_state: tuple[int, ...] = ()
 
     @property
     def store_bytes(self) -> int:
@@ -162,20 +177,24 @@ class UnitBytes:
 
         Example:
             >>> UnitBytes.sized(0, [(200, 100, True, True), (200, 100, False, False)])
-            UnitBytes(index=0, param_bytes=400, state_bytes=1200, grad_bytes=400, stored_bytes=0, kept_bytes=0)
+            UnitBytes(index=0, param_bytes=400, state_bytes=1200, grad_bytes=400, stored_bytes=0, kept_bytes=0, rank_state=())
         """
         trained = [(numel, master) for _, numel, trainable, master in params if trainable]
         return cls(index, sum(p[0] for p in params),
                    sum(numel * (_MOMENT_BYTES + 4 * master) for numel, master in trained),
                    sum(4 * numel for numel, _ in trained), kept_bytes=kept_bytes)
 
-    def device_bytes(self, place: Place) -> int:
-        """Device bytes held between steps at ``place``."""
+    def device_bytes(self, place: Place, rank: int | None = None) -> int:
+        """Device bytes held between steps at ``place`` by local rank
+        ``rank`` (None: by the rank that holds the most)."""
         if place in (Place.STREAM, Place.CPU):
             return 0
         if place is Place.WEIGHTS:
             return self.param_bytes
-        return self.param_bytes + self.state_bytes
+        if not self.rank_state:
+            return self.param_bytes + self.state_bytes
+        return self.param_bytes + (max(self.rank_state) if rank is None
+                                   else self.rank_state[rank])
 
     def streamed(self, place: Place) -> int:
         """PCIe bytes a training step moves for this unit at ``place``, both ways."""
@@ -271,9 +290,26 @@ def plan_placement(units: list[UnitBytes], budget_bytes: int, *, cpu: str = "non
 
 
 def _placement(units: list[UnitBytes], places: dict[int, Place]) -> Placement:
-    return Placement(places, sum(u.device_bytes(places[u.index]) for u in units),
+    return Placement(places, max(_held_by_rank(units, places)),
                      sum(u.streamed(places[u.index]) for u in units),
                      sum(u.host_bytes(places[u.index]) for u in units))
+
+
+def _ranks(units: list[UnitBytes]) -> int:
+    """Local ranks the units' bytes are counted for ([Note: one budget on every rank])."""
+    return max((len(u.rank_state) for u in units), default=0) or 1
+
+
+def _held_by_rank(units: list[UnitBytes], places: dict[int, Place]) -> list[int]:
+    """Device bytes each local rank holds at ``places``."""
+    return [sum(u.device_bytes(places[u.index], r if u.rank_state else None) for u in units)
+            for r in range(_ranks(units))]
+
+
+def _costs(u: UnitBytes, place: Place, current: Place, ranks: int) -> list[int]:
+    """Device bytes each local rank adds moving ``u`` from ``current`` to ``place``."""
+    return [u.device_bytes(place, r if u.rank_state else None)
+            - u.device_bytes(current, r if u.rank_state else None) for r in range(ranks)]
 
 
 def grow_placement(units: list[UnitBytes], plan: Placement, budget_bytes: int, *,
@@ -347,7 +383,8 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
         if u.state_bytes:
             moves.append((2.0, order, u, Place.RESIDENT))
     moves.sort(key=lambda m: (-m[0], m[2].index not in held, m[1]))
-    left = budget_bytes - sum(u.device_bytes(places[u.index]) for u in units)
+    ranks = _ranks(units)
+    left = [budget_bytes - b for b in _held_by_rank(units, places)]
     for _, _, u, place in moves:
         current = places[u.index]
         if current is Place.CPU or _RANK[place] <= _RANK[current]:
@@ -355,10 +392,10 @@ def _place_on_device(units: list[UnitBytes], budget_bytes: int, *, whole: bool,
         if not whole and place is Place.RESIDENT and current is not Place.WEIGHTS \
                 and u.param_bytes:
             continue   # its weights did not fit: its state will not either
-        cost = u.device_bytes(place) - u.device_bytes(current)
-        if cost <= left:
+        cost = _costs(u, place, current, ranks)
+        if all(c <= room for c, room in zip(cost, left)):
             places[u.index] = place
-            left -= cost
+            left = [room - c for c, room in zip(cost, left)]
     return places
 
 
@@ -387,22 +424,24 @@ def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: i
     within the store])."""
     candidates = [u for u in units if places[u.index] is not Place.RESIDENT and u.state_bytes]
     candidates.sort(key=lambda u: places[u.index] is not Place.WEIGHTS)
-    used = sum(u.device_bytes(places[u.index]) for u in units)
+    ranks = _ranks(units)
+    used = _held_by_rank(units, places)   # on each rank: [Note: one budget on every rank]
     for u in candidates:
         if stored(units, places) <= store_bytes:
             return
-        need = u.device_bytes(Place.RESIDENT) - u.device_bytes(places[u.index])
+        need = _costs(u, Place.RESIDENT, places[u.index], ranks)
         # (a unit with kept frozen weights would need store room to give them back)
         givers = [w for w in reversed(units) if w is not u and places[w.index] is Place.WEIGHTS
                   and not w.kept_bytes]
-        if used + need > budget_bytes + sum(w.param_bytes for w in givers):
+        given = sum(w.param_bytes for w in givers)   # a unit's weights cost every rank alike
+        if any(b + n > budget_bytes + given for b, n in zip(used, need)):
             continue   # too large even with every kept weight given back
-        while used + need > budget_bytes:
+        while any(b + n > budget_bytes for b, n in zip(used, need)):
             w = givers.pop(0)
             places[w.index] = Place.STREAM
-            used -= w.param_bytes
+            used = [b - w.param_bytes for b in used]
         places[u.index] = Place.RESIDENT
-        used += need
+        used = [b + n for b, n in zip(used, need)]
 
 
 def _move_to_host(units: list[UnitBytes], places: dict[int, Place], costs: Costs, *,

@@ -433,14 +433,30 @@ class Placer:
 
     def _agreed(self, units: list[UnitBytes]) -> list[UnitBytes]:
         """Under ranks: each unit's optimizer bytes as its owner counts them,
-        0 where some rank cannot keep the unit as a replica."""
+        0 where some rank cannot keep the unit as a replica; with a sharded
+        GPU tier also what each local rank would hold of it resident ([Note:
+        one budget on every rank] in tierd.client.placement)."""
         session, n = self._session, len(units)
+        sharded = session.share.sharded
+        size = 1 if sharded is None else len(self._ranks.node_ranks)
+        mine = [0] * (n * size)   # this rank's own state bytes in its slot
+        for i, u in enumerate(units):
+            mine[i * size + (0 if sharded is None else self._ranks.local_rank)] = u.state_bytes
         odd = [int(not self._updates.can_replicate(session.registry.members(u)))
                for u in session.units]
-        got = self._ranks.agree_max([u.state_bytes for u in units] + odd,
-                                    "agreeing on the units' optimizer bytes")
-        return [UnitBytes(u.index, u.param_bytes, 0 if got[n + i] else got[i], u.grad_bytes)
-                for i, u in enumerate(units)]
+        got = self._ranks.agree_max(mine + odd, "agreeing on the units' optimizer bytes")
+        out = []
+        for i, u in enumerate(units):
+            own = got[i * size:(i + 1) * size]
+            if got[n * size + i]:   # some rank cannot keep it as a replica: weights at most
+                out.append(UnitBytes(u.index, u.param_bytes, 0, u.grad_bytes))
+            elif sharded is None:
+                out.append(UnitBytes(u.index, u.param_bytes, max(own), u.grad_bytes))
+            else:   # each rank reported the state of the buckets it owns
+                kept = sharded.kept_by_rank(session.registry.members(session.units[i]))
+                out.append(UnitBytes(u.index, u.param_bytes, sum(own), u.grad_bytes,
+                                     rank_state=tuple(o + k for o, k in zip(own, kept))))
+        return out
 
     def _place(self, non_model: int, budget: int, *, freed=()) -> None:
         units = self.unit_bytes()

@@ -35,10 +35,11 @@ the update, on the critical path, where the all-reduce hid under backward.
 The owner's copy in the daemon is written back by the owner alone when the
 host reads the store, as for replicas. Units are whole (owner granularity):
 a unit's weights are not split, so forward and backward need no gather and
-resident units keep running hook-free. The plan is made as for replicas
-([Note: one plan for every rank] in ``tierd.client.placer``: every rank's
-budget counts every placed unit's state), so the device bytes sharding
-frees are not spent on more units yet.
+resident units keep running hook-free. Every rank runs one plan ([Note:
+one plan for every rank] in ``tierd.client.placer``), made counting each
+rank's bytes as it holds them ([Note: one budget on every rank] in
+``tierd.client.placement``): the device bytes sharding frees are spent on
+more resident units.
 """
 
 from __future__ import annotations
@@ -157,6 +158,20 @@ class ShardedResident:
                 out[tp] = self._kept[tp]
             elif tp.compute.dtype == torch.float32:
                 out[tp] = tp.compute
+        return out
+
+    def kept_by_rank(self, tps) -> list[int]:
+        """Device bytes of ``tps``' fp32 values each local rank would keep
+        of them sharded: every rank but a parameter's owner, below fp32
+        compute (placement counts them: [Note: one budget on every rank] in
+        ``tierd.client.placement``)."""
+        out = [0] * len(self._ranks.node_ranks)
+        for tp in tps:
+            owner = self._owner_of.get(tp)
+            if owner is None or tp.param.dtype == torch.float32:
+                continue
+            for r in range(len(out)):
+                out[r] += 4 * tp.param.numel() if r != owner else 0
         return out
 
     def kept_bytes(self) -> int:
