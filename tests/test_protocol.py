@@ -10,7 +10,7 @@ REQUESTS = [
     P.Reserve((P.TensorSpec("z", "bfloat16", (4,), 8),), zero=True),
     P.Publish(("a", "b")), P.Abort(("a",)), P.Lease(("a",), write=True), P.Release(("a",), True),
     P.Prefetch(("x", "y")), P.Evict(("a",)), P.Demote(("a", "b")), P.Delete(("a",)),
-    P.Keys("opt/"), P.Stats(),
+    P.Keys("opt/"), P.Stats(), P.Expect((1 << 30, 4096, 0)),
 ]
 
 
@@ -40,6 +40,9 @@ def test_replies_round_trip():
                     "body": {"specs": [["k", "object", [1], 4]]}}), "dtype"),
     (msgpack.packb({"v": P.VERSION, "id": 1, "op": "reserve",
                     "body": {"specs": [], "zero": 1}}), "zero"),
+    (msgpack.packb({"v": P.VERSION, "id": 1, "op": "expect", "body": {"sizes": [-1]}}),
+     "size"),
+    (msgpack.packb({"v": P.VERSION, "id": 1, "op": "expect", "body": {"sizes": 5}}), "list"),
     (b"\x00" * (P.MAX_FRAME_BYTES + 1), "exceeds"),
 ])
 def test_malformed_frames_are_protocol_errors(frame, why):

@@ -195,11 +195,21 @@ class ReportDevice:
     resident_bytes: int
 
 
+@dataclass(frozen=True)
+class Expect:
+    """The caller's job will store tensors of these byte sizes soon (a training
+    job's first gradients and optimizer state): the daemon makes pool
+    segments for them ahead ([Note: growth told ahead] in tierd.backends.hostpool)."""
+
+    op: ClassVar[str] = "expect"
+    sizes: tuple[int, ...]
+
+
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
                                     Evict, Demote, Delete, DropJob, Keys, Stats, Commit,
-                                    Commits, ReportDevice)}
+                                    Commits, ReportDevice, Expect)}
 Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Demote | Delete
-           | DropJob | Keys | Stats | Commit | Commits | ReportDevice)
+           | DropJob | Keys | Stats | Commit | Commits | ReportDevice | Expect)
 
 
 # ----------------------------------------------------------------- replies
@@ -322,6 +332,8 @@ def _body(cls: type, body: dict) -> Any:
             return Commits()
         case "report_device":
             return ReportDevice(_int(body.get("resident_bytes"), "resident_bytes"))
+        case "expect":
+            return Expect(tuple(_int(n, "size") for n in _list(body.get("sizes"), "sizes")))
         case "commit":
             tag = body.get("tag")
             if type(tag) is not str or not 0 < len(tag) <= MAX_TAG_LENGTH:

@@ -87,6 +87,47 @@ def test_dropping_jobs_and_closing_give_every_descriptor_back():
     assert _fds() == before
 
 
+def test_growth_told_ahead_is_made_as_spares_and_taken_by_the_reserves():
+    """[Note: growth told ahead]: 5 MiB of small tensors (3 segments) and a
+    5 MiB one (its exact segment) are made before any reserve asks, within
+    the room for ``ahead`` more; the reserves then make nothing themselves."""
+    before = _fds()
+    pool = HostPool(32 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        begun = pool.expect([MiB] * 5 + [5 * MiB + 1])
+        large = 5 * MiB + 4096   # page-aligned
+        assert begun == 3 * 2 * MiB + large == pool.spare_bytes
+        assert pool.spare_count == 3 and pool.mapped_bytes == begun
+        seg, _ = pool.allocate("a", 5 * MiB + 1)
+        assert seg.size == large and pool.spare_bytes == 3 * 2 * MiB   # the one made ahead
+        for _ in range(5):
+            pool.allocate("a", MiB)
+        # three spares taken; one made ahead again as the job grows (ahead=1)
+        assert len(pool.job_segments("a")) == 4 and pool.spare_count == 1
+        assert pool.mapped_bytes == large + 4 * 2 * MiB
+    finally:
+        pool.close()
+    assert _fds() == before
+
+
+def test_growth_told_ahead_stays_within_the_budget_and_gives_way():
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=2)
+    try:
+        pool.expect([2 * MiB] * 20 + [20 * MiB])   # more than the whole pool
+        # spares while two more segments fit beside them; the large one never fits
+        assert pool.spare_count == 6 and pool.mapped_bytes == 12 * MiB
+        seg, _ = pool.allocate("b", 10 * MiB)   # spares give their budget back
+        assert seg.size == 10 * MiB and pool.mapped_bytes <= pool.budget
+        assert pool.spare_count == 3
+    finally:
+        pool.close()
+    without = HostPool(16 * MiB, segment_size=2 * MiB, ahead=0)
+    try:
+        assert without.expect([2 * MiB] * 4) == 0 and without.mapped_bytes == 0
+    finally:
+        without.close()
+
+
 def test_ahead_must_not_be_negative():
     with pytest.raises(ValueError, match="ahead=-1"):
         HostPool(8 * MiB, segment_size=2 * MiB, ahead=-1)

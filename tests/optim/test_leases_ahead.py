@@ -1,5 +1,7 @@
 """[Note: leases asked ahead] in tierd.updates.fused: with keys leased per
-use, the daemon's grant of a bucket's keys is asked for before its fetch."""
+use, the daemon's grant of a bucket's keys is asked for before its fetch;
+[Note: growth told ahead] in tierd.backends.hostpool: the pool segments of
+the first step's gradients and state are made before it asks."""
 
 from __future__ import annotations
 
@@ -49,3 +51,29 @@ def test_leases_of_the_next_buckets_are_asked_for_before_their_fetch(daemon, mon
             early.append(b.index)   # another bucket was fetched while its grant came
     assert early
     assert not fused._ahead   # what no fetch took was released as the backward ended
+
+
+def test_an_optimizer_tells_the_daemon_the_first_steps_growth(daemon_factory):
+    # the gradients (4 B/param) and the state made in the first step (a fp32
+    # model: two moments) are announced when the optimizer is built; the
+    # daemon makes their segments then, and the step trains as torch does
+    d = daemon_factory(pool="256MiB", extra=("--pool-threads", "2", "--segment-size", "4MiB"))
+    ref = gpt2()
+    client = tierd.connect(d)
+    model = attach(copy.deepcopy(ref), client=client)
+    params = sum(p.numel() for p in ref.parameters())
+    before = client.stats()
+    assert before["pool_spare_bytes"] <= 2 * (4 << 20)   # the usual two made ahead
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    grown = client.stats()
+    told = 3 * 4 * params                                 # gradients and two moments
+    assert grown["pool_spare_bytes"] >= told, (grown, told)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(2)
+    assert train(model, opt, data[:1]) == train(ref, ref_opt, data[:1])
+    after = client.stats()
+    # the first step took what was made for it: the pool grew by little else
+    assert after["pool_mapped_bytes"] <= grown["pool_mapped_bytes"] + 4 * (4 << 20), (
+        grown, after)
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert_same_weights(model, ref)

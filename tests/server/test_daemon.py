@@ -353,3 +353,24 @@ def test_pool_threads_make_segments_ahead_as_configured(daemon_factory, threads,
         c.put("w", torch.ones(1024))   # the job's first 16 MiB segment, then the spares
         assert c.stats()["pool_mapped_bytes"] == (1 + spares) * (16 << 20)
         assert torch.equal(c.get("w"), torch.ones(1024))
+
+
+def test_growth_told_ahead_is_made_before_the_reserves_that_take_it(daemon_factory):
+    """[Note: growth told ahead]: the segments of a job's expected tensors
+    are made as spares at once; the puts then take them, mapping nothing new."""
+    d = daemon_factory(pool="256MiB", extra=("--pool-threads", "2"))
+    with d.connect() as c:
+        c.expect([40 << 20] + [1 << 20] * 100)   # a 40 MiB tensor, 100 MiB of small ones
+        made = (40 << 20) + 7 * (16 << 20)
+        stats = c.stats()
+        assert stats["pool_spare_bytes"] == stats["pool_mapped_bytes"] == made
+        c.put("big", torch.zeros(10 << 20))      # 40 MiB: the segment made for it
+        for i in range(100):
+            c.put(f"s{i}", torch.zeros(1 << 18))
+        stats = c.stats()
+        assert stats["pool_mapped_bytes"] <= made + 2 * (16 << 20), stats   # + ahead's two
+        assert torch.equal(c.get("s99"), torch.zeros(1 << 18))
+        c.expect([])   # nothing: a no-op
+        with pytest.raises(ValueError, match="sizes are >= 0"):
+            c.expect([1 << 20, -1])
+        assert c.stats()["pool_spare_bytes"] <= 2 * (16 << 20)   # the connection goes on

@@ -45,6 +45,22 @@ in fp32) are such tensors. On the CI machine (2 cores: one thread, so
 fallocate) populating ran 1.7 GB/s on one thread and 3.2 GB/s on two,
 fallocate 4.7 GB/s, and a client's copy into populated pages was 10 %
 faster than into fallocated ones (its page faults cost there, not zeroing).
+
+[Note: growth told ahead]
+``ahead`` spares cover a job that grows steadily. A training job's first
+step grows it at once: every gradient goes to the pool, then the optimizer
+makes its masters and moments (16 B per parameter with AdamW, 21 GB for a
+1.3B model), faster than ``ahead`` threads keep up; on the H200 the capped
+1.3B's first step waited 2.1 s on leases while the daemon made segments
+(`first_step_diag` in the placement bench). The client knows those sizes
+when its optimizer is built, before the first forward, and tells the daemon
+(:meth:`HostPool.expect`): the standard segments they fill are made ahead
+as spares, beyond ``ahead``, and each tensor larger than a segment gets its
+exact segment made ahead too, all on the same threads while the forward
+runs; a reserve of that size takes it. The budget's rule for spares holds
+(room for ``ahead`` more segments besides), and spares are still the first
+thing given back when the budget is needed, so an expectation that does not
+come true costs nothing but pages the budget allows.
 """
 
 from __future__ import annotations
@@ -255,6 +271,9 @@ class HostPool:
         self._next_id = 1
         self.ahead = ahead
         self._spares: deque[Future] = deque()   # (fd, mmap) of standard segments, oldest first
+        #: standard segments jobs said they will take soon ([Note: growth told ahead])
+        self._wanted = 0
+        self._large: dict[int, deque[Future]] = {}   # larger segments made ahead, by size
         self._preparer = (ThreadPoolExecutor(ahead, thread_name_prefix="tierd-pool")
                           if ahead else None)
         # a segment larger than the standard one is made in its reserve, by
@@ -269,8 +288,13 @@ class HostPool:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of the budget in segments: the jobs' and the spares made ahead."""
-        return (sum(s.size for s in self.segments.values())
-                + len(self._spares) * self.segment_size)
+        return sum(s.size for s in self.segments.values()) + self.spare_bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the segments made (or being made) ahead, not yet any job's."""
+        return (len(self._spares) * self.segment_size
+                + sum(size * len(q) for size, q in self._large.items()))
 
     @property
     def spare_count(self) -> int:
@@ -321,8 +345,10 @@ class HostPool:
 
     def _spare_bytes(self, size: int) -> int:
         """Budget a new segment of ``size`` takes from the spares: one spare's,
-        when it is of their size and there is one."""
-        return self.segment_size if size == self.segment_size and self._spares else 0
+        when there is one of its size."""
+        if size == self.segment_size:
+            return self.segment_size if self._spares else 0
+        return size if self._large.get(size) else 0
 
     def free(self, seg: Segment, offset: int) -> None:
         seg.extents.free(offset)
@@ -331,6 +357,9 @@ class HostPool:
     def release_empty(self, exclude: str | None, need: int) -> None:
         """Close spares, then empty segments (of jobs other than ``exclude``),
         until ``need`` bytes of budget are free."""
+        for q in self._large.values():
+            while q and self.budget - self.mapped_bytes < need:
+                _close_memfd(q.pop())
         while self._spares and self.budget - self.mapped_bytes < need:
             _close_memfd(self._spares.pop())   # the newest: perhaps not begun yet
         for seg in list(self.segments.values()):
@@ -350,18 +379,44 @@ class HostPool:
     def close(self) -> None:
         while self._spares:
             _close_memfd(self._spares.pop())
+        for q in self._large.values():
+            while q:
+                _close_memfd(q.pop())
         for threads in (self._preparer, self._populaters):
             if threads is not None:
                 threads.shutdown(wait=True)
         for seg in list(self.segments.values()):
             self.drop_segment(seg)
 
+    def expect(self, sizes) -> int:
+        """A job will store tensors of ``sizes`` bytes soon ([Note: growth
+        told ahead]): begin making the segments they need as spares, within
+        the budget's room; the bytes begun (0 without threads, ``ahead`` 0)."""
+        if self._preparer is None:
+            return 0
+        before, small = self.spare_bytes, 0
+        for n in sizes:
+            n = align_up(max(int(n), 1))
+            if n <= self.segment_size:
+                small += n
+            elif self._room_ahead(n):
+                self._large.setdefault(n, deque()).append(self._preparer.submit(
+                    _make_memfd, "tierd-pool", n, self._populate, self._populaters))
+        self._wanted += -(-small // self.segment_size)
+        self._prepare()
+        return self.spare_bytes - before
+
+    def _room_ahead(self, size: int) -> bool:
+        """Whether a spare of ``size`` leaves the budget room for ``ahead``
+        more segments besides: a pool near its budget (spilling to NVMe)
+        would give each spare back soon after making it."""
+        return self.mapped_bytes + size + self.ahead * self.segment_size <= self.budget
+
     def _prepare(self) -> None:
-        """Begin making spares up to ``ahead`` while the budget keeps room for
-        ``ahead`` more segments besides: a pool near its budget (spilling to
-        NVMe) would give each spare back soon after making it."""
-        while (len(self._spares) < self.ahead
-               and self.mapped_bytes + (1 + self.ahead) * self.segment_size <= self.budget):
+        """Begin making spares up to ``ahead``, or the standard segments jobs
+        said they will take ([Note: growth told ahead]), within the room."""
+        while (len(self._spares) < max(self.ahead, self._wanted)
+               and self._room_ahead(self.segment_size)):
             self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
                                                       self.segment_size, self._populate))
 
@@ -376,9 +431,27 @@ class HostPool:
             log.warning("a pool segment made ahead failed (%s); making it in the reserve", exc)
             return None
 
+    def _take_large(self, size: int) -> tuple[int, mmap.mmap, bool] | None:
+        """A segment of ``size`` made ahead ([Note: growth told ahead]), or None."""
+        q = self._large.get(size)
+        if not q:
+            return None
+        made = q.popleft()
+        if not q:
+            del self._large[size]
+        try:
+            return made.result()
+        except CapacityError as exc:
+            log.warning("a pool segment made ahead failed (%s); making it in the reserve", exc)
+            return None
+
     def _create(self, job: str, size: int) -> Segment:
         began = time.perf_counter()
-        made = self._take_spare() if size == self.segment_size else None
+        if size == self.segment_size:
+            made = self._take_spare()
+            self._wanted = max(0, self._wanted - 1)
+        else:
+            made = self._take_large(size)
         if made is None:
             # The name only labels /proc/<pid>/fd links; a job name (perhaps from
             # an old manifest) is reduced to safe characters and cut short, as the

@@ -280,6 +280,16 @@ class _StoreCalls:
         on its GPU between steps (``tierd status`` shows them per job)."""
         return self._run(_one(P.ReportDevice(int(resident_bytes)), _nothing))
 
+    def expect(self, sizes: Iterable[int]):
+        """Tell the daemon this job will store tensors of ``sizes`` bytes soon,
+        so it makes their pool segments ahead ([Note: growth told ahead] in
+        tierd.backends.hostpool); at most ``MAX_KEYS_PER_REQUEST`` are sent,
+        the largest first."""
+        sizes = sorted((int(n) for n in sizes), reverse=True)[:P.MAX_KEYS_PER_REQUEST]
+        if sizes and sizes[-1] < 0:
+            raise ValueError(f"expect: a tensor size of {sizes[-1]} B; sizes are >= 0")
+        return self._run(_one(P.Expect(tuple(sizes)), _nothing))
+
     def abort(self, keys: Iterable[str]):
         """Give back reserved, unpublished keys."""
         return self._run(_one(P.Abort(_keys(keys)), _nothing))

@@ -131,6 +131,13 @@ class UnmadeState:
             stored = {k: n for k, n in keys.items() if k not in self.keys}
             if session.try_hold(list(stored), sum(keys.values())):
                 self._hold_later.add(session)
+            mine = set(tps)
+            # the first step stores every gradient, then the state made later:
+            # the daemon makes their segments while the forward runs ([Note:
+            # growth told ahead] in tierd.backends.hostpool)
+            session.client.expect(
+                [_nbytes(self.likes[k]) for k, tp in self.keys.items() if tp in mine]
+                + [4 * tp.param.numel() for tp in tps if not tp.grad_in_pool])
 
     def _load_step_counts(self, session, tps: list[TieredParam]) -> None:
         """Step counts a commit stored ([Note: what a training commit holds] in

@@ -384,6 +384,9 @@ class Daemon:
                 case P.ReportDevice(resident_bytes):
                     s.gpu_resident_bytes = resident_bytes
                     return P.Done()
+                case P.Expect(sizes):
+                    self.pool.expect(sizes)
+                    return P.Done()
 
         finally:
             self._run_started()
