@@ -222,3 +222,29 @@ def test_a_deep_model_compiled_whole_runs_a_step_in_as_few_frames_as_a_shallow_o
     assert first > 4   # the premise: the first step ran split at its streamed blocks
     _, shallow = _frames_first_and_warm(2, cap)
     assert deep == shallow <= 2, (shallow, deep)
+
+
+@pytest.mark.parametrize("mode, told", [("whole", True), ("regional", False)])
+def test_a_streaming_plan_under_whole_compile_says_to_compile_each_block(caplog, mode, told):
+    """[Note: a model compiled whole] in tierd.client.placer: compiled whole,
+    a plan that streams (here each unit's optimizer state) is told once that
+    the update cannot overlap backward; compiled per block, nothing is said."""
+    dynamo_reset()
+    ref = _checkpointed_llama(8)
+    cap = int(1.5 * sum(p.numel() * p.element_size() for p in ref.parameters()))
+    model = attach(_checkpointed_llama(8), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=cap)
+    run = _compiled(model, mode, "aot_eager")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="tierd.placement"):
+        for _ in range(5):
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward(); opt.step(); opt.zero_grad()
+            want = ref(input_ids=ids, labels=ids).loss
+            want.backward(); ref_opt.step(); ref_opt.zero_grad()
+            assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+    assert session_of(model).placer.plan.streamed_bytes > 0   # the premise
+    said = [r for r in caplog.records if "compile each block" in r.getMessage()]
+    assert len(said) == int(told), [r.getMessage() for r in said]

@@ -105,6 +105,10 @@ class ModuleHooks:
         self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         entry = step_entry(model)
         self._root_calls = 0   # forwards of the root running now
+        #: whether the step begun last entered the model compiled whole
+        #: (``torch.compile(model)``; [Note: a model compiled whole] in
+        #: tierd.client.placer)
+        self.compiled_whole = False
         if entry is not model:   # [Note: a step begins where the model is entered]
             self._handles += [
                 model.register_forward_pre_hook(self._enter_root),
@@ -168,10 +172,10 @@ class ModuleHooks:
 
     # Hook entry points: what dynamo traces ([Note: hooks under torch.compile]).
     def _begin_step(self, module: nn.Module, args: Any, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
-            self._begin_step_out(input_signature(args, kwargs))
+        if torch.compiler.is_compiling():   # the root traced: compiled whole
+            self._begin_step_out(input_signature(args, kwargs), True)
         else:
-            self._begin_step_body(input_signature(args, kwargs))
+            self._begin_step_body(input_signature(args, kwargs), False)
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         self._root_calls += 1
@@ -196,8 +200,9 @@ class ModuleHooks:
             self._leave(module, output)
 
     # Every body adds its host time to counters.hook_seconds.
-    def _begin_step_body(self, signature: tuple) -> None:
+    def _begin_step_body(self, signature: tuple, compiled: bool) -> None:
         t0 = time.perf_counter()
+        self.compiled_whole = compiled
         self._events.begin_step(signature)
         self.sync()   # placement may have kept units whole, or streamed them again
         self._counters.hook_seconds += time.perf_counter() - t0
