@@ -90,6 +90,38 @@ def test_the_first_step_runs_a_placed_plan_when_memory_is_plenty(monkeypatch):
     assert_same_weights(model, ref)
 
 
+def test_a_plan_that_fails_part_way_leaves_every_unit_streamed(monkeypatch):
+    """Kept units are made resident one unit's leases at a time: when a later
+    unit's lease fails, the units made resident before it stream again, and
+    the same model then trains as torch does."""
+    _fake_device(monkeypatch)
+    cap = _everything(llama) * 2 + (1 << 30)
+    ref = llama()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    session = session_of(model)
+    acquire, calls = session.leases.acquire, []
+
+    def third_fails(keys, *args, **kwargs):
+        calls.append(keys)
+        if len(calls) == 3:
+            raise CapacityError("the pool has no room (injected)")
+        return acquire(keys, *args, **kwargs)
+
+    monkeypatch.setattr(session.leases, "acquire", third_fails)
+    ids = batches(1)[0]
+    with pytest.raises(CapacityError, match="injected"):
+        model(input_ids=ids, labels=ids)
+    assert len(calls) == 3
+    assert not any(tp.resident for tp in session.params.values())
+    assert session.placer.resident_bytes() == 0
+    monkeypatch.setattr(session.leases, "acquire", acquire)
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
 def test_the_estimate_keeps_within_the_free_memory_and_the_measured_plan_shrinks_it(
         monkeypatch):
     extra = _fake_device(monkeypatch)

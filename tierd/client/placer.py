@@ -619,19 +619,24 @@ class Placer:
         model needs no more room than the largest unit (leasing them all at
         once needed the whole plan's bytes in the pool)."""
         session = self._session
-        done: set = set()
-        for params in by_unit:
-            todo = [tp for tp in params if tp not in done]
-            if not todo:
-                continue
-            keys = [tp.key for tp in todo]
-            session.leases.acquire(keys)
-            try:
-                session.registry.set_resident(todo, True, session.leases.views(keys))
-            finally:
-                session.leases.release(keys)
-            done.update(todo)
-            self._placed += todo
+        made: list = []
+        try:
+            for params in by_unit:
+                todo = [tp for tp in params if not tp.resident]   # (a tied one: once)
+                if not todo:
+                    continue
+                keys = [tp.key for tp in todo]
+                session.leases.acquire(keys)
+                try:
+                    session.registry.set_resident(todo, True, session.leases.views(keys))
+                finally:
+                    session.leases.release(keys)
+                made += todo
+        except BaseException:
+            if made:   # all or nothing: their stored values are unchanged, they stream again
+                session.registry.set_resident(made, False)
+            raise
+        self._placed += made
 
     def _demote(self, tps: list) -> bool:
         """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
