@@ -133,8 +133,8 @@ class UnmadeState:
                 self._hold_later.add(session)
             mine = set(tps)
             # the first step stores every gradient, then the state made later:
-            # the daemon makes their segments while the forward runs ([Note:
-            # growth told ahead] in tierd.backends.hostpool)
+            # the daemon makes their segments while the forward runs
+            # ([Note: growth told ahead] in tierd.backends.hostpool)
             session.client.expect(
                 [_nbytes(self.likes[k]) for k, tp in self.keys.items() if tp in mine]
                 + [4 * tp.param.numel() for tp in tps if not tp.grad_in_pool])
