@@ -84,7 +84,8 @@ synchronizations, then two diagnostic steps.
   waits' host seconds per synchronized step and the caching allocator's
   reserved peak, retries and cudaMalloc/cudaFree over them;
   ``first_step_diag``: the same host counters over the first (measuring)
-  step, with the GB it copied each way.
+  step, with the GB it copied each way, and the daemon's pool over it: GB
+  made ahead when it began, GB grown, seconds reserves spent making segments.
 
 A model process's output is kept in ``DIR/<model>/run.log``.
 
@@ -358,10 +359,12 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         fn = steploop.train_step(built, opt, ids, device)
         session = session_of(built)
         before_plan, start, first = plan_of(session), session.stats(), {}
+        pool = {"start": session.client.stats()}   # the daemon's, after the optimizer told it
 
         def observe():
             if not first:   # the host's counters over the first (measuring) step
                 first.update(session.stats())
+                pool["first"] = session.client.stats()
             return plan_of(session)
 
         marks = []   # the counters and the allocator's after the back-to-back steps
@@ -391,18 +394,27 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "pcie_out_gb": (after["d2h_bytes"] - before["d2h_bytes"]) / n / GB,
                 "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
                 "resident_gb": after["resident_bytes"] / GB, "placement": after["placement"],
-                "tierd_diag": diag, "first_step_diag": first_step_diag(start, first)}
+                "tierd_diag": diag,
+                "first_step_diag": first_step_diag(start, first, pool["start"], pool["first"])}
     finally:
         detach(built)
 
 
-def first_step_diag(start: dict, first: dict) -> dict:
+def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict) -> dict:
     """Where the first step's host time went: the session's counters over it
-    (seconds in hooks, in the optimizer, waiting; GB copied each way)."""
+    (seconds in hooks, in the optimizer, waiting; GB copied each way), and the
+    daemon's pool: the GB made ahead when it began ([Note: growth told ahead]
+    in tierd.backends.hostpool), the GB it grew by, and the seconds its
+    reserves spent making segments meanwhile."""
     out = {k: first[k] - start[k] for k in ("hook_seconds", "optimizer_seconds",
                                              "wait_seconds", "lease_wait_seconds")}
     out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
                 for k in ("h2d_bytes", "d2h_bytes")})
+    out.update({"pool_spare_gb_at_start": pool_start["pool_spare_bytes"] / GB,
+                "pool_grown_gb": (pool_first["pool_mapped_bytes"]
+                                  - pool_start["pool_mapped_bytes"]) / GB,
+                "pool_segment_wait_s": (pool_first["pool_segment_wait_s"]
+                                        - pool_start["pool_segment_wait_s"])})
     return out
 
 
