@@ -114,6 +114,7 @@ from pathlib import Path
 import torch
 
 from tierd.bench import steploop
+from tierd.client.torch_internals import free_pinned_host_cache
 from tierd.bench.bigmodel_models import BASES, Shape, checkpointed, default_dtype, llama_config
 
 GB = 1e9
@@ -297,7 +298,7 @@ def pcie_bandwidths(device: torch.device, nbytes: int = 256 << 20) -> dict:
         return out
     rates = {"h2d": best(True, False), "d2h": best(False, True), "both": best(True, True)}
     del host_in, host_out, dev_in, dev_out
-    torch.accelerator.empty_host_cache()   # the pool page-locks what the host allows
+    free_pinned_host_cache()   # the pool page-locks what the host allows
     return rates
 
 
