@@ -100,6 +100,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import re
 import statistics
@@ -690,6 +691,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(format="[%(name)s] %(message)s")
+    logging.getLogger("tierd.placement").setLevel(logging.DEBUG)   # each plan, to stderr
     if args.merge:
         for source in args.merge:
             got = json.loads(source.read_text())

@@ -393,6 +393,10 @@ class Placer:
             self._window = self._updates.update_window()
         non_model = 0 if memory is None else \
             max(0, memory[0] - self._base - self.resident_bytes()) + self._window
+        if memory is not None:
+            log.debug("tierd placement read a step: peak %d, before attach %d, the plan %d, "
+                      "update window %d, free %d -> %d besides the plan", memory[0],
+                      self._base, self.resident_bytes(), self._window, memory[1], non_model)
         if self._on_final_activations:   # a step on a plan activation tiering left is no guide
             self._shapes.record(self._signature, non_model, estimated=self._window > 0)
         return non_model
