@@ -108,6 +108,86 @@ def test_backward_frees_each_parameter_once_its_gradient_is_taken():
     assert session.counters.backwards == 1
 
 
+class _AdaptedBlock(nn.Module):
+    """A frozen base layer and a small trainable adapter beside it (LoRA's shape)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down = nn.Linear(width, 2, bias=False)
+        self.up = nn.Linear(2, width, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class _AdaptedStack(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 6, *, checkpoint: str = "none",
+                 twice: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(_AdaptedBlock(width) for _ in range(depth))
+        self.checkpoint, self.twice = checkpoint, twice
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            for _ in range(2 if self.twice else 1):
+                if self.checkpoint == "none":
+                    x = block(x)
+                else:
+                    x = torch.utils.checkpoint.checkpoint(
+                        block, x, use_reentrant=self.checkpoint == "reentrant")
+        return x
+
+
+def _frozen_on_device(model: nn.Module) -> int:
+    """Blocks whose frozen weight is on the device now."""
+    return sum(tp.storage_bytes > 0 for tp in session_of(model).params.values()
+               if tp.name.endswith("base.weight"))
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "non-reentrant", "reentrant"])
+def test_backward_frees_a_units_frozen_parameters_once_its_backward_is_done(checkpoint):
+    """A frozen parameter gets no gradient to say when it is done with: it is
+    freed when the gradients of its unit's inputs are computed, not when the
+    whole backward ends (a LoRA base of 70B held every streamed block at once)."""
+    ref = _AdaptedStack(checkpoint=checkpoint)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    seen = []
+    for block in model.blocks:
+        block.register_full_backward_pre_hook(lambda m, g: seen.append(_frozen_on_device(model)))
+    opt = tierd.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                foreach=False)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert seen and max(seen) <= 2   # the running block's, and the next one's prefetched
+    assert _storage_bytes(model) == 0
+    assert_same_weights(model, ref)
+    detach(model)
+
+
+def test_a_unit_run_twice_keeps_its_frozen_parameters_for_both_backwards():
+    ref = _AdaptedStack(depth=3, twice=True)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                foreach=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    assert_same_weights(model, ref)
+    assert _storage_bytes(model) == 0
+    detach(model)
+
+
 def test_a_full_pool_fails_clearly_and_keeps_the_model_usable():
     model = _mlp(depth=2)
     store = LocalStore(pool_bytes=1024)   # smaller than the parameters

@@ -731,3 +731,37 @@ def test_back_to_back_readings_under_the_cap_keep_the_plan_and_a_peak_near_it_re
     assert placer.replans == 1 and placer.plan.device_bytes < plan.device_bytes
     assert losses == train(ref, ref_opt, data)   # bitwise, across the change of plan
     assert_same_weights(model, ref)
+
+
+def test_decoding_places_once_though_the_attention_mask_grows_each_token(caplog):
+    """Decoding with a KV cache passes an attention mask one token longer
+    every call (as transformers 4.x's ``generate`` does): a forward without
+    autograd within an eighth of a measured shape runs on the plan, so the
+    model is placed after the prompt's forward instead of streaming
+    everything again for every token; a prompt twice as long is measured."""
+    ref = llama().eval()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=1 << 30)
+    placer = session_of(model).placer
+    prompt = batches(1, batch=1, seq=16)[0]
+
+    def decode(m, tokens: int) -> list[int]:
+        ids, mask = prompt, torch.ones_like(prompt)
+        out = m(input_ids=ids, attention_mask=mask, use_cache=True)
+        got = []
+        for _ in range(tokens):
+            ids = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            got.append(int(ids))
+            out = m(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values,
+                    use_cache=True)
+        return got
+
+    with caplog.at_level("INFO", logger="tierd.placement"), torch.no_grad():
+        assert decode(model, 2) == decode(ref, 2)   # 18 tokens: within an eighth of 16
+    assert placer.state is PlacerState.PLACED and placer.resident_bytes() > 0
+    assert "inputs changed" not in caplog.text
+    with torch.no_grad():
+        model(torch.cat([prompt, prompt], dim=1))
+    assert placer.state is PlacerState.MEASURING
+    detach(model)

@@ -26,10 +26,33 @@ backward is done with them. In backward a unit's parameters are made resident
 when the first gradient of the unit's outputs arrives (a multi-grad hook on
 the outputs, like FSDP2's pre-backward). A parameter that requires grad is
 freed right after autograd has accumulated its gradient, which is after every
-backward node that takes it as input has run; the rest are freed when the
-backward graph task that brought them in ends (an engine callback). Freeing
-resizes the storage to 0, see [Note: why resize the storage instead of
-swapping ``.data``] in ``tiered_param``.
+backward node that takes it as input has run; a frozen one when its unit's
+backward is done ([Note: frozen parameters freed after their unit's
+backward]), else when the backward graph task that brought it in ends (an
+engine callback). Freeing resizes the storage to 0, see [Note: why resize
+the storage instead of swapping ``.data``] in ``tiered_param``.
+
+[Note: frozen parameters freed after their unit's backward]
+A frozen parameter gets no gradient, so nothing autograd does says when the
+last node that reads it has run. Held until the backward ended, a LoRA step
+over a 70B frozen base held every streamed block at once (H200, capped at
+80 GB: the first step peaked at 142 GB, and placement, reading that, kept
+nothing on the GPU). So, as FSDP2 does, a unit whose streamed parameters
+include frozen ones hooks the tensors its forward takes that require grad
+(a multi-grad hook, mode "all"): once their gradients are computed, every
+backward node between the unit's outputs and its inputs has run, and its
+frozen parameters brought in by backward are freed. A unit run twice in a
+step is entered by backward twice; its pre-backward hooks and these are
+counted per unit (``Mover.after_backward``), and it is freed when the
+count falls to zero, so the earlier run still finds its parameters. A unit
+whose inputs need no gradient (the first block of a frozen base), or a
+model compiled whole (no hook is traced there), keeps the rule above: freed
+when the backward ends. What this cannot see: a frozen weight read by a
+node whose gradient flows only into a trainable parameter of the same
+unit, never to its inputs (``W @ adapter`` as a parameter's own path);
+such a node may run after the inputs' gradients and find the weight freed
+(an error, not a wrong value); LoRA and the models tierd is measured on
+have no such node.
 
 """
 
@@ -236,6 +259,10 @@ class AttachSession:
         for opt in self.optimizers:
             opt.prefetch()
 
+    def post_backward(self, unit: Unit) -> None:
+        self.backward.enter()
+        self.mover.after_backward(unit)
+
     def on_grad(self, param: torch.Tensor) -> None:
         """Autograd accumulated a gradient into ``param`` (either tensor of a
         parameter: [Note: the two tensors of a parameter]): hand it to a fused
@@ -268,7 +295,7 @@ class AttachSession:
         if self.share is not None and outermost:
             self.share.reducer.flush()
         self.grads.flush()
-        self.mover.free_task(task)
+        self.mover.free_task(task, outermost=outermost)
         if outermost:
             self.counters.backwards += 1
             for opt in self.optimizers:

@@ -101,6 +101,7 @@ class ModuleHooks:
         self._handles: list[Any] = []
         self._unit_handles: dict[int, tuple[Any, Any]] = {}   # unit index -> its two hooks
         self._depth: dict[int, int] = {}   # unit index -> forwards of it running now
+        self._post_handles: list[Any] = []   # post-backward hooks of the step begun last
         self._loading: list[tuple[nn.Module, str]] = []   # holders swapped for a load
         self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         entry = step_entry(model)
@@ -148,7 +149,7 @@ class ModuleHooks:
             if unit.params and not hooked:
                 module = self._registry.unit_modules[unit.index]
                 self._unit_handles[unit.index] = (
-                    module.register_forward_pre_hook(self._pre_forward),
+                    module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                     module.register_forward_hook(self._post_forward, always_call=True))
                 changed = True
             elif not unit.params and hooked:
@@ -158,7 +159,15 @@ class ModuleHooks:
         if changed:
             forget_compiled_code()
 
+    def _drop_post_backward(self) -> None:
+        """The last step's post-backward hooks off the tensors that outlive it
+        (an input the caller passes again); a graph's own tensors drop theirs."""
+        for handle in self._post_handles:
+            handle.remove()
+        self._post_handles.clear()
+
     def remove(self) -> None:
+        self._drop_post_backward()
         for handle in self._handles:
             handle.remove()
         for handles in self._unit_handles.values():
@@ -187,11 +196,15 @@ class ModuleHooks:
         if self._root_calls == 0:   # called directly, not from the root's forward
             self._begin_step(module, args, kwargs)
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict | None = None) -> None:
+        # kwargs None: the root's step hook just removed this hook (its unit
+        # placed whole); torch still calls it, from the list it took before,
+        # without kwargs
         if torch.compiler.is_compiling():
             self._enter_out(module)
         else:
             self._enter(module)
+            self._register_post_backward(module, (args, kwargs or {}))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -203,6 +216,7 @@ class ModuleHooks:
     def _begin_step_body(self, signature: tuple, compiled: bool) -> None:
         t0 = time.perf_counter()
         self.compiled_whole = compiled
+        self._drop_post_backward()
         self._events.begin_step(signature)
         self.sync()   # placement may have kept units whole, or streamed them again
         self._counters.hook_seconds += time.perf_counter() - t0
@@ -241,6 +255,33 @@ class ModuleHooks:
             self._events.pre_backward(unit)
             self._counters.hook_seconds += time.perf_counter() - t0
         return hook
+
+    def _post_backward_of(self, unit: Unit) -> Callable[[Any], None]:
+        backwards = self._counters.backwards
+
+        def hook(grads: Any) -> None:
+            if self._counters.backwards != backwards:
+                return   # a later backward reached an input kept since (a leaf reused)
+            t0 = time.perf_counter()
+            self._events.post_backward(unit)
+            self._counters.hook_seconds += time.perf_counter() - t0
+        return hook
+
+    def _register_post_backward(self, module: nn.Module, inputs: Any) -> None:
+        """[Note: frozen parameters freed after their unit's backward] in
+        tierd.client.attached: only for units with frozen parameters streamed."""
+        if not torch.is_grad_enabled():
+            return
+        unit = self._registry.unit_of[id(module)]
+        if not unit.params or all(tp.param.requires_grad for tp in unit.params):
+            return
+        tensors = [t for t in tree_flatten(inputs)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            # fires once per backward, when every input's gradient is computed,
+            # i.e. after every backward node between the unit's outputs and inputs
+            self._post_handles.append(torch.autograd.graph.register_multi_grad_hook(
+                tensors, self._post_backward_of(unit), mode="all"))
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         if not torch.is_grad_enabled() or not unit.params:

@@ -62,6 +62,7 @@ class Mover:
         self.optimizers = optimizers
         self.planner = self._new_planner()
         self._holds: dict[TieredParam, int] = {}     # forward calls using it now
+        self._in_backward: dict[int, int] = {}   # unit index -> its backwards begun, not ended
         self._leased: set[TieredParam] = set()       # leases asked for, not copied
         self._announced: list[TieredParam] = []      # prefetched, copy not started
         self._device_bytes = 0                       # [Note: the device budget]
@@ -125,20 +126,38 @@ class Mover:
     def enter_backward(self, unit: Unit, task: int) -> None:
         """The first gradient of ``unit``'s outputs arrived in backward ``task``."""
         self.require(unit)
+        self._in_backward[unit.index] = self._in_backward.get(unit.index, 0) + 1
         for tp in unit.params:
             if tp.backward_task == -1:
                 tp.backward_task = task
+
+    def after_backward(self, unit: Unit) -> None:
+        """The gradients of ``unit``'s inputs are computed: once every backward
+        of it that began has ended, its frozen parameters go ([Note: frozen
+        parameters freed after their unit's backward] in tierd.client.attached)."""
+        left = self._in_backward.get(unit.index, 0)
+        if left == 0:
+            return   # no pre-backward of it counted: the backward's end frees it
+        if left > 1:
+            self._in_backward[unit.index] = left - 1
+            return
+        del self._in_backward[unit.index]
+        for tp in unit.params:
+            if not tp.param.requires_grad and tp.backward_task != -1:
+                self.done_with(tp)
 
     def done_with(self, tp: TieredParam) -> None:
         """Autograd accumulated ``tp``'s gradient: free it unless a forward holds it."""
         if tp.state is ParamState.DEVICE and not tp.resident and self._holds.get(tp, 0) == 0:
             self._free(tp)
 
-    def free_task(self, task: int) -> None:
+    def free_task(self, task: int, *, outermost: bool = True) -> None:
         """Backward task ``task`` ended: free what it brought in."""
         for tp in self.registry.params.values():
             if tp.backward_task == task:
                 self.done_with(tp)
+        if outermost:
+            self._in_backward.clear()
 
     # ------------------------------------------------------------- movement
     def require(self, unit: Unit) -> None:

@@ -33,6 +33,9 @@ class StepEvents(Protocol):
     def pre_backward(self, unit: Any) -> None:
         """The first gradient of ``unit``'s outputs arrived."""
 
+    def post_backward(self, unit: Any) -> None:
+        """The gradients of ``unit``'s inputs are computed: its backward is done."""
+
     def gradient_arrives(self) -> None:
         """Autograd is about to accumulate a parameter's gradient."""
 

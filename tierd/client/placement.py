@@ -481,6 +481,8 @@ class MeasuredShapes:
         >>> shapes.record(((8, 1024),), 30); shapes.record(((16, 512),), 20)
         >>> shapes.covers(((8, 512),)), shapes.covers(((16, 1024),)), shapes.peak()
         (True, False, 30)
+        >>> shapes.covers(((8, 1100),)), shapes.covers(((8, 1100),), slack=1 / 8)
+        (False, True)
         >>> shapes.record(((8, 1024),), 25); shapes.peak()   # 30 was no estimate: kept
         30
         >>> shapes.record(((4, 64),), 90, estimated=True); shapes.record(((4, 64),), 10)
@@ -506,10 +508,12 @@ class MeasuredShapes:
             self._estimated.add(signature)
         self._peaks[signature] = max(peak, self._peaks.get(signature, 0))
 
-    def covers(self, signature: tuple) -> bool:
+    def covers(self, signature: tuple, slack: float = 0.0) -> bool:
+        """Whether a shape measured is at least ``signature`` in every
+        dimension (within a fraction ``slack`` of it)."""
         return any(len(s) == len(signature) and all(
-            len(a) == len(b) and all(x <= y for x, y in zip(b, a)) for a, b in zip(s, signature))
-            for s in self._peaks)
+            len(a) == len(b) and all(x <= y * (1 + slack) for x, y in zip(b, a))
+            for a, b in zip(s, signature)) for s in self._peaks)
 
     def peak(self) -> int:
         return max(self._peaks.values(), default=0)

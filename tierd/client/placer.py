@@ -21,7 +21,12 @@ only on the device]) and that step is measured: one slow step, never an
 out-of-memory error.
 Each shape's peak is kept (``MeasuredShapes``) and the plan is for the
 largest, so shapes no larger than one measured (lengths that vary by batch)
-run on it. On the CPU nothing is measured: placement runs only with an
+run on it. A forward without autograd may be up to an eighth larger than a
+shape measured: decoding with a KV cache passes an attention mask one token
+longer every call (transformers 4.x's ``generate``), and streaming
+everything again for each token would never place the model. Such a forward's activations are freed layer by layer and its
+cache grows by a token's keys and values, which the next reading
+catches ([Note: a plan changes for memory, not for a different reading]). On the CPU nothing is measured: placement runs only with an
 explicit ``gpu_memory_bytes`` (for tests), against that budget.
 
 [Note: the plan before a step is measured]
@@ -197,6 +202,9 @@ from tierd.errors import CapacityError
 log = logging.getLogger("tierd.placement")
 
 _MARGIN_MIN = 1 << 30       # CUDA: fragmentation and allocator slack
+#: a forward without autograd this much larger than a shape measured runs on
+#: the plan ([Note: measuring the step for placement])
+_DECODING_SLACK = 1 / 8
 _MARGIN_FRACTION = 0.04
 
 
@@ -307,7 +315,8 @@ class Placer:
             return
         non_model = self._read_step()
         changed = self._signature is not None and signature != self._signature \
-            and not self._shapes.covers(signature)
+            and not self._shapes.covers(signature, 0.0 if torch.is_grad_enabled()
+                                        else _DECODING_SLACK)
         # [Note: a plan changes for memory, not for a different reading]; the
         # update window a step without the fused update assumes is no reading
         peak = non_model - self._window + self.resident_bytes()
