@@ -163,11 +163,12 @@ def update_window(buckets: list[Bucket], prefetch_bytes: int) -> int:
     """Most device bytes a fused update over ``buckets`` holds at once in a
     backward, resident state aside: streamed buckets' state fetched within
     twice ``prefetch_bytes`` plus the one updating now (fetched whatever its
-    size), and one bucket's gradients as delivered and in fp32."""
+    size), never more than all of it (a LoRA model's adapters: well under the
+    prefetch), and one bucket's gradients as delivered and in fp32."""
     if not buckets:
         return 0
     grads = max(sum(tp.param.numel() * (4 + tp.param.element_size()) for tp in b.tps)
                 for b in buckets)
     streamed = [b.nbytes for b in buckets if not b.pinned and not b.cpu]
-    return grads + (2 * prefetch_bytes + max(streamed) if streamed else 0)
+    return grads + (min(2 * prefetch_bytes + max(streamed), sum(streamed)) if streamed else 0)
 
