@@ -81,7 +81,8 @@ synchronizations, then two diagnostic steps.
   backward and ``step()`` seconds, and one profiled step into compute-stream
   busy time and the idle time beside copies or beside nothing
   (``attach_step.profile``); tierd's also has its hooks', optimizer's and
-  waits' host seconds per synchronized step and the caching allocator's
+  waits' host seconds per synchronized step (lease waits also split by the
+  kind of key: compute copies, gradients, state) and the caching allocator's
   reserved peak, retries and cudaMalloc/cudaFree over them;
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way, and the daemon's pool over it: GB
@@ -380,8 +381,7 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         n = args.sync_steps
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
-                         for k in ("hook_seconds", "optimizer_seconds", "wait_seconds",
-                                   "lease_wait_seconds")})
+                         for k in WAITS})
             diag["allocator"] = alloc
         at, changes = plan_changes(loop.observed + synced.observed, before_plan)
         return {"tierd_s": figures["s"], "tierd_run_s": figures["run_s"],
@@ -400,14 +400,20 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         detach(built)
 
 
+#: the session's host counters the diagnostics report (seconds): in hooks, in
+#: the optimizer, waiting, on lease replies, and those split by the kind of
+#: key a reply was first read for
+WAITS = ("hook_seconds", "optimizer_seconds", "wait_seconds", "lease_wait_seconds",
+         "lease_wait_weights_s", "lease_wait_grads_s", "lease_wait_state_s")
+
+
 def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict) -> dict:
     """Where the first step's host time went: the session's counters over it
     (seconds in hooks, in the optimizer, waiting; GB copied each way), and the
     daemon's pool: the GB made ahead when it began ([Note: growth told ahead]
     in tierd.backends.hostpool), the GB it grew by, and the seconds its
     reserves spent making segments meanwhile."""
-    out = {k: first[k] - start[k] for k in ("hook_seconds", "optimizer_seconds",
-                                             "wait_seconds", "lease_wait_seconds")}
+    out = {k: first[k] - start[k] for k in WAITS}
     out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
                 for k in ("h2d_bytes", "d2h_bytes")})
     out.update({"pool_spare_gb_at_start": pool_start["pool_spare_bytes"] / GB,

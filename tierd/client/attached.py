@@ -99,6 +99,9 @@ class SessionStats:
     optimizer_seconds: float = 0.0  # of which: launching fused optimizer updates
     wait_seconds: float = 0.0      # host time blocked on replies, copies, collectives (hooks and step())
     lease_wait_seconds: float = 0.0  # of which: on the daemon's lease replies
+    lease_wait_weights_s: float = 0.0  # ... of which: first asked for a compute copy
+    lease_wait_grads_s: float = 0.0    # ... for a gradient
+    lease_wait_state_s: float = 0.0    # ... for a master or optimizer state
     requests: int = 0              # requests sent to the daemon
     master_copy_bytes: int = 0     # compute copies cast from fetched fp32 masters, not copied in
     steps: int = 0                 # root forwards that began a step

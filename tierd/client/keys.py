@@ -27,6 +27,20 @@ from dataclasses import dataclass
 ATTACH_ROOT = "tierd-attach"
 ACTIVATION_ROOT = "tierd-act"
 
+_KINDS = {"p": "weights", "grad": "grads", "master": "state", "optim": "state"}
+
+
+def key_kind(key: str) -> str | None:
+    """What an attached model's key holds: "weights" (compute copies),
+    "grads", "state" (masters and optimizer state); None for other keys.
+
+    Example:
+        >>> key_kind(ModelKeys("tierd-attach/m").grad("h.0.w")), key_kind("tierd-act/x/0")
+        ('grads', None)
+    """
+    parts = key.split("/", 3)
+    return _KINDS.get(parts[2]) if len(parts) > 3 and parts[0] == ATTACH_ROOT else None
+
 
 def random_name() -> str:
     return uuid.uuid4().hex[:12]

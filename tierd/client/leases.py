@@ -31,6 +31,7 @@ from collections.abc import Iterable
 import torch
 
 from tierd.errors import CapacityError
+from tierd.client.keys import key_kind
 
 
 class LeaseBatch:
@@ -111,6 +112,10 @@ class LeaseTable:
         waited = time.perf_counter() - t0
         self._stats.wait_seconds += waited
         self._stats.lease_wait_seconds += waited
+        kind = key_kind(key)   # the wait is the request's: named for the key that met it
+        if kind is not None and waited:
+            name = f"lease_wait_{kind}_s"
+            setattr(self._stats, name, getattr(self._stats, name) + waited)
         return None if views is None else views[key]
 
     def views(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
