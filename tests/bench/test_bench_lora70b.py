@@ -50,6 +50,8 @@ def test_training_rows_have_the_step_times_and_the_larger_floor(tiny):
     # on the CPU only a cap places: some units stay, the rest stream every step
     assert capped["placement"] == "placed" and 0 < capped["resident_gb"] < capped["cap_gb"]
     assert capped["pcie_in_gb"] > 0 and capped["plan_changes"] == 0
+    # the tiny model fits the test daemon's pool: nothing crosses NVMe
+    assert capped["nvme_read_gb"] == capped["nvme_write_gb"] == 0 and capped["pool_gb"] > 0
     assert rows["lora-default"]["placement"] == "off" and rows["lora-default"]["cap_gb"] is None
     assert rows["build"]["built_by"] in ("lora-24g", "lora-default", "generate-80g")
 

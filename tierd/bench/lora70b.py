@@ -79,7 +79,10 @@ Writes ``DIR/lora70b-<device>-<commit>.json``: ``{"commit", "device",
   events), ``first_step_s``, ``worst_step_s`` (after ``--warmup``),
   ``steps_s``, ``steps_run``, ``plan_changes``, ``placement``,
   ``resident_gb``, ``pcie_in_gb`` / ``pcie_out_gb`` (copied per steady
-  step: the median of the steps after warm-up), ``peak_gb`` (allocator);
+  step: the median of the steps after warm-up), ``peak_gb`` (allocator),
+  ``nvme_read_gb`` / ``nvme_write_gb`` (the daemon's NVMe traffic per
+  steady step: where the streamed base exceeds ``pool_gb``, the pool's
+  size, the excess is read from the disk, which no floor here counts);
   ``step_flops``, ``tflops``, ``compute_floor_s`` (FLOPs over ``tflops``),
   ``pcie_floor_s`` (the copies' time at the measured bandwidths: the
   larger of in / host-to-device, out / device-to-host and both / both-ways;
@@ -368,22 +371,26 @@ def build_attached(case: Case, shape: Shape, args, device: torch.device, *, trai
 
 
 def traffic(session) -> tuple:
-    """What the attached model's counters say after a step: its plan and bytes copied."""
+    """What the counters say after a step: the attached model's plan and
+    bytes copied in and out, and the daemon's bytes read from and written
+    to NVMe (the part of the streamed base the pool cannot hold)."""
     from tierd.bench.placement import plan_of
-    stats = session.stats()
-    return plan_of(session), stats["h2d_bytes"], stats["d2h_bytes"]
+    stats, daemon = session.stats(), session.client.stats()
+    return (plan_of(session), stats["h2d_bytes"], stats["d2h_bytes"],
+            daemon["bytes_to_pool"], daemon["bytes_to_nvme"])
 
 
-def per_step(observed: list, skip: int) -> tuple[float, float]:
-    """Median bytes copied in and out per step, from the counters before the
-    first step and after each (``traffic``), the first ``skip`` steps left out
+def per_step(observed: list, skip: int) -> tuple[float, ...]:
+    """Median bytes per step of each counter ``traffic`` returns after the
+    plan (copied in, out, read from NVMe, written to it), from the counters
+    before the first step and after each, the first ``skip`` steps left out
     (all steps where none would be left)."""
     pairs = list(zip(observed, observed[1:]))
     steps = pairs[skip:] or pairs
     if not steps:
-        return 0.0, 0.0
-    return (statistics.median(b[1] - a[1] for a, b in steps),
-            statistics.median(b[2] - a[2] for a, b in steps))
+        return (0.0,) * (len(observed[0]) - 1)
+    return tuple(statistics.median(b[i] - a[i] for a, b in steps)
+                 for i in range(1, len(observed[0])))
 
 
 def floors(row: dict, rates: dict, tflops: float) -> dict:
@@ -406,7 +413,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
     seconds, peaks, observed = lora_loop(model, device, tokens(shape, 1, args.seq, device),
                                          args, deadline, lambda: traffic(session))
     s = steploop.summary(seconds, args.warmup)
-    pin, pout = per_step([before] + observed, args.warmup)
+    pin, pout, nvme_in, nvme_out = per_step([before] + observed, args.warmup)
     stats = session.stats()
     row = {**build, "tierd_s": s["median_s"], "first_step_s": s["first_step_s"],
            "worst_step_s": s["worst_step_s"], "steady_steps": s["steady_steps"],
@@ -414,6 +421,8 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "plan_changes": plan_changes([o[0] for o in observed], before[0])[1],
            "placement": stats["placement"], "resident_gb": stats["resident_bytes"] / GB,
            "pcie_in_gb": pin / GB, "pcie_out_gb": pout / GB, "peak_gb": max(peaks) / GB,
+           "nvme_read_gb": nvme_in / GB, "nvme_write_gb": nvme_out / GB,
+           "pool_gb": session.pool_bytes / GB,
            "step_flops": lora_step_flops(shape, args.seq, args.rank),
            "tflops": calibration["tflops"], "calibration": calibration,
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
