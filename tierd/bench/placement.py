@@ -86,7 +86,8 @@ synchronizations, then two diagnostic steps.
   reserved peak, retries and cudaMalloc/cudaFree over them;
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way, and the daemon's pool over it: GB
-  made ahead when it began, GB grown, seconds reserves spent making segments.
+  made ahead when it began, GB grown, seconds reserves spent making
+  segments, GB written to and read from NVMe.
 
 A model process's output is kept in ``DIR/<model>/run.log``.
 
@@ -411,8 +412,10 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
     """Where the first step's host time went: the session's counters over it
     (seconds in hooks, in the optimizer, waiting; GB copied each way), and the
     daemon's pool: the GB made ahead when it began ([Note: growth told ahead]
-    in tierd.backends.hostpool), the GB it grew by, and the seconds its
-    reserves spent making segments meanwhile."""
+    in tierd.backends.hostpool), the GB it grew by, the seconds its
+    reserves spent making segments meanwhile, and the GB it wrote to and
+    read from NVMe (a pool too small for the first update's gradients and
+    new state spills)."""
     out = {k: first[k] - start[k] for k in WAITS}
     out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
                 for k in ("h2d_bytes", "d2h_bytes")})
@@ -420,7 +423,11 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
                 "pool_grown_gb": (pool_first["pool_mapped_bytes"]
                                   - pool_start["pool_mapped_bytes"]) / GB,
                 "pool_segment_wait_s": (pool_first["pool_segment_wait_s"]
-                                        - pool_start["pool_segment_wait_s"])})
+                                        - pool_start["pool_segment_wait_s"]),
+                "nvme_written_gb": (pool_first["bytes_to_nvme"]
+                                    - pool_start["bytes_to_nvme"]) / GB,
+                "nvme_read_gb": (pool_first["bytes_to_pool"]
+                                 - pool_start["bytes_to_pool"]) / GB})
     return out
 
 
