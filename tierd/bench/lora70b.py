@@ -86,14 +86,20 @@ Writes ``DIR/lora70b-<device>-<commit>.json``: ``{"commit", "device",
   ``step_flops``, ``tflops``, ``compute_floor_s`` (FLOPs over ``tflops``),
   ``pcie_floor_s`` (the copies' time at the measured bandwidths: the
   larger of in / host-to-device, out / device-to-host and both / both-ways;
-  with copies mostly one way, the one-way bandwidth binds), ``floor_s``
-  (the larger) and ``binding`` (which); ``allgpu`` has ``allgpu_s``;
+  with copies mostly one way, the one-way bandwidth binds),
+  ``nvme_must_read_gb`` and ``nvme_floor_s`` (a tierd row: the frozen base
+  crosses PCIe once in the forward and once in backward's recompute, and
+  the pool keeps at most its size of it between them, so the rest of each
+  pass is read from the disk, at ``disk_read_gbps``: :func:`nvme_floor`,
+  :func:`disk_read_rate`), ``floor_s`` (the largest) and ``binding``
+  (which); ``allgpu`` has ``allgpu_s``;
 - generation: ``new_tokens``, ``first_token_s`` (prompt to first token,
   the measuring step included), ``tokens_per_s`` (new tokens over the whole
   call), ``decode_tokens_per_s`` (tokens after the first
   ``--warmup-tokens`` over their time), ``token_s`` (each token's seconds),
-  ``pcie_in_gb_per_token`` and ``token_floor_s`` (that at the
-  host-to-device bandwidth); the peer's row has ``peer`` and its device map
+  ``pcie_in_gb_per_token``, ``nvme_read_gb_per_token`` and
+  ``token_floor_s`` (the larger of that at the host-to-device bandwidth
+  and what the disk must read, as below); the peer's row has ``peer`` and its device map
   (``gpu_layers``, ``cpu_layers``), and ``stopped_by_budget`` where the
   budget ended the generation early.
 """
@@ -393,12 +399,57 @@ def per_step(observed: list, skip: int) -> tuple[float, ...]:
                  for i in range(1, len(observed[0])))
 
 
-def floors(row: dict, rates: dict, tflops: float) -> dict:
+def disk_read_rate(args) -> float | None:
+    """Bytes per second the disk under the embedded daemon's NVMe files reads
+    (``tierd.bench.nvme.mixed_probe``'s sequential O_DIRECT read of
+    ``--disk-probe-gib``), or None with the probe off."""
+    if not args.disk_probe_gib:
+        return None
+    import shutil
+    import tempfile
+    from tierd.bench.nvme import MiB, mixed_probe
+    from tierd.client.embedded import nvme_root
+    nbytes = max(8 * MiB, int(args.disk_probe_gib * (1 << 30)) // (8 * MiB) * (8 * MiB))
+    nvme_root().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="lora70b-disk-probe-", dir=nvme_root()))
+    try:
+        return mixed_probe(work, nbytes)["read_GBps"] * GB
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def nvme_floor(streamed: float, passes: int, pool: float, read_rate: float | None
+               ) -> tuple[float | None, float]:
+    """Seconds the disk needs at least, and the bytes it must read: the
+    frozen base streams ``streamed`` bytes over ``passes`` passes (a LoRA
+    step's forward and its backward's recompute: 2; a token: 1); between
+    passes the pool keeps at most its ``pool`` bytes of it, so each pass
+    reads the rest from the disk.
+
+    Example:
+        >>> nvme_floor(300e9, 2, 100e9, 2e9)   # 150 GB a pass, 50 of it from the disk
+        (50.0, 100000000000.0)
+    """
+    must = passes * max(0.0, streamed / passes - pool)
+    return (None if read_rate is None else must / read_rate), must
+
+
+def floors(row: dict, rates: dict, tflops: float, read_rate: float | None = None) -> dict:
+    """The row's floor: the longest of its compute, its copies at the
+    measured PCIe bandwidths, and (a tierd row) what the disk must read."""
     compute = row["step_flops"] / (tflops * 1e12)
     pin, pout = row["pcie_in_gb"] * GB, row["pcie_out_gb"] * GB
-    pcie = max(pin / rates["h2d"], pout / rates["d2h"], (pin + pout) / rates["both"])
-    return {"compute_floor_s": compute, "pcie_floor_s": pcie, "floor_s": max(compute, pcie),
-            "binding": "compute" if compute >= pcie else "pcie"}
+    parts = {"compute": compute,
+             "pcie": max(pin / rates["h2d"], pout / rates["d2h"], (pin + pout) / rates["both"])}
+    out = {"compute_floor_s": compute, "pcie_floor_s": parts["pcie"]}
+    if "pool_gb" in row:
+        nvme, must = nvme_floor(pin, 2, row["pool_gb"] * GB, read_rate)
+        out.update(nvme_must_read_gb=must / GB, nvme_floor_s=nvme,
+                   disk_read_gbps=None if read_rate is None else read_rate / GB)
+        if nvme is not None:
+            parts["nvme"] = nvme
+    binding = max(parts, key=parts.get)
+    return {**out, "floor_s": parts[binding], "binding": binding}
 
 
 def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: float) -> list:
@@ -426,7 +477,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "step_flops": lora_step_flops(shape, args.seq, args.rank),
            "tflops": calibration["tflops"], "calibration": calibration,
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
-    row.update(floors(row, rates, calibration["tflops"]))
+    row.update(floors(row, rates, calibration["tflops"], disk_read_rate(args)))
     # no detach: it would bring the whole model back into this process's memory
     return [{**row}, {"case": "build", "kind": "build", "built_by": case.name, **build}]
 
@@ -521,11 +572,14 @@ def run_generate(case: Case, shape: Shape, args, device: torch.device, deadline:
     got = generate_timed(model, tokens(shape, 1, args.prompt, device), args, deadline,
                          lambda: traffic(session))
     marks = got.pop("marks")
-    pin = per_step(marks, args.warmup_tokens + 1)[0]
+    pin, _, nvme_in, _ = per_step(marks, args.warmup_tokens + 1)
     stats = session.stats()
+    disk, must = nvme_floor(pin, 1, session.pool_bytes, disk_read_rate(args))
     return [{**build, **got, "placement": stats["placement"],
              "resident_gb": stats["resident_bytes"] / GB, "pcie_in_gb_per_token": pin / GB,
-             "token_floor_s": pin / rates["h2d"],
+             "nvme_read_gb_per_token": nvme_in / GB, "nvme_must_read_gb": must / GB,
+             "pool_gb": session.pool_bytes / GB,
+             "token_floor_s": max(pin / rates["h2d"], disk or 0.0),
              "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}]
 
 
@@ -670,6 +724,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds a case's process may run; steps and tokens stop in time")
     ap.add_argument("--merge", type=Path, nargs="+", default=None,
                     help="merge these results files into --out's files; measure nothing")
+    ap.add_argument("--disk-probe-gib", type=float, default=None,
+                    help="GiB the disk under the daemon's NVMe files is read in, for the "
+                         "floor's NVMe part (default 2; --tiny 0.0625; 0: no probe)")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)       # a child's case
     ap.add_argument("--rows-to", type=Path, default=None, help=argparse.SUPPRESS)
@@ -679,6 +736,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seq = args.seq or (32 if tiny else 2048)
     args.prompt = args.prompt or (8 if tiny else 512)
     args.new_tokens = args.new_tokens or (6 if tiny else 128)
+    if args.disk_probe_gib is None:
+        args.disk_probe_gib = 0.0625 if tiny else 2.0
     if tiny and args.steps == 50:
         args.steps = 6
     if args.steps <= args.warmup:
@@ -691,7 +750,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     passed = ["--out", str(args.out), "--seq", str(args.seq), "--rank", str(args.rank),
               "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-              "--warmup-tokens", str(args.warmup_tokens), "--budget-s", str(args.budget_s)]
+              "--warmup-tokens", str(args.warmup_tokens), "--budget-s", str(args.budget_s),
+              "--disk-probe-gib", str(args.disk_probe_gib)]
     passed += ["--tiny"] * tiny + ([] if args.layers is None else ["--layers", str(args.layers)])
     args.passed = passed + ([] if args.commit is None else ["--commit", args.commit])
     return args
