@@ -11,6 +11,7 @@ import torch
 
 import tierd
 import tierd.optim
+import tierd.updates.engine as engine_mod
 from tierd.client.attach import attach, detach, is_attached, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, stored)
@@ -275,13 +276,14 @@ def test_a_small_cap_keeps_some_units_and_streams_the_rest():
 def test_a_plan_made_with_an_assumed_update_window_grows_into_the_measured_room(monkeypatch):
     # made-up measured peaks (the CPU measures none): the step's own memory,
     # ``extra``, besides what the plan holds; the measuring step has no fused
-    # update, so the placer adds its assumed window (GiBs here: nothing fits)
+    # update, so the placer adds its assumed window (twice the model here: nothing fits)
     extra = {"bytes": 1 << 20}
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra["bytes"],
                                                          1 << 40))
     probe = attach(llama(), client=LocalStore(), device="cpu")
     everything = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
     detach(probe)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: 2 * everything)
     model, ref, opt, ref_opt = _train_placed(llama, cap=everything + (2 << 20), data=None)
     placer = session_of(model).placer
     data = batches(6)
@@ -307,6 +309,7 @@ def test_a_plan_grows_only_into_what_the_device_has_free(monkeypatch):
     everything = sum(u.nbytes for u in units) * 7   # weights + fp32 state
     free = min(u.nbytes for u in units) * 8   # room for the smallest unit only
     detach(probe)
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: 2 * everything)
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + (1 << 20),
                                                          free))
     model, ref, opt, ref_opt = _train_placed(llama, cap=everything + (2 << 20), data=None)
