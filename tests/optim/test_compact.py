@@ -456,6 +456,26 @@ def test_placement_counts_the_compact_sizes():
     assert compact_state < 1.4 * params
 
 
+@pytest.mark.parametrize("state,master", [("fp32", "fp32"), ("8bit", "bf16")])
+def test_resident_bytes_are_the_storages_the_device_holds(state, master):
+    """What the placer counts as held by the plan is what its tensors take:
+    under ``master="bf16"`` a resident master is the compute copy itself, so
+    it adds nothing (counted twice, the step's own memory read as 2 B/param
+    less than it is, and the plan would take that much more than fits)."""
+    from tierd.updates.buckets import BucketState
+    model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype=torch.bfloat16,
+                   gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=LR, state=state, master=master)
+    train(model, opt, batches(3))
+    session = session_of(model)
+    assert set(session.placer.plan.places.values()) == {Place.RESIDENT}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [tp.param for tp in session.params.values()]
+            + [v for f in session.optimizers for b in f.buckets
+               if b.state is BucketState.RESIDENT for v in b.work.values()]}
+    assert session.placer.resident_bytes() == sum(held.values())
+
+
 # ------------------------------------------------------------------ bad input
 def test_bad_settings_are_refused_with_the_choices():
     with pytest.raises(ValueError, match="state='int4'.*'fp32', 'bf16', '8bit'"):

@@ -360,7 +360,12 @@ class FusedUpdates:
         return b.work
 
     def resident_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets if b.state is BucketState.RESIDENT)
+        """Device bytes the resident buckets' state holds: not a master that is
+        the compute copy itself (``master="bf16"``), whose bytes are the
+        weights' (the placer counts those)."""
+        return sum(b.nbytes - sum(self.opt.master_nbytes(tp) for tp in b.tps
+                                  if self.opt.master_in_compute(tp))
+                   for b in self.buckets if b.state is BucketState.RESIDENT)
 
     def _keep(self, b: Bucket) -> None:
         """FETCHED (just updated) or RESIDENT -> RESIDENT: the leases of a
