@@ -160,6 +160,24 @@ def test_a_second_adapter_disabling_generating_and_saving_work_as_in_peft(tmp_pa
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_generating_with_the_peft_model_places_it_as_the_plain_model():
+    """peft's ``generate`` runs the wrapped model's forward, not the
+    PeftModel's: tierd begins its steps there, so a capped model is placed
+    (kept on the device) rather than streamed for every token."""
+    from tierd.client.placer import PlacerState
+    model, ref, _ = _peft_model("llama", order="before", gpu_memory_bytes=1 << 30)
+    data = batches(2)
+    assert _train(model, _adamw(model), data) == _train(ref, _adamw(ref, torch_adamw=True), data)
+    placer = session_of(model).placer
+    steps = session_of(model).counters.steps
+    prompt = batches(1, seed=9)[0][:1, :4]
+    with torch.no_grad():
+        got = model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+        assert torch.equal(got, ref.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
+    assert session_of(model).counters.steps >= steps + 5   # each token's forward a step
+    assert placer.state is PlacerState.PLACED and placer.resident_bytes() > 0
+
+
 def test_adapters_below_fp32_compute_train_the_same_in_either_order():
     """A bf16 model: peft makes its adapters in bf16 and casts them to fp32
     with new Parameters (after attach: tierd keeps its own, bf16 compute and

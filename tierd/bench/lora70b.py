@@ -49,10 +49,10 @@ Cases (``--case`` takes a comma-separated list; ``CASES``):
   ``dispatch_model`` (what ``from_pretrained(device_map="auto")`` does after
   loading), random weights; a failure is its row's error;
 - ``generate-lora-80g``: ``generate-80g`` on the peft model. peft's
-  ``generate`` calls the wrapped model's forward, not the PeftModel's, where
-  tierd begins a step: until tierd's hooks begin one there too, no step
-  begins, placement never places (the row's ``placement`` says
-  "measuring") and every unit streams for every token.
+  ``generate`` calls the wrapped model's forward, not the PeftModel's; tierd
+  begins a step there too ([Note: a step begins where the model is
+  entered] in tierd.client.hooks), so placement places as for the plain
+  model (seen on the CPU with a tiny peft Llama).
 
 With ``--layers`` or ``--tiny`` a cap is scaled by the model's parameters
 over the full shape's, and raised to 1.25x the largest unit's need where it
