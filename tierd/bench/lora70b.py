@@ -37,7 +37,9 @@ few hundred kB (the tests run it on the CPU).
 Cases (``--case`` takes a comma-separated list; ``CASES``):
 
 - ``allgpu``: the same LoRA step with the model built on the GPU, no tierd
-  (a model that does not fit says so: out of memory is the row's error);
+  (a model that does not fit says so: out of memory is the row's error,
+  without building where its bf16 weights alone exceed the device; the
+  H200's 139 GiB, 149 GB, holds the 141 GB with ~8 GB for the rest);
 - ``lora-default``: attach with the defaults; ``lora-80g`` / ``lora-24g``:
   ``gpu_memory_bytes`` 80 GB / 24 GB (standing in for smaller GPUs);
 - ``generate-80g``: greedy generation (KV cache) of 128 tokens from a
@@ -485,6 +487,12 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
 def run_allgpu(case: Case, shape: Shape, args, device: torch.device, deadline: float) -> list:
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
+    if device.type == "cuda":   # weights larger than the device: no build to find out
+        total = torch.cuda.get_device_properties(device).total_memory
+        if 2 * shape.params > total:
+            raise torch.OutOfMemoryError(
+                f"does not fit: {2 * shape.params / GB:.1f} GB of bf16 weights, "
+                f"{total / GB:.1f} GB on the device")
     rates, calibration = pcie_bandwidths(device), calibrate(args, device)
     torch.manual_seed(0)
     t0 = time.perf_counter()
