@@ -34,3 +34,20 @@ def test_a_segment_reply_slower_than_the_connect_timeout_still_maps(daemon, monk
         client.publish_async(["w"]).result()
         assert torch.equal(client.get("w"), torch.arange(256.0))
         assert client.control.lost() is None
+
+
+def test_mapping_new_segments_is_counted_for_the_sessions_stats(daemon):
+    """The seconds and bytes of segments mapped here (a lease that brings a
+    new segment waits for them) show in an attached model's stats."""
+    from tierd.client.attach import attach, detach, session_of
+    with tierd.connect(daemon) as client:
+        assert client.control.mapped_bytes == 0 and client.control.map_seconds == 0
+        client.put("w", torch.arange(256.0))
+        mapped = client.control.mapped_bytes
+        assert mapped > 0 and client.control.map_seconds > 0
+        model = attach(torch.nn.Sequential(torch.nn.Linear(64, 64)), client=client,
+                       device="cpu")
+        stats = session_of(model).stats()
+        assert stats["pool_mapped_bytes"] == client.control.mapped_bytes >= mapped
+        assert stats["pool_map_seconds"] == client.control.map_seconds
+        detach(model)

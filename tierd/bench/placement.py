@@ -82,10 +82,12 @@ synchronizations, then two diagnostic steps.
   busy time and the idle time beside copies or beside nothing
   (``attach_step.profile``); tierd's also has its hooks', optimizer's and
   waits' host seconds per synchronized step (lease waits also split by the
-  kind of key: compute copies, gradients, state) and the caching allocator's
+  kind of key: compute copies, gradients, state; and the seconds new pool
+  segments took to map and page-lock here) and the caching allocator's
   reserved peak, retries and cudaMalloc/cudaFree over them;
   ``first_step_diag``: the same host counters over the first (measuring)
-  step, with the GB it copied each way, and the daemon's pool over it: GB
+  step, with the GB it copied each way and of new pool segments it mapped,
+  and the daemon's pool over it: GB
   made ahead when it began, GB grown, seconds reserves spent making
   segments, GB written to and read from NVMe.
 
@@ -402,10 +404,11 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
 
 
 #: the session's host counters the diagnostics report (seconds): in hooks, in
-#: the optimizer, waiting, on lease replies, and those split by the kind of
-#: key a reply was first read for
+#: the optimizer, waiting, on lease replies, those split by the kind of key a
+#: reply was first read for, and making new pool segments usable here (page
+#: tables, cudaHostRegister: inside a lease wait when a lease brings one)
 WAITS = ("hook_seconds", "optimizer_seconds", "wait_seconds", "lease_wait_seconds",
-         "lease_wait_weights_s", "lease_wait_grads_s", "lease_wait_state_s")
+         "lease_wait_weights_s", "lease_wait_grads_s", "lease_wait_state_s", "pool_map_seconds")
 
 
 def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict) -> dict:
@@ -418,7 +421,7 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
     new state spills)."""
     out = {k: first[k] - start[k] for k in WAITS}
     out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
-                for k in ("h2d_bytes", "d2h_bytes")})
+                for k in ("h2d_bytes", "d2h_bytes", "pool_mapped_bytes")})
     out.update({"pool_spare_gb_at_start": pool_start["pool_spare_bytes"] / GB,
                 "pool_grown_gb": (pool_first["pool_mapped_bytes"]
                                   - pool_start["pool_mapped_bytes"]) / GB,

@@ -224,8 +224,13 @@ class AttachSession:
             >>> after["h2d_bytes"] - before["h2d_bytes"]                           # doctest: +SKIP
         """
         out = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
+        control = getattr(self.client, "control", None)   # none in-process
         out.update(h2d_bytes=self.copy.h2d_bytes, d2h_bytes=self.copy.d2h_bytes,
-                   held_bytes=self.held_bytes, **self.placer.stats())
+                   held_bytes=self.held_bytes, **self.placer.stats(),
+                   # this process's connection (every model on it): pool
+                   # segments made usable here, seconds and bytes
+                   pool_map_seconds=getattr(control, "map_seconds", 0.0),
+                   pool_mapped_bytes=getattr(control, "mapped_bytes", 0))
         return out
 
     # ------------------------------------------------------------- hooks

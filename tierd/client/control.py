@@ -16,6 +16,7 @@ import select
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -160,6 +161,11 @@ class ControlChannel:
         self._listeners: list[Callable[[int, torch.Tensor], None]] = []
         self._unmap_listeners: list[Callable[[int, torch.Tensor], None]] = []
         self.dead = False
+        #: seconds spent making new segments usable here (page tables, and the
+        #: listeners: ``cudaHostRegister``), and their bytes, since connecting;
+        #: a caller waiting on a lease waits for this too
+        self.map_seconds = 0.0
+        self.mapped_bytes = 0
 
     # -------------------------------------------------------- control I/O
     def _send(self, msg: dict) -> None:
@@ -245,12 +251,16 @@ class ControlChannel:
         for sid, view in gone:
             self._unmap(sid, view, unmap)
         # outside the lock: several threads may map segments at once
+        t0 = time.perf_counter()
         for sid, view, mm in new:
             if mm is not None:
                 with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
                     populate_pages(mm, len(mm), write=False)
             for cb in listeners:
                 cb(sid, view)
+            self.mapped_bytes += view.numel()
+        if new:
+            self.map_seconds += time.perf_counter() - t0
         if missing:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
 
