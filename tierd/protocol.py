@@ -495,6 +495,18 @@ def decode_hello(msg: dict) -> str | None:
     return None if job is None else job_name(job)
 
 
+def is_claim(msg: dict) -> bool:
+    """Whether a control message claims the segments made for what the
+    job expects (``{"claim": true}``: [Note: segments mapped ahead] in
+    tierd.backends.hostpool) rather than asking for segments by id."""
+    if "claim" not in msg:
+        return False
+    if msg["claim"] is not True or "segments" in msg:
+        raise ProtocolError("expected {'claim': true} (and nothing else) or "
+                            "{'segments': [segment ids]}")
+    return True
+
+
 def decode_segments(msg: dict) -> list[int]:
     """The segment ids a control message asks for (distinct, in order)."""
     ids = msg.get("segments")

@@ -197,3 +197,80 @@ def test_with_threads_to_spare_segments_made_ahead_are_zeroed_by_the_daemon(ahea
         assert seg.view(0, 2 * MiB).tobytes() == bytes(2 * MiB)
     finally:
         pool.close()
+
+
+def _made(pool: HostPool) -> None:
+    """Wait until every segment being made ahead is made."""
+    for f in list(pool._spares) + [f for q in pool._large.values() for f in q]:
+        f.result()
+
+
+def test_a_job_claims_what_it_expects_once_made_and_fills_it_first():
+    """[Note: segments mapped ahead]: a claim hands over the segments made
+    for the job's expectation, no more, as empty segments of its own; its
+    reserves fill them (a small tensor never splits the large one) and make
+    nothing new."""
+    pool = HostPool(64 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        pool.expect([MiB] * 6 + [5 * MiB], job="a")   # 3 standard + one of 5 MiB
+        _made(pool)
+        assert pool.claim("b", 100) == ([], 0)        # another job expected nothing
+        got, more = pool.claim("a", 2)                # at most the limit ...
+        assert len(got) == 2 and more == 2
+        rest, more = pool.claim("a", 100)             # ... then the rest, no more
+        got += rest
+        assert more == 0 and pool.claim("a", 100) == ([], 0)
+        assert sorted(s.size for s in got) == [2 * MiB] * 3 + [5 * MiB]
+        assert all(s.job == "a" and s.extents.used == 0 for s in got)
+        mapped = pool.mapped_bytes
+        small = [pool.allocate("a", MiB)[0] for _ in range(6)]
+        big, _ = pool.allocate("a", 5 * MiB)
+        assert {s.id for s in small} | {big.id} == {s.id for s in got}
+        assert big.size == 5 * MiB
+        assert pool.mapped_bytes == mapped   # nothing made for them
+    finally:
+        pool.close()
+
+
+def test_claimed_empty_segments_give_way_and_a_forgotten_job_claims_nothing():
+    pool = HostPool(8 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        pool.expect([2 * MiB] * 3, job="a")
+        _made(pool)
+        got, _ = pool.claim("a", 100)
+        assert len(got) == 3
+        seg, _ = pool.allocate("b", 8 * MiB)    # the whole budget: a's empty ones go
+        assert seg.job == "b" and not pool.job_segments("a")
+        pool.free(seg, 0)
+        pool.expect([2 * MiB] * 2, job="c")
+        pool.forget("c")
+        _made(pool)
+        assert pool.claim("c", 100) == ([], 0)
+    finally:
+        pool.close()
+
+
+def test_a_claim_takes_only_segments_already_made(monkeypatch):
+    """The daemon's loop never waits in a claim: a spare still being made
+    is counted as more to come, not waited for."""
+    import threading
+    from tierd.backends import hostpool
+    gate = threading.Event()
+    made = hostpool._make_memfd
+
+    def slow(*args, **kwargs):
+        gate.wait(10)
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(hostpool, "_make_memfd", slow)
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        pool.expect([2 * MiB] * 2, job="a")
+        assert pool.claim("a", 100) == ([], 2)
+        gate.set()
+        _made(pool)
+        got, more = pool.claim("a", 100)
+        assert len(got) == 2 and more == 0
+    finally:
+        gate.set()
+        pool.close()

@@ -3,9 +3,11 @@ request may take, and only the liveness probe gives up after seconds."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
+import time
 
 import torch
 
@@ -50,4 +52,37 @@ def test_mapping_new_segments_is_counted_for_the_sessions_stats(daemon):
         stats = session_of(model).stats()
         assert stats["pool_mapped_bytes"] == client.control.mapped_bytes >= mapped
         assert stats["pool_map_seconds"] == client.control.map_seconds
+        detach(model)
+
+
+def test_the_first_steps_pool_segments_are_mapped_ahead_not_in_its_lease_waits(daemon_factory):
+    """[Note: segments mapped ahead]: the optimizer tells the daemon the
+    gradients and state the first step stores; the client maps their
+    segments on helper threads, so the first step's leases map nothing where
+    they wait, and the step matches torch's."""
+    from tierd.client.attach import attach, detach, session_of
+    import tierd.optim
+    d = daemon_factory(pool="512MiB", extra=("--pool-threads", "2", "--segment-size", "4MiB"))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    model = copy.deepcopy(ref)
+    with d.connect() as client:
+        model = attach(model, client=client, device="cpu")
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        deadline = time.monotonic() + 30
+        while client.control._claimer is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ahead, on_demand = client.control.ahead_bytes, client.control.mapped_bytes
+        assert ahead >= 3 * 8 * 256 * 256 * 4   # a master and two moments of each weight
+        x = torch.randn(4, 256)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert client.control.mapped_bytes == on_demand   # nothing mapped in a wait
+        stats = session_of(model).stats()
+        assert stats["pool_mapped_ahead_bytes"] == client.control.ahead_bytes >= ahead
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach())
         detach(model)

@@ -101,6 +101,33 @@ def test_more_than_253_segments_in_one_message_is_refused_and_the_client_batches
     still_serving(daemon)
 
 
+@pytest.mark.parametrize("msg", [{"claim": 1}, {"claim": "yes"},
+                                 {"claim": True, "segments": [1]}])
+def test_a_malformed_claim_is_refused_and_a_claim_of_nothing_hands_over_nothing(daemon, msg):
+    """[Note: segments mapped ahead]: a claim is ``{"claim": true}`` alone;
+    one from a job that told nothing ahead hands over no segment."""
+    def session() -> socket.socket:
+        raw = socket.socket(socket.AF_UNIX)
+        raw.settimeout(10)
+        raw.connect(str(daemon.socket) + ".ctl")
+        raw.sendall(P.encode_ctl({"v": P.VERSION, "op": "hello", "job": None}))
+        raw.recv(1 << 16)
+        return raw
+
+    raw = session()
+    raw.sendall(P.encode_ctl(msg))
+    reply = P.decode_ctl(raw.recv(1 << 16)[P.CTL_HEADER.size:])
+    assert reply["ok"] is False and "{'claim': true}" in reply["error"][1]
+    raw.close()
+    raw = session()
+    raw.sendall(P.encode_ctl({"claim": True}))
+    data, fds, _flags, _addr = socket.recv_fds(raw, 1 << 16, 8)
+    reply = P.decode_ctl(data[P.CTL_HEADER.size:])
+    assert reply["ok"] is True and reply["segments"] == [] and reply["more"] == 0 and not fds
+    raw.close()
+    still_serving(daemon)
+
+
 def test_sessions_over_the_per_uid_limit_are_refused_and_others_go_on(tmp_path):
     d = harness.start(tmp_path / "d", max_sessions_per_uid=3)
     try:

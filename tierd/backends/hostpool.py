@@ -61,6 +61,22 @@ runs; a reserve of that size takes it. The budget's rule for spares holds
 (room for ``ahead`` more segments besides), and spares are still the first
 thing given back when the budget is needed, so an expectation that does not
 come true costs nothing but pages the budget allows.
+
+[Note: segments mapped ahead]
+Made ahead, a segment still had to be mapped in the client when a lease
+first named it: page tables and ``cudaHostRegister``, on the thread waiting
+for the lease. On the H200 the capped 1.3B's first step spent 5.3 s of its
+5.5 s of lease waits mapping 12.2 GB of segments made ahead (0.43 s/GiB),
+all of it inside backward and the first ``step()``. So what a job told
+ahead is also handed to it ahead: :meth:`HostPool.claim` gives the job the
+segments made for its expectation that are ready now, as empty segments of
+its own (the client maps them on a helper thread while the forward runs,
+``ControlChannel.map_ahead`` in tierd.client.control), and says how many
+more are being made. An empty segment of a job is what the budget gives
+back first after the spares (``release_empty``), so a claim keeps no other
+job out; the job's reserves then fill the claimed segments first. A
+segment larger than the standard one holds only a tensor larger than the
+standard one (it was made for one), so small tensors do not split it.
 """
 
 from __future__ import annotations
@@ -273,6 +289,10 @@ class HostPool:
         self._spares: deque[Future] = deque()   # (fd, mmap) of standard segments, oldest first
         #: standard segments jobs said they will take soon ([Note: growth told ahead])
         self._wanted = 0
+        #: of those, and of the larger ones (by size), what each job may still
+        #: claim ([Note: segments mapped ahead])
+        self._expected: dict[str, int] = {}
+        self._expected_large: dict[str, dict[int, int]] = {}
         self._large: dict[int, deque[Future]] = {}   # larger segments made ahead, by size
         self._preparer = (ThreadPoolExecutor(ahead, thread_name_prefix="tierd-pool")
                           if ahead else None)
@@ -323,7 +343,10 @@ class HostPool:
                 f"raise it (--pool / quota in the config file)")
         if quota and self.job_used_bytes(job) + align_up(max(nbytes, 1)) > quota:
             return None
+        large = align_up(max(nbytes, 1)) > self.segment_size
         for seg in self.job_segments(job):
+            if seg.size > self.segment_size and not large:
+                continue   # made for one large tensor: [Note: segments mapped ahead]
             off = seg.extents.alloc(nbytes)
             if off is not None:
                 seg.handed_out(off, nbytes)
@@ -388,10 +411,12 @@ class HostPool:
         for seg in list(self.segments.values()):
             self.drop_segment(seg)
 
-    def expect(self, sizes) -> int:
+    def expect(self, sizes, job: str | None = None) -> int:
         """A job will store tensors of ``sizes`` bytes soon ([Note: growth
         told ahead]): begin making the segments they need as spares, within
-        the budget's room; the bytes begun (0 without threads, ``ahead`` 0)."""
+        the budget's room; the bytes begun (0 without threads, ``ahead`` 0).
+        With ``job``, that job may claim them once made ([Note: segments
+        mapped ahead])."""
         if self._preparer is None:
             return 0
         before, small = self.spare_bytes, 0
@@ -402,9 +427,41 @@ class HostPool:
             elif self._room_ahead(n):
                 self._large.setdefault(n, deque()).append(self._preparer.submit(
                     _make_memfd, "tierd-pool", n, self._populate, self._populaters))
-        self._wanted += -(-small // self.segment_size)
+                if job is not None:
+                    large = self._expected_large.setdefault(job, {})
+                    large[n] = large.get(n, 0) + 1
+        standard = -(-small // self.segment_size)
+        self._wanted += standard
+        if job is not None and standard:
+            self._expected[job] = self._expected.get(job, 0) + standard
         self._prepare()
         return self.spare_bytes - before
+
+    def claim(self, job: str, limit: int) -> tuple[list[Segment], int]:
+        """The segments made for what ``job`` expects ([Note: segments mapped
+        ahead]) that are ready now, at most ``limit``, made the job's (empty),
+        and how many more it may claim (0: none is being made for it)."""
+        got = []
+        for size, count in list(self._expected_large.get(job, {}).items()):
+            q = self._large.get(size)
+            while count and q and q[0].done() and len(got) < limit:
+                got.append(self._create(job, size))
+                count -= 1
+                q = self._large.get(size)
+        while (self._expected.get(job, 0) and self._spares and self._spares[0].done()
+               and len(got) < limit):
+            got.append(self._create(job, self.segment_size))
+        if got:
+            self._prepare()
+        more = min(self._expected.get(job, 0), len(self._spares)) + sum(
+            min(n, len(self._large.get(size, ()))) for size, n in
+            self._expected_large.get(job, {}).items())
+        return got, more
+
+    def forget(self, job: str) -> None:
+        """A job gone: nothing more is made or claimed for it."""
+        self._wanted = max(0, self._wanted - self._expected.pop(job, 0))
+        self._expected_large.pop(job, None)
 
     def _room_ahead(self, size: int) -> bool:
         """Whether a spare of ``size`` leaves the budget room for ``ahead``
@@ -450,8 +507,15 @@ class HostPool:
         if size == self.segment_size:
             made = self._take_spare()
             self._wanted = max(0, self._wanted - 1)
+            if self._expected.get(job):
+                self._expected[job] -= 1
         else:
             made = self._take_large(size)
+            expected = self._expected_large.get(job, {})
+            if expected.get(size):
+                expected[size] -= 1
+                if not expected[size]:
+                    del expected[size]
         if made is None:
             # The name only labels /proc/<pid>/fd links; a job name (perhaps from
             # an old manifest) is reduced to safe characters and cut short, as the

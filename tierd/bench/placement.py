@@ -406,9 +406,11 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
 #: the session's host counters the diagnostics report (seconds): in hooks, in
 #: the optimizer, waiting, on lease replies, those split by the kind of key a
 #: reply was first read for, and making new pool segments usable here (page
-#: tables, cudaHostRegister: inside a lease wait when a lease brings one)
+#: tables, cudaHostRegister: inside a lease wait when a lease brings one), and
+#: on helper threads ahead ([Note: segments mapped ahead] in tierd.backends.hostpool)
 WAITS = ("hook_seconds", "optimizer_seconds", "wait_seconds", "lease_wait_seconds",
-         "lease_wait_weights_s", "lease_wait_grads_s", "lease_wait_state_s", "pool_map_seconds")
+         "lease_wait_weights_s", "lease_wait_grads_s", "lease_wait_state_s", "pool_map_seconds",
+         "pool_map_ahead_seconds")
 
 
 def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict) -> dict:
@@ -421,8 +423,10 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
     new state spills)."""
     out = {k: first[k] - start[k] for k in WAITS}
     out.update({k.replace("bytes", "gb"): (first[k] - start[k]) / GB
-                for k in ("h2d_bytes", "d2h_bytes", "pool_mapped_bytes")})
-    out.update({"pool_spare_gb_at_start": pool_start["pool_spare_bytes"] / GB,
+                for k in ("h2d_bytes", "d2h_bytes", "pool_mapped_bytes",
+                          "pool_mapped_ahead_bytes")})
+    out.update({"pool_mapped_ahead_gb_at_start": start["pool_mapped_ahead_bytes"] / GB,
+                "pool_spare_gb_at_start": pool_start["pool_spare_bytes"] / GB,
                 "pool_grown_gb": (pool_first["pool_mapped_bytes"]
                                   - pool_start["pool_mapped_bytes"]) / GB,
                 "pool_segment_wait_s": (pool_first["pool_segment_wait_s"]

@@ -228,9 +228,12 @@ class AttachSession:
         out.update(h2d_bytes=self.copy.h2d_bytes, d2h_bytes=self.copy.d2h_bytes,
                    held_bytes=self.held_bytes, **self.placer.stats(),
                    # this process's connection (every model on it): pool
-                   # segments made usable here, seconds and bytes
+                   # segments made usable here, seconds and bytes, where
+                   # needed and ahead ([Note: segments mapped ahead])
                    pool_map_seconds=getattr(control, "map_seconds", 0.0),
-                   pool_mapped_bytes=getattr(control, "mapped_bytes", 0))
+                   pool_mapped_bytes=getattr(control, "mapped_bytes", 0),
+                   pool_map_ahead_seconds=getattr(control, "ahead_seconds", 0.0),
+                   pool_mapped_ahead_bytes=getattr(control, "ahead_bytes", 0))
         return out
 
     # ------------------------------------------------------------- hooks

@@ -592,6 +592,14 @@ class Client(_StoreCalls):
             with contextlib.suppress(TierdError):
                 self.abort(reserved.keys)
 
+    def expect(self, sizes: Iterable[int]) -> None:
+        """As :meth:`_StoreCalls.expect`; then this client claims the segments
+        the daemon makes for them and maps them on helper threads, ahead of
+        the leases that fill them ([Note: segments mapped ahead] in
+        tierd.backends.hostpool)."""
+        super().expect(sizes)
+        self.control.map_ahead()
+
     def segment_views(self) -> dict[int, torch.Tensor]:
         return dict(self.control.views)
 

@@ -18,6 +18,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,12 @@ from tierd.backends.hostpool import populate_pages
 from tierd.errors import AccessDenied, DaemonUnavailable, ProtocolError, TierdError, from_wire
 
 CONNECT_TIMEOUT = 2.0
+#: threads making claimed segments usable ([Note: segments mapped ahead] in
+#: tierd.backends.hostpool): page tables and ``cudaHostRegister`` let go of
+#: the GIL
+AHEAD_THREADS = 4
+#: seconds between claims while the daemon is still making what was expected
+CLAIM_POLL = 0.02
 
 #: [Note: mapping a segment with its page tables]
 #: A segment's pages exist before a client maps it, but a plain mapping has no
@@ -162,10 +169,19 @@ class ControlChannel:
         self._unmap_listeners: list[Callable[[int, torch.Tensor], None]] = []
         self.dead = False
         #: seconds spent making new segments usable here (page tables, and the
-        #: listeners: ``cudaHostRegister``), and their bytes, since connecting;
-        #: a caller waiting on a lease waits for this too
+        #: listeners: ``cudaHostRegister``), and their bytes, since connecting,
+        #: on the thread that needed them: a caller waiting on a lease waits
+        #: for this too (and for a segment still being mapped ahead)
         self.map_seconds = 0.0
         self.mapped_bytes = 0
+        #: the same for segments mapped ahead ([Note: segments mapped ahead]
+        #: in tierd.backends.hostpool), on helper threads: seconds summed over them
+        self.ahead_seconds = 0.0
+        self.ahead_bytes = 0
+        self._arriving: dict[int, threading.Event] = {}   # claimed, being mapped
+        self._claimer: threading.Thread | None = None
+        self._claim_again = False   # map_ahead called while the claimer runs
+        self._closing = False
 
     # -------------------------------------------------------- control I/O
     def _send(self, msg: dict) -> None:
@@ -238,12 +254,18 @@ class ControlChannel:
         not here within ``timeout`` (default ``reply_timeout``) seconds loses
         the channel (DaemonUnavailable)."""
         new, gone = [], []
+        t0 = time.perf_counter()
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
+            arriving = [self._arriving[i] for i in want if i in self._arriving]
+            want = [i for i in want if i not in self._arriving]
             batches = [want[start:start + P.MAX_SEGMENTS_PER_MESSAGE]
                        for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE)]
             for batch in batches or ([[]] if ask else []):
-                got, dropped = self._map_batch(batch, timeout or self.reply_timeout)
+                got, dropped, _ = self._map_batch({"segments": batch},
+                                                  timeout or self.reply_timeout)
+                for sid, view, _mm in got:
+                    self.views[sid] = view
                 new += got
                 gone += [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
             missing = set(want) - self.views.keys()
@@ -251,18 +273,88 @@ class ControlChannel:
         for sid, view in gone:
             self._unmap(sid, view, unmap)
         # outside the lock: several threads may map segments at once
-        t0 = time.perf_counter()
         for sid, view, mm in new:
-            if mm is not None:
-                with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
-                    populate_pages(mm, len(mm), write=False)
-            for cb in listeners:
-                cb(sid, view)
+            self._make_usable(sid, view, mm, listeners)
             self.mapped_bytes += view.numel()
-        if new:
+        for event in arriving:   # being mapped ahead: wait for it, not map it twice
+            event.wait()
+        if new or arriving:
             self.map_seconds += time.perf_counter() - t0
         if missing:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
+        late = [i for i in ids if i not in self.views]
+        if arriving and late:   # mapping ahead failed for these: ask as usual
+            self.map(late, timeout=timeout)
+
+    @staticmethod
+    def _make_usable(sid: int, view: torch.Tensor, mm: mmap.mmap | None, listeners) -> None:
+        """Page tables (of a segment the daemon populated), then the listeners
+        (``cudaHostRegister``)."""
+        if mm is not None:
+            with contextlib.suppress(OSError):   # before Linux 5.14: faults instead
+                populate_pages(mm, len(mm), write=False)
+        for cb in listeners:
+            cb(sid, view)
+
+    def map_ahead(self) -> None:
+        """Claim the segments the daemon makes for what this job told it to
+        expect, and make them usable here on helper threads as they come
+        ([Note: segments mapped ahead] in tierd.backends.hostpool); returns
+        at once. A lease naming one still being mapped waits for that."""
+        with self.lock:
+            self._claim_again = True
+            if self._claimer is not None or self.dead or self._closing:
+                return
+            self._claimer = threading.Thread(target=self._claim_loop, daemon=True,
+                                             name="tierd-map-ahead")
+            self._claimer.start()
+
+    def _claim_loop(self) -> None:
+        with ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="tierd-map-ahead") as threads:
+            while True:
+                with self.lock:
+                    got: list = []
+                    more = 0
+                    if not (self.dead or self._closing):
+                        try:
+                            got, dropped, more = self._map_batch({"claim": True},
+                                                                 self.reply_timeout)
+                        except TierdError:
+                            dropped = []   # the lease path reports a lost daemon
+                        gone = [(sid, self.views.pop(sid)) for sid in dropped
+                                if sid in self.views]
+                    else:
+                        gone = []
+                    for sid, _view, _mm in got:
+                        self._arriving[sid] = threading.Event()
+                    if not got and not more and not self._claim_again:
+                        self._claimer = None
+                        return
+                    self._claim_again = False
+                    listeners, unmap = list(self._listeners), list(self._unmap_listeners)
+                for sid, view in gone:
+                    self._unmap(sid, view, unmap)
+                if not got:
+                    time.sleep(CLAIM_POLL if more else 0)
+                    continue
+                for done in [threads.submit(self._arrived, g, listeners) for g in got]:
+                    done.result()
+
+    def _arrived(self, claimed: tuple[int, torch.Tensor, mmap.mmap | None], listeners) -> None:
+        sid, view, mm = claimed
+        t0 = time.perf_counter()
+        try:
+            self._make_usable(sid, view, mm, listeners)
+        finally:
+            with self.lock:
+                self.views[sid] = view
+                later = [cb for cb in self._listeners if cb not in listeners]
+                self.ahead_seconds += time.perf_counter() - t0
+                self.ahead_bytes += view.numel()
+                event = self._arriving.pop(sid)
+            for cb in later:   # listeners added while it was being mapped
+                cb(sid, view)
+            event.set()
 
     def _unmap(self, sid: int, view, listeners) -> None:
         """A segment the daemon dropped: nothing of this client is in it (the
@@ -277,14 +369,16 @@ class ControlChannel:
             except BufferError:
                 pass  # a stale tensor still uses it; see [Note: mapping lifetime]
 
-    def _map_batch(self, want: list[int], timeout: float
-                   ) -> tuple[list[tuple[int, torch.Tensor, mmap.mmap | None]], list[int]]:
-        """Map at most MAX_SEGMENTS_PER_MESSAGE segments (the kernel's limit of
-        descriptors in one message); called with the lock held. Also returns
-        the ids of segments mapped earlier that the daemon has dropped since."""
+    def _map_batch(self, ask: dict, timeout: float
+                   ) -> tuple[list[tuple[int, torch.Tensor, mmap.mmap | None]], list[int], int]:
+        """Map the segments the daemon hands over for ``ask`` (at most
+        MAX_SEGMENTS_PER_MESSAGE ids, the kernel's limit of descriptors in one
+        message, or a claim), not yet published in ``views``; called with the
+        lock held. Also returns the ids of segments mapped earlier that the
+        daemon has dropped since, and (for a claim) how many more it makes."""
         try:
             self.ctl.settimeout(timeout)
-            self._send({"segments": want})
+            self._send(ask)
             reply, fds = self._recv()
         except (OSError, EOFError) as exc:
             self.dead = True
@@ -303,14 +397,19 @@ class ControlChannel:
                 # while anything references it (no segfault), and the pages go
                 # when the last tensor over them does.
                 import torch
-                self.views[sid] = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
-                new.append((sid, self.views[sid], mm if populated else None))
+                view = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+                new.append((sid, view, mm if populated else None))
         finally:
             for fd in fds:
                 os.close(fd)
-        return new, list(reply.get("gone", []))
+        more = reply.get("more", 0)
+        return new, list(reply.get("gone", [])), more if type(more) is int else 0
 
     def close(self) -> None:
+        self._closing = True
+        claimer = self._claimer
+        if claimer is not None:   # it ends after the segments it maps now
+            claimer.join()
         for sid, view in self.views.items():
             for unmapped in self._unmap_listeners:
                 unmapped(sid, view)

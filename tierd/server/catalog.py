@@ -128,6 +128,7 @@ class Catalog:
         job.manifest = None
         if not job.sessions:
             del self.jobs[name]
+            self.pool.forget(name)
             self.pool.release_empty(exclude=None, need=self.pool.budget)
 
     # ------------------------------------------------------------ requests

@@ -385,7 +385,7 @@ class Daemon:
                     s.gpu_resident_bytes = resident_bytes
                     return P.Done()
                 case P.Expect(sizes):
-                    self.pool.expect(sizes)
+                    self.pool.expect(sizes, s.job)
                     return P.Done()
 
         finally:

@@ -135,18 +135,23 @@ class ControlSessions:
                                           "job": session.job})
             handed: set[int] = set()   # segments this client has mapped
             while True:
-                ids = P.decode_segments(await sockets.recv_ctl(conn))
-                segs = [self.pool.segments.get(i) for i in ids]
-                segs = [s for s in segs if s is not None and s.job == session.job]
+                msg = await sockets.recv_ctl(conn)
+                more = None
+                if P.is_claim(msg):
+                    segs, more = self.pool.claim(session.job, P.MAX_SEGMENTS_PER_MESSAGE)
+                else:
+                    segs = [self.pool.segments.get(i) for i in P.decode_segments(msg)]
+                    segs = [s for s in segs if s is not None and s.job == session.job]
                 # dropped since: the client unmaps them, or their memory stays
                 # allocated (and page-locked) for as long as it runs
                 gone = sorted(i for i in handed if i not in self.pool.segments)
                 handed.difference_update(gone)
                 handed.update(s.id for s in segs)
-                await sockets.send_ctl(conn, {"ok": True, "gone": gone,
-                                              "segments": [[s.id, s.size, s.populated]
-                                                           for s in segs]},
-                                       fds=[s.fd for s in segs])
+                reply = {"ok": True, "gone": gone,
+                         "segments": [[s.id, s.size, s.populated] for s in segs]}
+                if more is not None:
+                    reply["more"] = more
+                await sockets.send_ctl(conn, reply, fds=[s.fd for s in segs])
         except (ConnectionError, asyncio.IncompleteReadError, EOFError, asyncio.TimeoutError):
             pass
         except TierdError as exc:
