@@ -274,3 +274,29 @@ def test_a_claim_takes_only_segments_already_made(monkeypatch):
     finally:
         gate.set()
         pool.close()
+
+
+def test_a_dropped_segment_is_closed_off_the_callers_thread(monkeypatch):
+    """Closing a populated segment frees its pages (seconds for a large job):
+    with threads, dropping returns at once and the close runs on its own
+    thread; the pool's close waits for it."""
+    import threading
+    from tierd.backends import hostpool
+    gate, closed = threading.Event(), []
+    real = hostpool.Segment.close
+
+    def slow(seg):
+        gate.wait(10)
+        real(seg)
+        closed.append(seg.id)
+
+    monkeypatch.setattr(hostpool.Segment, "close", slow)
+    before = _fds()
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
+    seg, off = pool.allocate("a", MiB)
+    pool.free(seg, off)
+    pool.drop_job("a")                  # returns while the close waits
+    assert not pool.job_segments("a") and closed == []
+    gate.set()
+    pool.close()
+    assert closed == [seg.id] and _fds() == before

@@ -360,7 +360,7 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
     try:
         opt = tierd.optim.AdamW(built.parameters(), lr=1e-4)
         ids = batch_of(model, case.batch, args.seq, device)
-        fn = steploop.train_step(built, opt, ids, device)
+        fn = first_step_marked(steploop.train_step(built, opt, ids, device), built, opt)
         session = session_of(built)
         before_plan, start, first = plan_of(session), session.stats(), {}
         pool = {"start": session.client.stats()}   # the daemon's, after the optimizer told it
@@ -398,9 +398,49 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "planned_pcie_gb": (after["planned_pcie_bytes"] or 0) / GB,
                 "resident_gb": after["resident_bytes"] / GB, "placement": after["placement"],
                 "tierd_diag": diag,
-                "first_step_diag": first_step_diag(start, first, pool["start"], pool["first"])}
+                "first_step_diag": {**first_step_diag(start, first, pool["start"], pool["first"]),
+                                    **fn.host_phases}}
     finally:
         detach(built)
+
+
+def first_step_marked(step, model, opt):
+    """``step``, recording in ``host_phases`` the host's seconds in the first
+    call's forward, backward and ``step()`` (no synchronization: where the
+    host itself spent or waited them)."""
+    phases: dict = {}
+
+    def marked():
+        if phases:
+            return step()
+        own = {o: vars(o).get(name) for o, name in ((model, "forward"), (opt, "step"))}
+        forward, update, t = model.forward, opt.step, [time.perf_counter()]
+
+        def fwd(*a, **k):
+            out = forward(*a, **k)
+            t.append(time.perf_counter())
+            return out
+
+        def upd(*a, **k):
+            t.append(time.perf_counter())   # backward has returned
+            out = update(*a, **k)
+            t.append(time.perf_counter())
+            return out
+
+        model.forward, opt.step = fwd, upd
+        try:
+            step()
+        finally:
+            for o, name in ((model, "forward"), (opt, "step")):
+                if own[o] is None:
+                    delattr(o, name)
+                else:
+                    setattr(o, name, own[o])
+        phases.update(host_forward_s=t[1] - t[0], host_backward_s=t[2] - t[1],
+                      host_step_s=t[3] - t[2])
+
+    marked.host_phases = phases
+    return marked
 
 
 #: the session's host counters the diagnostics report (seconds): in hooks, in

@@ -18,7 +18,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,10 +27,6 @@ from tierd.backends.hostpool import populate_pages
 from tierd.errors import AccessDenied, DaemonUnavailable, ProtocolError, TierdError, from_wire
 
 CONNECT_TIMEOUT = 2.0
-#: threads making claimed segments usable ([Note: segments mapped ahead] in
-#: tierd.backends.hostpool): page tables and ``cudaHostRegister`` let go of
-#: the GIL
-AHEAD_THREADS = 4
 #: seconds between claims while the daemon is still making what was expected
 CLAIM_POLL = 0.02
 
@@ -310,35 +305,36 @@ class ControlChannel:
             self._claimer.start()
 
     def _claim_loop(self) -> None:
-        with ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="tierd-map-ahead") as threads:
-            while True:
-                with self.lock:
-                    got: list = []
-                    more = 0
-                    if not (self.dead or self._closing):
-                        try:
-                            got, dropped, more = self._map_batch({"claim": True},
-                                                                 self.reply_timeout)
-                        except TierdError:
-                            dropped = []   # the lease path reports a lost daemon
-                        gone = [(sid, self.views.pop(sid)) for sid in dropped
-                                if sid in self.views]
-                    else:
-                        gone = []
-                    for sid, _view, _mm in got:
-                        self._arriving[sid] = threading.Event()
-                    if not got and not more and not self._claim_again:
-                        self._claimer = None
-                        return
-                    self._claim_again = False
-                    listeners, unmap = list(self._listeners), list(self._unmap_listeners)
-                for sid, view in gone:
-                    self._unmap(sid, view, unmap)
-                if not got:
-                    time.sleep(CLAIM_POLL if more else 0)
-                    continue
-                for done in [threads.submit(self._arrived, g, listeners) for g in got]:
-                    done.result()
+        # one thread: the CUDA driver registers one range at a time (on the
+        # H200, 0.055 s/GiB on one thread, the same wall time on four)
+        while True:
+            with self.lock:
+                got: list = []
+                more = 0
+                if not (self.dead or self._closing):
+                    try:
+                        got, dropped, more = self._map_batch({"claim": True},
+                                                             self.reply_timeout)
+                    except TierdError:
+                        dropped = []   # the lease path reports a lost daemon
+                    gone = [(sid, self.views.pop(sid)) for sid in dropped
+                            if sid in self.views]
+                else:
+                    gone = []
+                for sid, _view, _mm in got:
+                    self._arriving[sid] = threading.Event()
+                if not got and not more and not self._claim_again:
+                    self._claimer = None
+                    return
+                self._claim_again = False
+                listeners, unmap = list(self._listeners), list(self._unmap_listeners)
+            for sid, view in gone:
+                self._unmap(sid, view, unmap)
+            if not got:
+                time.sleep(CLAIM_POLL if more else 0)
+                continue
+            for claimed in got:
+                self._arrived(claimed, listeners)
 
     def _arrived(self, claimed: tuple[int, torch.Tensor, mmap.mmap | None], listeners) -> None:
         sid, view, mm = claimed
