@@ -67,16 +67,21 @@ Made ahead, a segment still had to be mapped in the client when a lease
 first named it: page tables and ``cudaHostRegister``, on the thread waiting
 for the lease. On the H200 the capped 1.3B's first step spent 5.3 s of its
 5.5 s of lease waits mapping 12.2 GB of segments made ahead (0.43 s/GiB),
-all of it inside backward and the first ``step()``. So what a job told
-ahead is also handed to it ahead: :meth:`HostPool.claim` gives the job the
-segments made for its expectation that are ready now, as empty segments of
-its own (the client maps them on a helper thread while the forward runs,
-``ControlChannel.map_ahead`` in tierd.client.control), and says how many
-more are being made. An empty segment of a job is what the budget gives
-back first after the spares (``release_empty``), so a claim keeps no other
-job out; the job's reserves then fill the claimed segments first. A
-segment larger than the standard one holds only a tensor larger than the
-standard one (it was made for one), so small tensors do not split it.
+inside backward and the first ``step()``. So what a job told ahead is also
+handed to it ahead: :meth:`HostPool.claim` gives the job the segments made
+for its expectation that are ready now, as empty segments of its own, and
+says how many more are being made; the client claims and maps them as they
+come, before its first step (``ControlChannel.map_ahead`` in
+tierd.client.control, from ``Client.expect``). Before, not during: mapped
+on a helper thread during the first forward, the same 16 GB took 10.8 s
+and held that forward for as long (the driver registers one range at a
+time under a lock each launch and copy of the step also takes), where on
+an idle GPU registering costs 0.055 s/GiB and the page tables 0.1 s/GiB.
+An empty segment of a job is what the budget gives back first after the
+spares (``release_empty``), so a claim keeps no other job out; the job's
+reserves then fill the claimed segments first. A segment larger than the
+standard one holds only a tensor larger than the standard one (it was made
+for one), so small tensors do not split it.
 """
 
 from __future__ import annotations

@@ -89,7 +89,11 @@ synchronizations, then two diagnostic steps.
   step, with the GB it copied each way and of new pool segments it mapped,
   and the daemon's pool over it: GB
   made ahead when it began, GB grown, seconds reserves spent making
-  segments, GB written to and read from NVMe.
+  segments, GB written to and read from NVMe; and the host's seconds in
+  its forward, backward and ``step()`` (``host_forward_s`` ...);
+- ``optimizer_build_s``: building ``tierd.optim.AdamW``, which includes
+  mapping the pool segments of the first step's gradients and state
+  ([Note: segments mapped ahead] in tierd.backends.hostpool).
 
 A model process's output is kept in ``DIR/<model>/run.log``.
 
@@ -358,7 +362,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
     built = attach(built, compute_dtype="bf16", device=device,
                    **({} if client is None else {"client": client}), **case.options)
     try:
+        began = time.perf_counter()   # includes mapping the state's segments ahead
         opt = tierd.optim.AdamW(built.parameters(), lr=1e-4)
+        optimizer_build_s = time.perf_counter() - began
         ids = batch_of(model, case.batch, args.seq, device)
         fn = first_step_marked(steploop.train_step(built, opt, ids, device), built, opt)
         session = session_of(built)
@@ -387,7 +393,8 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                          for k in WAITS})
             diag["allocator"] = alloc
         at, changes = plan_changes(loop.observed + synced.observed, before_plan)
-        return {"tierd_s": figures["s"], "tierd_run_s": figures["run_s"],
+        return {"optimizer_build_s": optimizer_build_s,
+                "tierd_s": figures["s"], "tierd_run_s": figures["run_s"],
                 "tierd_sync_s": figures["sync_s"], "worst_step_s": figures["worst_step_s"],
                 "first_step_s": figures["first_step_s"], "steady_steps": figures["steady_steps"],
                 "tierd_steps_s": figures["steps_s"], "clock": figures["clock"],

@@ -594,9 +594,8 @@ class Client(_StoreCalls):
 
     def expect(self, sizes: Iterable[int]) -> None:
         """As :meth:`_StoreCalls.expect`; then this client claims the segments
-        the daemon makes for them and maps them on helper threads, ahead of
-        the leases that fill them ([Note: segments mapped ahead] in
-        tierd.backends.hostpool)."""
+        the daemon makes for them and maps them now, ahead of the leases that
+        fill them ([Note: segments mapped ahead] in tierd.backends.hostpool)."""
         super().expect(sizes)
         self.control.map_ahead()
 

@@ -170,13 +170,9 @@ class ControlChannel:
         self.map_seconds = 0.0
         self.mapped_bytes = 0
         #: the same for segments mapped ahead ([Note: segments mapped ahead]
-        #: in tierd.backends.hostpool), on helper threads: seconds summed over them
+        #: in tierd.backends.hostpool), before they were needed
         self.ahead_seconds = 0.0
         self.ahead_bytes = 0
-        self._arriving: dict[int, threading.Event] = {}   # claimed, being mapped
-        self._claimer: threading.Thread | None = None
-        self._claim_again = False   # map_ahead called while the claimer runs
-        self._closing = False
 
     # -------------------------------------------------------- control I/O
     def _send(self, msg: dict) -> None:
@@ -249,11 +245,8 @@ class ControlChannel:
         not here within ``timeout`` (default ``reply_timeout``) seconds loses
         the channel (DaemonUnavailable)."""
         new, gone = [], []
-        t0 = time.perf_counter()
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
-            arriving = [self._arriving[i] for i in want if i in self._arriving]
-            want = [i for i in want if i not in self._arriving]
             batches = [want[start:start + P.MAX_SEGMENTS_PER_MESSAGE]
                        for start in range(0, len(want), P.MAX_SEGMENTS_PER_MESSAGE)]
             for batch in batches or ([[]] if ask else []):
@@ -268,18 +261,14 @@ class ControlChannel:
         for sid, view in gone:
             self._unmap(sid, view, unmap)
         # outside the lock: several threads may map segments at once
+        t0 = time.perf_counter()
         for sid, view, mm in new:
             self._make_usable(sid, view, mm, listeners)
             self.mapped_bytes += view.numel()
-        for event in arriving:   # being mapped ahead: wait for it, not map it twice
-            event.wait()
-        if new or arriving:
+        if new:
             self.map_seconds += time.perf_counter() - t0
         if missing:
             raise TierdError(f"the daemon did not hand over pool segments {sorted(missing)}")
-        late = [i for i in ids if i not in self.views]
-        if arriving and late:   # mapping ahead failed for these: ask as usual
-            self.map(late, timeout=timeout)
 
     @staticmethod
     def _make_usable(sid: int, view: torch.Tensor, mm: mmap.mmap | None, listeners) -> None:
@@ -293,64 +282,37 @@ class ControlChannel:
 
     def map_ahead(self) -> None:
         """Claim the segments the daemon makes for what this job told it to
-        expect, and make them usable here on helper threads as they come
-        ([Note: segments mapped ahead] in tierd.backends.hostpool); returns
-        at once. A lease naming one still being mapped waits for that."""
-        with self.lock:
-            self._claim_again = True
-            if self._claimer is not None or self.dead or self._closing:
-                return
-            self._claimer = threading.Thread(target=self._claim_loop, daemon=True,
-                                             name="tierd-map-ahead")
-            self._claimer.start()
-
-    def _claim_loop(self) -> None:
-        # one thread: the CUDA driver registers one range at a time (on the
-        # H200, 0.055 s/GiB on one thread, the same wall time on four)
-        while True:
+        expect, and make them usable here as they come, until it makes no
+        more ([Note: segments mapped ahead] in tierd.backends.hostpool):
+        before the first step, where registering them costs least. Gives up
+        when none arrives for ``reply_timeout`` seconds."""
+        quiet_since = time.monotonic()
+        while not self.dead:
             with self.lock:
-                got: list = []
-                more = 0
-                if not (self.dead or self._closing):
-                    try:
-                        got, dropped, more = self._map_batch({"claim": True},
-                                                             self.reply_timeout)
-                    except TierdError:
-                        dropped = []   # the lease path reports a lost daemon
-                    gone = [(sid, self.views.pop(sid)) for sid in dropped
-                            if sid in self.views]
-                else:
-                    gone = []
-                for sid, _view, _mm in got:
-                    self._arriving[sid] = threading.Event()
-                if not got and not more and not self._claim_again:
-                    self._claimer = None
-                    return
-                self._claim_again = False
+                try:
+                    got, dropped, more = self._map_batch({"claim": True}, self.reply_timeout)
+                except TierdError:
+                    return   # the next request reports a lost daemon
+                gone = [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
                 listeners, unmap = list(self._listeners), list(self._unmap_listeners)
             for sid, view in gone:
                 self._unmap(sid, view, unmap)
-            if not got:
-                time.sleep(CLAIM_POLL if more else 0)
-                continue
-            for claimed in got:
-                self._arrived(claimed, listeners)
-
-    def _arrived(self, claimed: tuple[int, torch.Tensor, mmap.mmap | None], listeners) -> None:
-        sid, view, mm = claimed
-        t0 = time.perf_counter()
-        try:
-            self._make_usable(sid, view, mm, listeners)
-        finally:
-            with self.lock:
-                self.views[sid] = view
-                later = [cb for cb in self._listeners if cb not in listeners]
-                self.ahead_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for sid, view, mm in got:
+                self._make_usable(sid, view, mm, listeners)
+                with self.lock:
+                    self.views[sid] = view
+                    later = [cb for cb in self._listeners if cb not in listeners]
+                for cb in later:   # listeners added meanwhile (another thread)
+                    cb(sid, view)
                 self.ahead_bytes += view.numel()
-                event = self._arriving.pop(sid)
-            for cb in later:   # listeners added while it was being mapped
-                cb(sid, view)
-            event.set()
+            self.ahead_seconds += time.perf_counter() - t0
+            if got:
+                quiet_since = time.monotonic()
+            elif not more or time.monotonic() - quiet_since > self.reply_timeout:
+                return
+            else:
+                time.sleep(CLAIM_POLL)
 
     def _unmap(self, sid: int, view, listeners) -> None:
         """A segment the daemon dropped: nothing of this client is in it (the
@@ -402,10 +364,6 @@ class ControlChannel:
         return new, list(reply.get("gone", [])), more if type(more) is int else 0
 
     def close(self) -> None:
-        self._closing = True
-        claimer = self._claimer
-        if claimer is not None:   # it ends after the segments it maps now
-            claimer.join()
         for sid, view in self.views.items():
             for unmapped in self._unmap_listeners:
                 unmapped(sid, view)
