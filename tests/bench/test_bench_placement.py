@@ -48,6 +48,9 @@ def test_every_case_has_a_row_with_the_issues_fields(tiny):
         assert first["nvme_written_gb"] == first["nvme_read_gb"] == 0   # the pool holds it
         assert first["lease_wait_seconds"] >= first["lease_wait_grads_s"] >= 0
         assert first["pool_mapped_gb"] >= 0 and first["pool_map_seconds"] >= 0
+        # the optimizer mapped the segments made for the first step as it was built
+        assert first["pool_mapped_ahead_gb_at_start"] > 0 and r["optimizer_build_s"] > 0
+        assert min(first[k] for k in ("host_forward_s", "host_backward_s", "host_step_s")) > 0
         if "cap" in case.name:
             # on the CPU an explicit cap places, once, from the first step's measurement
             assert r["placement"] == "placed" and r["plan_changed_at"][0] <= 2

@@ -76,7 +76,8 @@ tierd.client.control, from ``Client.expect``). Before, not during: mapped
 on a helper thread during the first forward, the same 16 GB took 10.8 s
 and held that forward for as long (the driver registers one range at a
 time under a lock each launch and copy of the step also takes), where on
-an idle GPU registering costs 0.055 s/GiB and the page tables 0.1 s/GiB.
+an idle GPU registering costs 0.055 s/GiB and the page tables 0.1 s/GiB
+(``tierd.bench.pinning``; ``benchmarks/results/HISTORY.md``).
 An empty segment of a job is what the budget gives back first after the
 spares (``release_empty``), so a claim keeps no other job out; the job's
 reserves then fill the claimed segments first. A segment larger than the
