@@ -166,7 +166,7 @@ class ControlChannel:
         #: seconds spent making new segments usable here (page tables, and the
         #: listeners: ``cudaHostRegister``), and their bytes, since connecting,
         #: on the thread that needed them: a caller waiting on a lease waits
-        #: for this too (and for a segment still being mapped ahead)
+        #: for this too
         self.map_seconds = 0.0
         self.mapped_bytes = 0
         #: the same for segments mapped ahead ([Note: segments mapped ahead]
@@ -293,6 +293,8 @@ class ControlChannel:
                     got, dropped, more = self._map_batch({"claim": True}, self.reply_timeout)
                 except TierdError:
                     return   # the next request reports a lost daemon
+                for sid, view, _mm in got:   # as map() does: another thread may lease
+                    self.views[sid] = view
                 gone = [(sid, self.views.pop(sid)) for sid in dropped if sid in self.views]
                 listeners, unmap = list(self._listeners), list(self._unmap_listeners)
             for sid, view in gone:
@@ -300,11 +302,6 @@ class ControlChannel:
             t0 = time.perf_counter()
             for sid, view, mm in got:
                 self._make_usable(sid, view, mm, listeners)
-                with self.lock:
-                    self.views[sid] = view
-                    later = [cb for cb in self._listeners if cb not in listeners]
-                for cb in later:   # listeners added meanwhile (another thread)
-                    cb(sid, view)
                 self.ahead_bytes += view.numel()
             self.ahead_seconds += time.perf_counter() - t0
             if got:
