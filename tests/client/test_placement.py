@@ -301,6 +301,42 @@ def test_a_plan_made_with_an_assumed_update_window_grows_into_the_measured_room(
     assert_same_weights(model, ref)
 
 
+def test_the_step_after_placing_before_the_update_reads_only_its_own_peak(monkeypatch):
+    """[Note: placing before the first update]: a made-up allocator (a peak
+    sampled at every module's forward, started afresh by ``_reset_peak``).
+    The measuring step, on the plan estimated from sizes, peaks just over
+    the cap; the plan placed before its update holds less. The next reading
+    must not hold that old peak against the new plan: read so, the step
+    looked 1 byte over the cap, and placement placed again, smaller."""
+    monkeypatch.setattr(engine_mod, "update_window", lambda buckets, prefetch: 0)
+    probe = attach(llama(), client=LocalStore(), device="cpu")
+    cap = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
+    detach(probe)
+    model, ref, opt, ref_opt = _train_placed(llama, cap=cap, data=None)
+    placer = session_of(model).placer
+    allocator = {"peak": 0, "extra": None}
+
+    def sample(*_):
+        if allocator["extra"] is None:   # the first step, on the estimated plan
+            allocator["extra"] = cap + 1 - placer.resident_bytes()
+        allocator["peak"] = max(allocator["peak"], placer.resident_bytes() + allocator["extra"])
+
+    for m in model.modules():
+        m.register_forward_hook(sample)
+    monkeypatch.setattr(Placer, "_memory", lambda self: (allocator["peak"], 1 << 40))
+    monkeypatch.setattr(Placer, "_reset_peak",
+                        lambda self: allocator.update(peak=self.resident_bytes()))
+    data = batches(5)
+    losses = train(model, opt, data[:1])
+    estimated_plan = cap + 1 - allocator["extra"]   # what the measuring step held
+    assert placer.state is PlacerState.PLACED and placer.resident_bytes() < estimated_plan
+    placed = placer.plan.places
+    losses += train(model, opt, data[1:])
+    assert placer.replans == 0 and placer.plan.places == placed
+    assert losses == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
 def test_a_plan_grows_only_into_what_the_device_has_free(monkeypatch):
     # the measured step leaves room under the cap, but the device has little free
     # outside the allocator's cache (fragmented cached blocks may not take new tensors)
