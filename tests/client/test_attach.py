@@ -83,6 +83,28 @@ def test_pool_smaller_than_model_spills_to_nvme_mid_training(daemon_factory):
     assert_same_weights(model, ref)
 
 
+def test_detach_reads_the_store_back_in_parts_each_put_in_place(monkeypatch):
+    # [Note: values read back in parts]: the host holds one part at a time
+    from tierd.client import attached
+    from tierd.client.store import LocalStore
+    monkeypatch.setattr(attached, "READ_CHUNK_BYTES", 300_000)
+    ref = gpt2(n_layer=2, n_embd=128, vocab=1000)   # ~0.5M parameters, 2 MB in fp32
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(2, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    session, reads = session_of(model), []
+    read = session.read
+    monkeypatch.setattr(session, "read", lambda keys: reads.append(read(keys)) or reads[-1])
+    detach(model)
+    sizes = [sum(v.nbytes for v in got.values()) for got in reads]
+    largest = max(p.numel() * 4 for p in ref.parameters())
+    assert len(reads) > 3 and max(sizes) <= max(300_000, largest)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_two_attached_models_do_not_see_each_other(daemon):
     a, ref_a = _pair(lambda: gpt2(seed=1), daemon)
     b, ref_b = _pair(lambda: llama(seed=2), daemon)

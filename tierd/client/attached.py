@@ -90,6 +90,9 @@ _SESSION_ATTR = "_tierd_session"
 
 log = logging.getLogger("tierd.attach")
 
+#: Bytes of stored values read into host memory at a time ([Note: values read back in parts])
+READ_CHUNK_BYTES = 1 << 30
+
 
 @dataclass
 class SessionStats:
@@ -397,15 +400,32 @@ class AttachSession:
         finally:
             self.leases.release(keys)
 
-    def read_values(self, tps: list[TieredParam]) -> dict[TieredParam, torch.Tensor]:
-        """Current values (fp32 master if any), as new CPU tensors in the original dtype.
-        Resident optimizer state is read on the device, with no write-back
-        (under torch.distributed a rank's own copy: the pool has its owner's)."""
-        local = self.updates.device_masters(tps)
-        local.update({tp: tp.compute for tp in tps if not tp.in_store})   # its only copy
-        got = self.read([tp.value_key for tp in tps if tp not in local])
-        return {tp: local[tp].to("cpu", tp.orig_dtype, copy=True) if tp in local
-                else got[tp.value_key].to(tp.orig_dtype) for tp in tps}
+    def read_values(self, tps: list[TieredParam], *, onto=None, take: bool = False
+                    ) -> dict[TieredParam, torch.Tensor]:
+        """Current values (fp32 master if any), as new tensors in the original
+        dtype: on the CPU, or on ``onto(tp)`` (a device). Resident optimizer
+        state is read on the device, with no write-back (under
+        torch.distributed a rank's own copy: the pool has its owner's);
+        ``take``: its masters are given as they are where already on that
+        device in that dtype (detach: the optimizer forgets them next).
+
+        [Note: values read back in parts]
+        The store is read ``READ_CHUNK_BYTES`` at a time, each part put where
+        it goes before the next is read: reading every value of a model built
+        on the GPU into host memory before moving any back held the whole
+        model there (detach of a 13B Llama: 53 GB of fp32 on a host the pool
+        had left 15 GB, and the kernel killed the process), and leasing every
+        key at once needs the pool to hold them all together."""
+        where = onto if onto is not None else (lambda tp: "cpu")
+        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take)
+               for tp, v in self.updates.device_masters(tps).items()}
+        out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=True)
+                    for tp in tps if not tp.in_store})   # its only copy
+        for part in _parts([tp for tp in dict.fromkeys(tps) if tp not in out],
+                           READ_CHUNK_BYTES):
+            got = self.read([tp.value_key for tp in part])
+            out.update({tp: got[tp.value_key].to(where(tp), tp.orig_dtype) for tp in part})
+        return {tp: out[tp] for tp in tps}
 
     def current_values(self, tps: list[TieredParam], *,
                        to_write: bool = False) -> dict[TieredParam, torch.Tensor]:
@@ -418,8 +438,8 @@ class AttachSession:
                for tp in tps if tp.state is ParamState.DEVICE}
         rest = [tp for tp in tps if tp not in out]
         if rest:
-            got = self.read_values(rest)
-            out.update({tp: got[tp].to(tp.param.device, tp.param.dtype) for tp in rest})
+            got = self.read_values(rest, onto=lambda tp: tp.param.device)
+            out.update({tp: got[tp].to(dtype=tp.param.dtype) for tp in rest})
         return out
 
     def write_values(self, values: dict[TieredParam, torch.Tensor]) -> None:
@@ -479,9 +499,10 @@ class AttachSession:
                   if tiered_of(p) is not None and prefix + attr in state_dict}
         if not wanted:
             return
-        values = self.read_values(list(dict.fromkeys(wanted.values())))
+        values = self.read_values(list(dict.fromkeys(wanted.values())),
+                                  onto=lambda tp: tp.orig_device)
         for entry, tp in wanted.items():
-            state_dict[entry] = values[tp].to(tp.orig_device)
+            state_dict[entry] = values[tp]
 
     def refresh_resident(self, tp: TieredParam, value: torch.Tensor) -> None:
         """The optimizer changed a resident parameter: update its device copy."""
@@ -493,7 +514,8 @@ class AttachSession:
         """Detach: hooks off, ordinary parameters back, the model's keys deleted."""
         if self.activations is not None:
             self.activations.close()
-        values = self.read_values(list(self.params.values()))
+        values = self.read_values(list(self.params.values()), onto=lambda tp: tp.orig_device,
+                                  take=True)
         for opt in self.optimizers:   # read: its keys are deleted below anyway
             opt.discard_resident()
         self.placer.close()
@@ -511,6 +533,21 @@ class AttachSession:
         self.closed = True
         if self.owns_client:
             self.client.close()
+
+
+def _parts(tps: list[TieredParam], most: int) -> list[list[TieredParam]]:
+    """``tps`` in order, in runs of at most ``most`` bytes of stored values
+    (fp32 or wider; one larger parameter is a run of its own)."""
+    out: list[list[TieredParam]] = []
+    run, nbytes = [], 0
+    for tp in tps:
+        size = tp.param.numel() * max(4, tp.orig_dtype.itemsize)
+        if run and nbytes + size > most:
+            out.append(run)
+            run, nbytes = [], 0
+        run.append(tp)
+        nbytes += size
+    return out + ([run] if run else [])
 
 
 def session_of(model: nn.Module) -> AttachSession:
