@@ -121,15 +121,3 @@ def test_a_floor_without_the_all_gpu_step_uses_tierds_own_compute():
     assert placement.floor({**row, "planned_pcie_gb": 100.0}, 100e9) == 1.0   # PCIe-bound
     assert placement.floor({**row, "allgpu_s": 0.9}, 100e9) == 0.9
     assert placement.floor({**row, "tierd_diag": None}, 100e9) is None   # CPU: no profile
-
-
-def test_a_floor_whose_profile_was_left_out_for_host_memory_is_its_pcie_time():
-    row = {"allgpu_s": None, "planned_pcie_gb": 50.0,
-           "tierd_diag": {"forward_s": 1.0, "profile_skipped": "15.0 GB of host memory ..."}}
-    assert placement.floor(row, 100e9) == 0.5
-
-
-def test_the_profiled_step_is_left_out_when_the_host_has_little_memory_free():
-    assert placement.profile_skipped(placement.PROFILE_HOST_BYTES) is None
-    why = placement.profile_skipped(15 << 30)
-    assert why.startswith("16.1 GB of host memory available, under the 34.4 GB")

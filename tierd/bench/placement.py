@@ -80,8 +80,7 @@ synchronizations, then two diagnostic steps.
 - ``tierd_diag`` / ``allgpu_diag`` (CUDA only): one step split into forward,
   backward and ``step()`` seconds, and one profiled step into compute-stream
   busy time and the idle time beside copies or beside nothing
-  (``attach_step.profile``; left out, with ``profile_skipped`` saying why,
-  where the host has under ``PROFILE_HOST_BYTES`` free); tierd's also has its hooks', optimizer's and
+  (``attach_step.profile``); tierd's also has its hooks', optimizer's and
   waits' host seconds per synchronized step (lease waits also split by the
   kind of key: compute copies, gradients, state; and the seconds new pool
   segments took to map and page-lock here) and the caching allocator's
@@ -277,40 +276,13 @@ def allocator(device: torch.device) -> dict:
                                             "num_device_alloc", "num_device_free")}}
 
 
-#: Host memory a profiled step may need. The 13B case's (64 layers,
-#: checkpointing, its state in a pool sized to all but ~19 GiB of RAM) grew
-#: this process by more than the 15 GB left while it was profiled, and the
-#: kernel killed it (at 8087f53 and d19d5b2: 1 GB besides the pool through its
-#: steps, 15 GB within 4 s of the profile's end). What in the profile takes it
-#: is not found.
-PROFILE_HOST_BYTES = 32 << 30
-
-
-def profile_skipped(available: int) -> str | None:
-    """Why the profiled step is left out with ``available`` bytes of host
-    memory free (None: it runs).
-
-    >>> profile_skipped(40 << 30) is None, profile_skipped(15 << 30)[:17]
-    (True, '16.1 GB of host m')
-    """
-    if available >= PROFILE_HOST_BYTES:
-        return None
-    return (f"{available / GB:.1f} GB of host memory available, under the "
-            f"{PROFILE_HOST_BYTES / GB:.1f} GB a profiled step may take")
-
-
 def diagnose(fn, model, opt, ids, trace: Path | None = None) -> dict | None:
     """Where one step's time goes (CUDA only): phases, then the streams of a
-    profiled step (its trace written to ``trace``, if given), unless the host
-    has too little memory left for it (``profile_skipped`` says so)."""
+    profiled step (its trace written to ``trace``, if given)."""
     if ids.device.type != "cuda":
         return None
-    from tierd.backends.memory import available_memory
     from tierd.bench.attach_step import phases, profile
     out = phases(model, opt, ids)
-    skipped = profile_skipped(available_memory())
-    if skipped is not None:
-        return {**out, "profile_skipped": skipped}
     out.update(profile(fn, trace))
     return out
 
@@ -516,16 +488,13 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
 def floor(row: dict, bandwidth: float) -> float | None:
     """A capped or non-fitting case's floor: the larger of its compute (the
     all-GPU step; where that did not run, tierd's compute-stream busy time)
-    and the planned PCIe bytes at ``bandwidth``; the PCIe part alone where
-    neither ran but the profile was left out for want of host memory."""
-    pcie = (row["planned_pcie_gb"] or 0) * GB / bandwidth
+    and the planned PCIe bytes at ``bandwidth``."""
     compute = row["allgpu_s"]
     if compute is None:
-        diag = row.get("tierd_diag") or {}
-        compute = diag.get("compute_busy_s")
-        if compute is None:
-            return pcie if "profile_skipped" in diag else None
-    return max(compute, pcie)
+        compute = (row.get("tierd_diag") or {}).get("compute_busy_s")
+    if compute is None:
+        return None
+    return max(compute, (row["planned_pcie_gb"] or 0) * GB / bandwidth)
 
 
 #: every figure of a row (None in a row whose run failed)
