@@ -31,7 +31,7 @@ import msgpack
 
 from tierd.errors import ProtocolError
 
-VERSION = 4   # 2: reserve's ``zero``; 3: demote; 4: a segment's ``populated``
+VERSION = 5   # 2: reserve's ``zero``; 3: demote; 4: a segment's ``populated``; 5: use_plan, use_at
 MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_LENGTH = 1024
@@ -205,11 +205,32 @@ class Expect:
     sizes: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class UsePlan:
+    """The keys the caller's job uses at each position of its step, in order
+    (a step repeats them); positions are then told by :class:`UseAt`
+    ([Note: the job's access plan] in tierd.server.readahead). An empty plan
+    forgets the job's."""
+
+    op: ClassVar[str] = "use_plan"
+    positions: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class UseAt:
+    """The caller's job uses position ``at`` of its plan now (counted from the
+    plan's start across steps: step * len(plan) + index)."""
+
+    op: ClassVar[str] = "use_at"
+    at: int
+
+
 REQUESTS = {cls.op: cls for cls in (Reserve, Publish, Abort, Lease, Release, Prefetch,
                                     Evict, Demote, Delete, DropJob, Keys, Stats, Commit,
-                                    Commits, ReportDevice, Expect)}
+                                    Commits, ReportDevice, Expect, UsePlan, UseAt)}
 Request = (Reserve | Publish | Abort | Lease | Release | Prefetch | Evict | Demote | Delete
-           | DropJob | Keys | Stats | Commit | Commits | ReportDevice | Expect)
+           | DropJob | Keys | Stats | Commit | Commits | ReportDevice | Expect | UsePlan
+           | UseAt)
 
 
 # ----------------------------------------------------------------- replies
@@ -334,6 +355,13 @@ def _body(cls: type, body: dict) -> Any:
             return ReportDevice(_int(body.get("resident_bytes"), "resident_bytes"))
         case "expect":
             return Expect(tuple(_int(n, "size") for n in _list(body.get("sizes"), "sizes")))
+        case "use_plan":
+            positions = tuple(_keys(keys) for keys in _list(body.get("positions"), "positions"))
+            if sum(len(keys) for keys in positions) > MAX_KEYS_PER_REQUEST:
+                raise _fail(f"a plan of more than {MAX_KEYS_PER_REQUEST} keys")
+            return UsePlan(positions)
+        case "use_at":
+            return UseAt(_int(body.get("at"), "at"))
         case "commit":
             tag = body.get("tag")
             if type(tag) is not str or not 0 < len(tag) <= MAX_TAG_LENGTH:

@@ -62,6 +62,12 @@ class AttachConfig:
     #: in ``tierd.updates.fused``). 0 (the default): none; None: on CUDA the
     #: fused optimizer's fetch window (twice its ``prefetch_bytes``), on the CPU 0.
     deferred_write_bytes: int | None = 0
+    #: When the model's values exceed the daemon's pool, tell the daemon the
+    #: step's order of use so it reads the units it cannot keep from NVMe
+    #: ahead of their use and evicts the one used farthest ahead ([Note: the
+    #: job's access plan] in ``tierd.server.readahead``). Off under
+    #: torch.distributed (the ranks' steps share keys).
+    read_ahead: bool = True
     #: Parameters smaller than this stay on the compute device all the time.
     resident_below_bytes: int = 0
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
@@ -127,6 +133,8 @@ class AttachConfig:
                                _bytes("gpu_memory_bytes", self.gpu_memory_bytes))
         if self.name is not None and not (isinstance(self.name, str) and self.name):
             raise ValueError(f"name={self.name!r} must be a non-empty string (or None)")
+        if not isinstance(self.read_ahead, bool):
+            raise ValueError(f"read_ahead={self.read_ahead!r} must be True or False")
         if isinstance(self.hold_fraction, bool) or not isinstance(self.hold_fraction,
                                                                    (int, float)):
             raise ValueError(f"hold_fraction={self.hold_fraction!r} must be a number in [0, 1]")

@@ -65,6 +65,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from tierd.client.access_plan import AccessPlanSender
 from tierd.client.activations import ActivationTiering
 from tierd.client.attach_config import AttachConfig, resolve_cap
 from tierd.client.backward import BackwardTracker
@@ -166,9 +167,12 @@ class AttachSession:
                                       on_grad=self.on_grad, source=source, kept=kept)
         self.params = self.registry.params
         self.units = self.registry.units
+        # [Note: the job's access plan] in tierd.server.readahead
+        plans = AccessPlanSender(client, spills=lambda: self._model_bytes() > self.pool_bytes) \
+            if config.read_ahead and ranks is None else None
         self.mover = Mover(self.registry, config.mover(self.lease_cap), copy=self.copy,
                            leases=self.leases, releases=self.releases,
-                           counters=self.counters, optimizers=self.optimizers)
+                           counters=self.counters, optimizers=self.optimizers, plans=plans)
         self.backward = BackwardTracker(on_begin=self._begin_backward, on_end=self._end_backward)
         self.share = None if ranks is None else RankShare(
             ranks, self.registry, store=client, leases=self.leases, releases=self.releases,
@@ -410,7 +414,8 @@ class AttachSession:
         device in that dtype (detach: the optimizer forgets them next).
 
         [Note: values read back in parts]
-        The store is read ``READ_CHUNK_BYTES`` at a time, each part put where
+        The store is read ``READ_CHUNK_BYTES`` at a time (a quarter of the
+        pool at most, as every lease the session asks), each part put where
         it goes before the next is read: reading every value of a model built
         on the GPU into host memory before moving any back held the whole
         model there (detach of a 13B Llama: 53 GB of fp32 on a host the pool
@@ -422,7 +427,7 @@ class AttachSession:
         out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=True)
                     for tp in tps if not tp.in_store})   # its only copy
         for part in _parts([tp for tp in dict.fromkeys(tps) if tp not in out],
-                           READ_CHUNK_BYTES):
+                           min(READ_CHUNK_BYTES, self.lease_cap)):
             got = self.read([tp.value_key for tp in part])
             out.update({tp: got[tp.value_key].to(where(tp), tp.orig_dtype) for tp in part})
         return {tp: out[tp] for tp in tps}

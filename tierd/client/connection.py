@@ -66,7 +66,10 @@ SHARED_SOURCE_PIECE = 8 << 20
 #: batches' sources are only referenced, not copied: the lookahead costs
 #: pool slots reserved early and the sources freed later (a CPU model's
 #: parameters are emptied once their batch is published), those of at most
-#: this many stored bytes.
+#: this many stored bytes, and of at most a quarter of the pool: a reserved
+#: slot cannot leave it, so a model larger than the pool is stored only if
+#: the published batches can be evicted to NVMe to take the next ones (with
+#: every batch reserved ahead, a 30 MB model did not go into a 16 MiB pool).
 PUT_AHEAD = 4 << 30
 MAP_THREADS = 4
 #: requests of one ``put_batches`` in flight at most (the daemon answers a
@@ -498,6 +501,20 @@ class Client(_StoreCalls):
             self._drain()
         return self._submit(P.Demote(_keys(keys)))
 
+    def use_plan_async(self, positions: Iterable[Iterable[str]]) -> Pending:
+        """This job's access plan: the keys it uses at each position of its
+        step, in order ([Note: the job's access plan] in tierd.server.readahead);
+        empty: forget it. Nobody waits for its reply (as :meth:`demote_async`)."""
+        with self._lock:
+            self._drain()
+        return self._submit(P.UsePlan(tuple(_keys(keys) for keys in positions)))
+
+    def use_at_async(self, at: int) -> Pending:
+        """This job uses position ``at`` of its plan now (the daemon reads ahead)."""
+        with self._lock:
+            self._drain()
+        return self._submit(P.UseAt(int(at)))
+
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
         """Release leases; with ``written`` the write-leased bytes become the new version."""
         return self._submit(P.Release(_keys(keys), written))
@@ -518,8 +535,8 @@ class Client(_StoreCalls):
                                                   Mapping[str, torch.dtype] | None]],
                     published: Callable[[int], None] | None = None) -> None:
         """Store each ``(items, dtypes)`` batch as :meth:`put_many` would,
-        reserving ``PUT_AHEAD`` bytes ahead of the copies ([Note: pipelined
-        puts]); ``batches`` is read lazily, so a caller may make each batch
+        reserving up to ``PUT_AHEAD`` bytes ahead of the copies ([Note:
+        pipelined puts]); ``batches`` is read lazily, so a caller may make each batch
         only when it is asked for. ``published(i)`` is called once batch
         ``i`` (from 0) is the keys' current version, after which its sources
         are no longer read. On an error each batch is either reported (and
@@ -528,6 +545,7 @@ class Client(_StoreCalls):
         >>> c.put_batches(((m, None) for m in modules), published=print)   # doctest: +SKIP
         """
         source = iter(enumerate(batches))
+        most_ahead = min(PUT_AHEAD, int(self.stats()["pool_bytes"]) // 4)
         ahead: deque[_Reserved] = deque()     # reserve sent, not copied
         unconfirmed: deque[tuple[int, tuple[str, ...], Pending]] = deque()   # publish sent
         # maps segments only: every request and reply stays on this thread
@@ -536,7 +554,7 @@ class Client(_StoreCalls):
             while True:
                 # reserved beyond the batch copied next
                 while len(ahead) < 2 or (
-                        sum(r.nbytes for r in ahead) - ahead[0].nbytes < PUT_AHEAD
+                        sum(r.nbytes for r in ahead) - ahead[0].nbytes < most_ahead
                         and len(ahead) + len(unconfirmed) < PUT_REQUESTS):
                     item = next(source, None)
                     if item is None:

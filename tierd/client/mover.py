@@ -52,7 +52,7 @@ class Mover:
 
     def __init__(self, registry: ParamRegistry, config: MoverConfig, *, copy: CopyStream,
                  leases: LeaseTable, releases: PendingReleases, counters,
-                 optimizers: list) -> None:
+                 optimizers: list, plans=None) -> None:
         self.registry = registry
         self.config = config
         self.copy = copy
@@ -71,6 +71,8 @@ class Mover:
         self._kept: set[TieredParam] = set()
         self._kept_bytes = 0
         self._head: tuple[int, set[TieredParam]] = (-1, set())   # (step, first params)
+        # the daemon's read-ahead ([Note: the job's access plan] in tierd.server.readahead)
+        self.plans = plans
 
     def _new_planner(self, trace: tuple[int, ...] = ()) -> PrefetchPlanner:
         return PrefetchPlanner({u.index: u.nbytes for u in self.registry.units},
@@ -95,11 +97,17 @@ class Mover:
         self._kept_bytes = 0
         for opt in self.optimizers:   # before any swap-in reads the pool
             opt.write_deferred()      # ([Note: deferred write-out] in tierd.updates.fused)
-        self._prefetch(self.planner.begin_step())
+        first = self.planner.begin_step()
+        if self.plans is not None:
+            self.plans.begin_step(self.planner, self.registry.units)
+        self._prefetch(first)
 
     def observe(self, unit: Unit) -> None:
         """``unit`` is used now: tell the planner, start what it announces."""
-        self._prefetch(self.planner.on_use(unit.index))
+        announced = self.planner.on_use(unit.index)
+        if self.plans is not None:
+            self.plans.use(self.planner)
+        self._prefetch(announced)
 
     def hold(self, unit: Unit) -> None:
         """A forward of ``unit`` begins: its parameters stay until it ends."""

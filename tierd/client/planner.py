@@ -63,6 +63,11 @@ class PrefetchPlanner:
     def trace(self) -> tuple[int, ...]:
         return tuple(self._trace)
 
+    @property
+    def position(self) -> int:
+        """The index in the trace of the use matched last (-1: none this step)."""
+        return self._cursor - 1
+
     def begin_step(self) -> list[int]:
         """Close the previous step and start a new one; returns units to fetch first."""
         if self._recording:

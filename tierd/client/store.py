@@ -77,6 +77,8 @@ class Store(Protocol):
     def report_device(self, resident_bytes: int) -> None: ...
     def expect(self, sizes: Iterable[int]) -> None: ...
     def demote_async(self, keys: Iterable[str]) -> Pending: ...
+    def use_plan_async(self, positions: Iterable[Iterable[str]]) -> Pending: ...
+    def use_at_async(self, at: int) -> Pending: ...
     def check_alive(self) -> None: ...
     def on_segment_mapped(self, callback: Callable[[int, torch.Tensor], None],
                           unmapped: Callable[[int, torch.Tensor], None] | None = None) -> None: ...
@@ -228,6 +230,8 @@ class LocalStore:
     requests: int = 0   # calls made, as the daemon would count requests
     gpu_resident_bytes: int = 0   # as reported (report_device)
     demoted: list = field(default_factory=list)   # keys demoted, in order (demote_async)
+    plans: list = field(default_factory=list)     # access plans sent (use_plan_async)
+    uses: list = field(default_factory=list)      # positions told (use_at_async)
 
     def __post_init__(self) -> None:
         self.ephemeral = self.job is None
@@ -352,6 +356,16 @@ class LocalStore:
         keys = tuple(keys)
         return self._call(lambda: self.demoted.extend(e and k for k, e in
                                                       [(k, self._table.entry(k)) for k in keys]))
+
+    def use_plan_async(self, positions: Iterable[Iterable[str]]) -> Done:
+        """Nothing to read ahead here (no tiers): the plan is kept, in
+        ``plans``, for tests of what a client plans."""
+        plan = [tuple(keys) for keys in positions]
+        return self._call(lambda: self.plans.append(plan))
+
+    def use_at_async(self, at: int) -> Done:
+        """Kept in ``uses`` for tests (nothing to read ahead here)."""
+        return self._call(lambda: self.uses.append(int(at)))
 
     def restart(self) -> None:
         """What a daemon restart leaves: the last commit, no leases, no reservations."""

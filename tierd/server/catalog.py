@@ -26,6 +26,7 @@ from tierd.errors import CapacityError, StateError, UnknownKey
 from tierd.protocol import Placement, TensorSpec
 from tierd.server import commits
 from tierd.server.admission import Admission
+from tierd.server.readahead import AccessPlan
 from tierd.server.records import (Blocked, Direction, Entry, Job, Residency, Session, Transfer,
                                   spec_nbytes, stored_size)
 from tierd.server.slots import PoolSlot, SlotState
@@ -128,6 +129,7 @@ class Catalog:
         job.manifest = None
         if not job.sessions:
             del self.jobs[name]
+            self.tiers.plans.pop(name, None)
             self.pool.forget(name)
             self.pool.release_empty(exclude=None, need=self.pool.budget)
 
@@ -285,6 +287,47 @@ class Catalog:
                     blocked.wait.append(e.transfer)
         return blocked if blocked.wait else None
 
+    def use_plan(self, s: Session, positions: tuple[tuple[str, ...], ...]) -> None:
+        """The job's access plan ([Note: the job's access plan] in
+        tierd.server.readahead); an empty one forgets it. Keys it names need
+        not exist yet: a plan is a hint."""
+        if positions:
+            self.tiers.plans[s.job] = AccessPlan(positions)
+        else:
+            self.tiers.plans.pop(s.job, None)
+
+    def use_at(self, s: Session, at: int) -> None:
+        """The job uses position ``at`` of its plan now: read ahead from there."""
+        plan = self.tiers.plans.get(s.job)
+        if plan is None:
+            return
+        plan.advance(at)
+        job = self.jobs[s.job]
+        def size(key: str) -> int:
+            e = self.entries.get((s.job, key))
+            return 0 if e is None else e.spec.nbytes
+
+        # the pool's room for the planned keys: what the job's other tensors
+        # leave, less the largest position's bytes (the holes between slots)
+        others = sum(e.slot.nbytes for e in self.tiers.job_entries(s.job)
+                     if e.slot is not None and e.key not in plan)
+        largest = max(sum(size(k) for k in keys) for keys in plan.positions)
+        room = min(self.pool.budget, job.pool_quota or self.pool.budget) - others
+        end = plan.horizon(size, room - largest)
+        for position, keys in plan.ahead(end):
+            for key in keys:
+                e = self.entries.get((s.job, key))
+                if e is None or e.state is not Residency.ON_NVME:
+                    continue   # in the pool, being read, or gone
+                try:
+                    self.tiers.start_swap_in(e, Blocked(), protect=(), ahead_of=end)
+                except CapacityError:
+                    return   # nothing used later to make room with: resume at the next use
+                if e.state is not Residency.READING_IN:
+                    return   # its room waits on write-backs: resume at the next use
+                self.tiers.counters.bytes_read_ahead += e.spec.nbytes
+            plan.cursor = position + 1
+
     def demote(self, s: Session, keys: tuple[str, ...]) -> None:
         """Evict these before the job's other tensors, the last demoted first
         ([Note: eviction by next use] in tierd.server.eviction); the next
@@ -343,6 +386,7 @@ class Catalog:
             "sessions": len(self.sessions),
             "bytes_to_nvme": c.bytes_to_nvme,
             "bytes_to_pool": c.bytes_to_pool,
+            "bytes_read_ahead": c.bytes_read_ahead,
             "evictions": c.evictions,
             "io_errors": c.io_errors,
             "jobs": per_job,

@@ -32,6 +32,11 @@ own key (its master is the weight the next forward reads first, in the
 order least recently used already gets right), held keys (never evicted)
 and keys shared by ranks (their next version is a new entry).
 
+A job that told the daemon its access plan ([Note: the job's access plan] in
+tierd.server.readahead) has the next use of each key it plans known: after
+cold and demoted tensors those go, the one used farthest ahead first, and
+only then the tensors the plan does not name, least recently used first.
+
 [Note: cold tensors go first]
 Demoted tensors go before ordinary ones, but a tensor nobody has used for
 longer than the job's cycle is needed later still, if ever: the bf16
@@ -58,13 +63,17 @@ is cold.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tierd.server.readahead import AccessPlan
 
 #: a tensor unused for more than this many cycles is cold ([Note: cold tensors go first])
 COLD_CYCLES = 1.5
 
 
 class Evictable(Protocol):
+    key: str
     last_use: int
 
 
@@ -87,26 +96,45 @@ def job_cycle(entries: Iterable[Cycling], now: int) -> int:
                default=0)
 
 
-def rank(e: Evictable, now: int, cycle: int) -> tuple[int, int]:
+def rank(e: Evictable, now: int, cycle: int, plan: AccessPlan | None = None
+         ) -> tuple[int, int]:
     """Where ``e`` goes in eviction order, lowest first: cold tensors (least
     recently used first), then demoted ones (the last demoted first), then
-    the others (least recently used first). See [Note: eviction by next use]
+    those the job's ``plan`` uses (the farthest next use first), then the
+    others (least recently used first). See [Note: eviction by next use]
     and [Note: cold tensors go first]. ``cycle``: the job's cycle in ticks
     (0: unknown, nothing is cold).
 
     >>> class E:
-    ...     def __init__(self, last_use): self.last_use = last_use
+    ...     def __init__(self, last_use, key="k"): self.last_use, self.key = last_use, key
     >>> [rank(E(u), now=100, cycle=10) for u in (5, -95, -97, 99)]
-    [(0, 5), (1, -95), (1, -97), (2, 99)]
+    [(0, 5), (1, -95), (1, -97), (3, 99)]
+    >>> from tierd.server.readahead import AccessPlan
+    >>> plan = AccessPlan([("a",), ("b",)]); plan.advance(0)
+    >>> [rank(E(99, k), now=100, cycle=10, plan=plan) for k in "abk"]
+    [(2, -2), (2, -1), (3, 99)]
     """
     if cycle and now - abs(e.last_use) > COLD_CYCLES * cycle:
         return (0, abs(e.last_use))
-    return (1, e.last_use) if e.last_use < 0 else (2, e.last_use)
+    if e.last_use < 0:
+        return (1, e.last_use)
+    due = None if plan is None else plan.next_use(e.key)
+    return (3, e.last_use) if due is None else (2, -due)
 
 
-def by_next_use(candidates: Iterable[Evictable], now: int, cycle: int) -> list:
+def used_after(e: Evictable, at: int, now: int, cycle: int, plan: AccessPlan) -> bool:
+    """Whether a read ahead whose horizon ends at position ``at`` may evict
+    ``e``: it is cold or demoted, or the plan uses it only after ``at``
+    ([Note: the job's access plan] in tierd.server.readahead); a tensor the
+    plan does not name is kept (its next use is unknown)."""
+    kind, value = rank(e, now, cycle, plan)
+    return kind < 2 or (kind == 2 and -value > at)
+
+
+def by_next_use(candidates: Iterable[Evictable], now: int, cycle: int,
+                plan: AccessPlan | None = None) -> list:
     """Candidates in eviction order (see :func:`rank`)."""
-    return sorted(candidates, key=lambda e: rank(e, now, cycle))
+    return sorted(candidates, key=lambda e: rank(e, now, cycle, plan))
 
 
 def fair_share(budget: int, usage: Mapping[str, int], requester: str) -> int:
@@ -127,8 +155,8 @@ def job_to_take_from(budget: int, usage: Mapping[str, int], requester: str) -> s
 
 
 def segments_by_next_use(segments: Mapping[int, list[Evictable]], now: int,
-                         cycle: int) -> list[int]:
+                         cycle: int, plan: AccessPlan | None = None) -> list[int]:
     """Segment ids (id -> their tensors) in eviction order: a segment ranks as
     its tensor needed soonest (the highest :func:`rank`)."""
-    return sorted(segments, key=lambda sid: max((rank(e, now, cycle) for e in segments[sid]),
-                                                default=(0, 0)))
+    return sorted(segments, key=lambda sid: max(
+        (rank(e, now, cycle, plan) for e in segments[sid]), default=(0, 0)))

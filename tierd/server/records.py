@@ -132,6 +132,7 @@ class Session:
 class TierCounters:
     bytes_to_nvme: int = 0
     bytes_to_pool: int = 0
+    bytes_read_ahead: int = 0   # of those, swap-ins begun by a job's access plan
     evictions: int = 0
     io_errors: int = 0
 

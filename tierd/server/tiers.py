@@ -20,6 +20,7 @@ from tierd.errors import CapacityError
 from tierd.protocol import TensorSpec
 from tierd.server import eviction
 from tierd.server.admission import Admission
+from tierd.server.readahead import AccessPlan
 from tierd.server.records import (Blocked, Direction, Entry, Job, Residency, TierCounters,
                                   Transfer, stored_size)
 from tierd.server.slots import DiskExtent, ExtentState, PoolSlot, SlotState
@@ -35,6 +36,7 @@ class Tiers:
         self.admission = admission
         self.jobs: dict[str, Job] = {}
         self.entries: dict[tuple[str, str], Entry] = {}
+        self.plans: dict[str, AccessPlan] = {}   # job -> [Note: the job's access plan]
         self.counters = TierCounters()
         self.clock = itertools.count(1)   # last_use ticks: leases, publishes, demotes
         self.now = 0                      # the last tick handed out
@@ -125,9 +127,14 @@ class Tiers:
             self._change_extent(e.disk, e.disk.retire)
 
     # --------------------------------------------------------- transfers
-    def start_swap_in(self, e: Entry, blocked: Blocked, protect: Iterable[Entry]) -> None:
-        """Begin reading ``e`` into a new slot (or plan evictions into ``blocked``)."""
-        slot = self.alloc_slot(e.job, e.key, e.spec.nbytes, blocked, protect, SlotState.FILLING)
+    def start_swap_in(self, e: Entry, blocked: Blocked, protect: Iterable[Entry],
+                      ahead_of: int | None = None) -> None:
+        """Begin reading ``e`` into a new slot (or plan evictions into
+        ``blocked``); ``ahead_of``: a read ahead whose horizon ends at that
+        position of the job's plan, which evicts only what is used after it
+        ([Note: the job's access plan] in tierd.server.readahead)."""
+        slot = self.alloc_slot(e.job, e.key, e.spec.nbytes, blocked, protect, SlotState.FILLING,
+                               ahead_of)
         if slot is None:
             return
         e.disk.add_reader()
@@ -215,14 +222,16 @@ class Tiers:
 
     # --------------------------------------------------------------- room
     def alloc_slot(self, job: str, key: str, nbytes: int, blocked: Blocked,
-                   protect: Iterable[Entry], state: SlotState) -> PoolSlot | None:
-        """A new pool slot for ``job``, or None after planning evictions into ``blocked``."""
+                   protect: Iterable[Entry], state: SlotState,
+                   ahead_of: int | None = None) -> PoolSlot | None:
+        """A new pool slot for ``job``, or None after planning evictions into
+        ``blocked`` (``ahead_of``: see :meth:`start_swap_in`)."""
         while True:
             got = self.pool.allocate(job, nbytes, self.jobs[job].pool_quota)
             if got is not None:
                 seg, off = got
                 return PoolSlot(seg, off, seg.extents.extent_size(nbytes), key, state)
-            if not self._plan_eviction(job, nbytes, blocked, protect):
+            if not self._plan_eviction(job, nbytes, blocked, protect, ahead_of):
                 break
         if not blocked.wait:
             # Swap-ins a prefetch began hold room that is evictable once they
@@ -242,8 +251,10 @@ class Tiers:
             f"evictable for {nbytes} B more (leased or in this request); release leases, "
             f"lease smaller batches, or start the daemon with a larger --pool")
 
-    def _victims(self, job: str, nbytes: int, protect: Iterable[Entry]) -> list[Entry]:
-        """The job's pool entries that may leave, in eviction order.
+    def _victims(self, job: str, nbytes: int, protect: Iterable[Entry],
+                 ahead_of: int | None = None) -> list[Entry]:
+        """The job's pool entries that may leave, in eviction order (for a read
+        ahead to position ``ahead_of`` of the job's plan, only those used after it).
 
         [Note: room for a large tensor]
         Freeing the least recently used tensors makes room for a small one,
@@ -258,18 +269,21 @@ class Tiers:
         entries = self.job_entries(job)
         idle = [e for e in entries
                 if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected]
-        now, cycle = self.now, eviction.job_cycle(entries, self.now)
+        now, cycle, plan = self.now, eviction.job_cycle(entries, self.now), self.plans.get(job)
+        if ahead_of is not None:
+            idle = [e for e in idle if eviction.used_after(e, ahead_of, now, cycle, plan)]
         if 8 * nbytes <= self.pool.segment_size:
-            return eviction.by_next_use(idle, now, cycle)
+            return eviction.by_next_use(idle, now, cycle, plan)
         by_segment: dict[int, list[Entry]] = {}
         for e in idle:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
         clearable = {sid: es for sid, es in by_segment.items()
                      if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
-        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle)
-                 for e in eviction.by_next_use(clearable[sid], now, cycle)]
+        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle, plan)
+                 for e in eviction.by_next_use(clearable[sid], now, cycle, plan)]
         chosen = {id(e) for e in first}   # then the rest, should a hole open there
-        return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now, cycle)
+        return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now,
+                                            cycle, plan)
 
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
@@ -285,10 +299,11 @@ class Tiers:
         return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
-                       protect: Iterable[Entry]) -> bool:
+                       protect: Iterable[Entry], ahead_of: int | None = None) -> bool:
         """Free or start freeing about ``nbytes`` of pool for ``job`` (see [Note:
         fair eviction] in :mod:`tierd.server.eviction`). True when something was freed at
-        once (retry allocating); otherwise what to wait for is in ``blocked``."""
+        once (retry allocating); otherwise what to wait for is in ``blocked``. A
+        read ahead (``ahead_of``) takes nothing from other jobs."""
         pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
         for t in self.writebacks_in_flight(job):
             if t not in blocked.wait:
@@ -298,14 +313,14 @@ class Tiers:
             return False
         quota = self.jobs[job].pool_quota
         at_quota = quota and self.pool.job_used_bytes(job) + nbytes > quota
-        if not at_quota and self.pool.mapped_bytes + nbytes > self.pool.budget:
+        if not at_quota and ahead_of is None and self.pool.mapped_bytes + nbytes > self.pool.budget:
             usage = {name: self.pool.job_used_bytes(name) for name in self.jobs}
             other = eviction.job_to_take_from(self.pool.budget, usage, job)
             if other is not None:
                 freed = self._evict_segment(other, blocked)
                 if freed is not None:
                     return freed
-        victims = self._victims(job, nbytes, protect)
+        victims = self._victims(job, nbytes, protect, ahead_of)
         for e in victims:
             if pending >= nbytes:
                 break
@@ -351,7 +366,7 @@ class Tiers:
         if not movable:
             return None
         cycle = eviction.job_cycle(self.job_entries(job), self.now)
-        sid = eviction.segments_by_next_use(movable, self.now, cycle)[0]
+        sid = eviction.segments_by_next_use(movable, self.now, cycle, self.plans.get(job))[0]
         started = False
         for e in movable[sid]:
             if not e.dirty and e.disk is not None:

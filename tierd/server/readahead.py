@@ -1,0 +1,124 @@
+"""A job's access plan: the keys each position of its step uses, and where it is.
+
+Plain code over key names and integers; the catalog looks the keys up.
+
+[Note: the job's access plan]
+A model larger than the pool streams its units through it every step, and
+the step visits them in a fixed order: with activation checkpointing, the
+forward in order and the backward (each unit re-run, then its gradients) in
+reverse. Least recently used eviction already reads the fewest bytes from
+NVMe for that zigzag (the 70B LoRA at 24 GB: 40.1 GB a step against the
+36.6 GB the pool cannot keep), but it reads them late: the units the pool
+cannot keep are the last of each pass, and each is read only when the
+client leases it, a prefetch window ahead, so the disk idles while the
+pool's units stream and the GPU waits on the disk after (28.5 s a step
+against 17.0 s of disk time).
+
+So the client tells the daemon its plan once (``UsePlan``: the keys of
+each position of the step, as its prefetch planner learned the order) and
+where it is as it goes (``UseAt``). From these the daemon knows each key's
+next use, and
+
+- evicts the key used farthest ahead first (Belady's choice) among those
+  the plan names, after cold and demoted tensors and before tensors the
+  plan does not name ([Note: eviction by next use] in tierd.server.eviction);
+- reads ahead (:meth:`AccessPlan.ahead`): it starts swap-ins of the
+  planned keys on NVMe in the order they will be used, up to the horizon:
+  the positions from now whose distinct keys fit in the pool together
+  (:meth:`AccessPlan.horizon`). Each evicts only tensors the horizon does
+  not use (or cold or demoted ones), which Belady's choice would evict
+  before any tensor the horizon uses, so the read-ahead costs the job no
+  read it would not make anyway. Evicting everything used after the key
+  read is not enough: early in a forward that reads the next backward's
+  last units by evicting this forward's first ones, needed only a little
+  later than them, where waiting would have evicted units the backward
+  has used, needed a whole pass later (a first version read 2.4 times the
+  bytes least recently used does, in tests/server/test_readahead.py). The
+  first key that finds no room stops it until the job moves on, and the
+  next ``UseAt`` resumes there. A pass therefore reads its misses from
+  where the pool's reach first covers them, about its start, while the
+  pool's own units stream, and the disk stays busy.
+
+Plans are hints: a wrong or stale plan costs reads, never a value (a lease
+still waits for its bytes). A step that leaves the planned order makes the
+client send nothing until it has learned the new order and sends it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+
+
+class AccessPlan:
+    """The keys used at each position of a repeating step, and the position now.
+
+    Example:
+        >>> plan = AccessPlan([("a",), ("b",), ("b", "c")])
+        >>> plan.advance(1); plan.next_use("a"), plan.next_use("b"), plan.next_use("c")
+        (3, 2, 2)
+        >>> end = plan.horizon(lambda key: 1, budget=2); end
+        2
+        >>> [at for at, _ in plan.ahead(end)]
+        [2]
+    """
+
+    def __init__(self, positions: Sequence[Sequence[str]]) -> None:
+        if not positions:
+            raise ValueError("an access plan needs at least one position")
+        self.positions = [tuple(keys) for keys in positions]
+        self.length = len(self.positions)
+        self._offsets: dict[str, list[int]] = {}   # key -> its positions in a step
+        for i, keys in enumerate(self.positions):
+            for key in keys:
+                offsets = self._offsets.setdefault(key, [])
+                if not offsets or offsets[-1] != i:
+                    offsets.append(i)
+        self.now = -1      # the position in use (-1: none told yet)
+        self.cursor = 0    # the read-ahead has dealt with every position before it
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._offsets
+
+    def advance(self, at: int) -> None:
+        """The job uses position ``at`` now; a position before the last one
+        told restarts the count (a new run of the same plan)."""
+        if at < self.now:
+            self.cursor = 0
+        self.now = at
+        self.cursor = max(self.cursor, at + 1)
+
+    def next_use(self, key: str) -> int | None:
+        """The position at which ``key`` is used next after now (None: the
+        plan does not use it)."""
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            return None
+        base, offset = divmod(self.now, self.length) if self.now >= 0 else (0, -1)
+        i = bisect_right(offsets, offset)
+        if i < len(offsets):
+            return base * self.length + offsets[i]
+        return (base + 1) * self.length + offsets[0]
+
+    def horizon(self, size: Callable[[str], int], budget: int) -> int:
+        """The last position after now (within a step) up to which the
+        distinct keys used from now on (now's included: they hold room too),
+        ``size(key)`` bytes each, fit in ``budget`` together; now itself
+        when the next position's do not."""
+        seen = set(self.positions[self.now % self.length]) if self.now >= 0 else set()
+        total, end = sum(size(key) for key in seen), self.now
+        for at in range(self.now + 1, self.now + self.length):
+            for key in self.positions[at % self.length]:
+                if key not in seen:
+                    seen.add(key)
+                    total += size(key)
+            if total > budget:
+                break
+            end = at
+        return end
+
+    def ahead(self, end: int) -> Iterator[tuple[int, tuple[str, ...]]]:
+        """The positions from the read-ahead's cursor to ``end``, with their
+        keys; the caller moves ``cursor`` past those it dealt with."""
+        for at in range(self.cursor, end + 1):
+            yield at, self.positions[at % self.length]
