@@ -207,21 +207,23 @@ class Expect:
 
 @dataclass(frozen=True)
 class UsePlan:
-    """The keys the caller's job uses at each position of its step, in order
-    (a step repeats them); positions are then told by :class:`UseAt`
-    ([Note: the job's access plan] in tierd.server.readahead). An empty plan
-    forgets the job's."""
+    """The keys the caller's job uses at each position of a step of plan
+    ``name`` (one per attached model), in order (a step repeats them);
+    positions are then told by :class:`UseAt` ([Note: the job's access plan]
+    in tierd.server.readahead). An empty plan forgets the one of that name."""
 
     op: ClassVar[str] = "use_plan"
+    name: str
     positions: tuple[tuple[str, ...], ...]
 
 
 @dataclass(frozen=True)
 class UseAt:
-    """The caller's job uses position ``at`` of its plan now (counted from the
-    plan's start across steps: step * len(plan) + index)."""
+    """The caller's job uses position ``at`` of plan ``name`` now (counted
+    from the plan's start across steps: step * len(plan) + index)."""
 
     op: ClassVar[str] = "use_at"
+    name: str
     at: int
 
 
@@ -359,9 +361,9 @@ def _body(cls: type, body: dict) -> Any:
             positions = tuple(_keys(keys) for keys in _list(body.get("positions"), "positions"))
             if sum(len(keys) for keys in positions) > MAX_KEYS_PER_REQUEST:
                 raise _fail(f"a plan of more than {MAX_KEYS_PER_REQUEST} keys")
-            return UsePlan(positions)
+            return UsePlan(_key(body.get("name")), positions)
         case "use_at":
-            return UseAt(_int(body.get("at"), "at"))
+            return UseAt(_key(body.get("name")), _int(body.get("at"), "at"))
         case "commit":
             tag = body.get("tag")
             if type(tag) is not str or not 0 < len(tag) <= MAX_TAG_LENGTH:

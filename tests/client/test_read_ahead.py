@@ -43,7 +43,7 @@ def test_a_model_larger_than_the_pool_tells_its_order_and_each_use():
     _trained(model, batches(4, vocab=1000))
     trace = session.mover.planner.trace
     keys = [tuple(tp.key for tp in session.units[u].params) for u in trace]
-    assert store.plans == [keys]   # sent once: the order and its keys held
+    assert store.plans == [(session.prefix, keys)]   # once: the order and its keys held
     # each use from the first followed step on, counted on across steps
     assert store.uses == list(range(len(store.uses)))
     assert len(store.uses) == 3 * len(trace)   # steps 2 to 4 (step 1 learned the order)

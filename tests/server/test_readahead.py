@@ -24,13 +24,13 @@ def _steps(c, keys: list[str], steps: int, *, plan: bool) -> list[tuple[int, int
     """(bytes read from NVMe, of them read ahead) per step."""
     order = _zigzag(len(keys))
     if plan:
-        c.use_plan_async([(keys[u],) for u in order])
+        c.use_plan_async("m", [(keys[u],) for u in order])
     out, at = [], 0
     for _ in range(steps):
         before = c.stats()
         for u in order:
             if plan:
-                c.use_at_async(at)
+                c.use_at_async("m", at)
             at += 1
             got = c.lease([keys[u]])
             assert float(got[0].tensor[0]) == u, keys[u]
@@ -69,12 +69,13 @@ def test_a_planned_zigzag_reads_its_misses_ahead_and_no_more_than_without(daemon
 def test_a_plan_naming_keys_that_do_not_exist_is_only_a_hint(daemon):
     with tierd.connect(daemon.socket) as c:
         c.put("real", torch.ones(4))
-        c.use_plan_async([("missing",), ("real",)])
-        c.use_at_async(0)
-        c.use_at_async(5)
-        c.use_at_async(1)   # a count that restarts
-        c.use_plan_async([])   # forgotten
-        c.use_at_async(2)
+        c.use_plan_async("m", [("missing",), ("real",)])
+        c.use_at_async("m", 0)
+        c.use_at_async("m", 5)
+        c.use_at_async("m", 1)   # a count that restarts
+        c.use_at_async("other", 1)   # no such plan
+        c.use_plan_async("m", [])   # forgotten
+        c.use_at_async("m", 2)
         assert torch.equal(c.get("real"), torch.ones(4))
 
 
@@ -87,7 +88,7 @@ def test_a_malformed_plan_is_refused_and_the_connection_stays_usable(daemon, pos
     with tierd.connect(daemon.socket) as c:
         c.put("kept", torch.ones(2))
         with pytest.raises(ProtocolError, match=why):
-            c.use_plan_async(positions).result()
+            c.use_plan_async("m", positions).result()
         assert torch.equal(c.get("kept"), torch.ones(2))
 
 

@@ -168,7 +168,8 @@ class AttachSession:
         self.params = self.registry.params
         self.units = self.registry.units
         # [Note: the job's access plan] in tierd.server.readahead
-        plans = AccessPlanSender(client, spills=lambda: self._model_bytes() > self.pool_bytes) \
+        plans = AccessPlanSender(client, self.prefix,
+                                 spills=lambda: self._model_bytes() > self.pool_bytes) \
             if config.read_ahead and ranks is None else None
         self.mover = Mover(self.registry, config.mover(self.lease_cap), copy=self.copy,
                            leases=self.leases, releases=self.releases,
@@ -525,6 +526,8 @@ class AttachSession:
             opt.discard_resident()
         self.placer.close()
         self.hooks.remove()
+        if self.mover.plans is not None:
+            self.mover.plans.close()
         self.settle()
         self.registry.restore(values)
         self.leases.unhold_all()

@@ -501,19 +501,20 @@ class Client(_StoreCalls):
             self._drain()
         return self._submit(P.Demote(_keys(keys)))
 
-    def use_plan_async(self, positions: Iterable[Iterable[str]]) -> Pending:
-        """This job's access plan: the keys it uses at each position of its
-        step, in order ([Note: the job's access plan] in tierd.server.readahead);
-        empty: forget it. Nobody waits for its reply (as :meth:`demote_async`)."""
+    def use_plan_async(self, name: str, positions: Iterable[Iterable[str]]) -> Pending:
+        """Access plan ``name`` of this job: the keys it uses at each position
+        of its step, in order ([Note: the job's access plan] in
+        tierd.server.readahead); empty: forget it. Nobody waits for its reply
+        (as :meth:`demote_async`)."""
         with self._lock:
             self._drain()
-        return self._submit(P.UsePlan(tuple(_keys(keys) for keys in positions)))
+        return self._submit(P.UsePlan(name, tuple(_keys(keys) for keys in positions)))
 
-    def use_at_async(self, at: int) -> Pending:
-        """This job uses position ``at`` of its plan now (the daemon reads ahead)."""
+    def use_at_async(self, name: str, at: int) -> Pending:
+        """This job uses position ``at`` of plan ``name`` now (the daemon reads ahead)."""
         with self._lock:
             self._drain()
-        return self._submit(P.UseAt(int(at)))
+        return self._submit(P.UseAt(name, int(at)))
 
     def release_async(self, keys: Iterable[str], written: bool = False) -> Pending:
         """Release leases; with ``written`` the write-leased bytes become the new version."""

@@ -26,7 +26,7 @@ from tierd.errors import CapacityError, StateError, UnknownKey
 from tierd.protocol import Placement, TensorSpec
 from tierd.server import commits
 from tierd.server.admission import Admission
-from tierd.server.readahead import AccessPlan
+from tierd.server.readahead import JobPlans
 from tierd.server.records import (Blocked, Direction, Entry, Job, Residency, Session, Transfer,
                                   spec_nbytes, stored_size)
 from tierd.server.slots import PoolSlot, SlotState
@@ -287,27 +287,29 @@ class Catalog:
                     blocked.wait.append(e.transfer)
         return blocked if blocked.wait else None
 
-    def use_plan(self, s: Session, positions: tuple[tuple[str, ...], ...]) -> None:
-        """The job's access plan ([Note: the job's access plan] in
+    def use_plan(self, s: Session, name: str, positions: tuple[tuple[str, ...], ...]) -> None:
+        """Plan ``name`` of the job ([Note: the job's access plan] in
         tierd.server.readahead); an empty one forgets it. Keys it names need
         not exist yet: a plan is a hint."""
-        if positions:
-            self.tiers.plans[s.job] = AccessPlan(positions)
-        else:
-            self.tiers.plans.pop(s.job, None)
+        plans = self.tiers.plans.setdefault(s.job, JobPlans())
+        plans.set(name, positions)
+        if not plans:
+            del self.tiers.plans[s.job]
 
-    def use_at(self, s: Session, at: int) -> None:
-        """The job uses position ``at`` of its plan now: read ahead from there."""
-        plan = self.tiers.plans.get(s.job)
+    def use_at(self, s: Session, name: str, at: int) -> None:
+        """The job uses position ``at`` of plan ``name`` now: read ahead from there."""
+        plans = self.tiers.plans.get(s.job)
+        plan = None if plans is None else plans.by_name.get(name)
         if plan is None:
             return
         plan.advance(at)
         job = self.jobs[s.job]
+
         def size(key: str) -> int:
             e = self.entries.get((s.job, key))
             return 0 if e is None else e.spec.nbytes
 
-        # the pool's room for the planned keys: what the job's other tensors
+        # the pool's room for this plan's keys: what the job's other tensors
         # leave, less the largest position's bytes (the holes between slots)
         others = sum(e.slot.nbytes for e in self.tiers.job_entries(s.job)
                      if e.slot is not None and e.key not in plan)
@@ -320,7 +322,8 @@ class Catalog:
                 if e is None or e.state is not Residency.ON_NVME:
                     continue   # in the pool, being read, or gone
                 try:
-                    self.tiers.start_swap_in(e, Blocked(), protect=(), ahead_of=end)
+                    self.tiers.start_swap_in(e, Blocked(), protect=(),
+                                             ahead_of=plan.steps_to(end))
                 except CapacityError:
                     return   # nothing used later to make room with: resume at the next use
                 if e.state is not Residency.READING_IN:

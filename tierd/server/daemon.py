@@ -371,10 +371,10 @@ class Daemon:
                     r = c.evict(s, keys)
                 case P.Demote(keys):
                     r = c.demote(s, keys)
-                case P.UsePlan(positions):
-                    r = c.use_plan(s, positions)
-                case P.UseAt(at):
-                    r = c.use_at(s, at)
+                case P.UsePlan(name, positions):
+                    r = c.use_plan(s, name, positions)
+                case P.UseAt(name, at):
+                    r = c.use_at(s, name, at)
                 case P.Delete(keys):
                     r = c.delete(s, keys)
                 case P.DropJob():

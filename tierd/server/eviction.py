@@ -66,7 +66,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tierd.server.readahead import AccessPlan
+    from tierd.server.readahead import JobPlans
 
 #: a tensor unused for more than this many cycles is cold ([Note: cold tensors go first])
 COLD_CYCLES = 1.5
@@ -96,12 +96,12 @@ def job_cycle(entries: Iterable[Cycling], now: int) -> int:
                default=0)
 
 
-def rank(e: Evictable, now: int, cycle: int, plan: AccessPlan | None = None
-         ) -> tuple[int, int]:
+def rank(e: Evictable, now: int, cycle: int, plans: JobPlans | None = None
+         ) -> tuple[int, float]:
     """Where ``e`` goes in eviction order, lowest first: cold tensors (least
     recently used first), then demoted ones (the last demoted first), then
-    those the job's ``plan`` uses (the farthest next use first), then the
-    others (least recently used first). See [Note: eviction by next use]
+    those the job's access ``plans`` use (the farthest next use first), then
+    the others (least recently used first). See [Note: eviction by next use]
     and [Note: cold tensors go first]. ``cycle``: the job's cycle in ticks
     (0: unknown, nothing is cold).
 
@@ -109,32 +109,32 @@ def rank(e: Evictable, now: int, cycle: int, plan: AccessPlan | None = None
     ...     def __init__(self, last_use, key="k"): self.last_use, self.key = last_use, key
     >>> [rank(E(u), now=100, cycle=10) for u in (5, -95, -97, 99)]
     [(0, 5), (1, -95), (1, -97), (3, 99)]
-    >>> from tierd.server.readahead import AccessPlan
-    >>> plan = AccessPlan([("a",), ("b",)]); plan.advance(0)
-    >>> [rank(E(99, k), now=100, cycle=10, plan=plan) for k in "abk"]
-    [(2, -2), (2, -1), (3, 99)]
+    >>> from tierd.server.readahead import JobPlans
+    >>> plans = JobPlans(); plans.set("m", [("a",), ("b",)]); plans.by_name["m"].advance(0)
+    >>> [rank(E(99, k), now=100, cycle=10, plans=plans) for k in "abk"]
+    [(2, -1.0), (2, -0.5), (3, 99)]
     """
     if cycle and now - abs(e.last_use) > COLD_CYCLES * cycle:
         return (0, abs(e.last_use))
     if e.last_use < 0:
         return (1, e.last_use)
-    due = None if plan is None else plan.next_use(e.key)
-    return (3, e.last_use) if due is None else (2, -due)
+    ahead = None if plans is None else plans.steps_ahead(e.key)
+    return (3, e.last_use) if ahead is None else (2, -ahead)
 
 
-def used_after(e: Evictable, at: int, now: int, cycle: int, plan: AccessPlan) -> bool:
-    """Whether a read ahead whose horizon ends at position ``at`` may evict
-    ``e``: it is cold or demoted, or the plan uses it only after ``at``
-    ([Note: the job's access plan] in tierd.server.readahead); a tensor the
-    plan does not name is kept (its next use is unknown)."""
-    kind, value = rank(e, now, cycle, plan)
-    return kind < 2 or (kind == 2 and -value > at)
+def used_after(e: Evictable, steps: float, now: int, cycle: int, plans: JobPlans) -> bool:
+    """Whether a read ahead whose horizon ends ``steps`` ahead may evict
+    ``e``: it is cold or demoted, or its plan uses it only after that
+    ([Note: the job's access plan] in tierd.server.readahead); a tensor no
+    plan names is kept (its next use is unknown)."""
+    kind, value = rank(e, now, cycle, plans)
+    return kind < 2 or (kind == 2 and -value > steps)
 
 
 def by_next_use(candidates: Iterable[Evictable], now: int, cycle: int,
-                plan: AccessPlan | None = None) -> list:
+                plans: JobPlans | None = None) -> list:
     """Candidates in eviction order (see :func:`rank`)."""
-    return sorted(candidates, key=lambda e: rank(e, now, cycle, plan))
+    return sorted(candidates, key=lambda e: rank(e, now, cycle, plans))
 
 
 def fair_share(budget: int, usage: Mapping[str, int], requester: str) -> int:
@@ -155,8 +155,8 @@ def job_to_take_from(budget: int, usage: Mapping[str, int], requester: str) -> s
 
 
 def segments_by_next_use(segments: Mapping[int, list[Evictable]], now: int,
-                         cycle: int, plan: AccessPlan | None = None) -> list[int]:
+                         cycle: int, plans: JobPlans | None = None) -> list[int]:
     """Segment ids (id -> their tensors) in eviction order: a segment ranks as
     its tensor needed soonest (the highest :func:`rank`)."""
     return sorted(segments, key=lambda sid: max(
-        (rank(e, now, cycle, plan) for e in segments[sid]), default=(0, 0)))
+        (rank(e, now, cycle, plans) for e in segments[sid]), default=(0, 0)))

@@ -39,9 +39,13 @@ next use, and
   where the pool's reach first covers them, about its start, while the
   pool's own units stream, and the disk stays busy.
 
-Plans are hints: a wrong or stale plan costs reads, never a value (a lease
-still waits for its bytes). A step that leaves the planned order makes the
-client send nothing until it has learned the new order and sends it.
+Each attached model sends its own plan, by name (:class:`JobPlans`: a job,
+one process, may train several); positions count per plan, so next uses
+are compared across plans in steps ahead (the part of its step before a
+key's next use). Plans are hints: a wrong or stale plan costs reads, never
+a value (a lease still waits for its bytes). A step that leaves the planned
+order makes the client send nothing until it has learned the new order and
+sends it; detach forgets the model's plan.
 """
 
 from __future__ import annotations
@@ -117,8 +121,55 @@ class AccessPlan:
             end = at
         return end
 
+    def steps_ahead(self, key: str) -> float | None:
+        """How far ahead ``key``'s next use is, in steps (None: not planned)."""
+        due = self.next_use(key)
+        return None if due is None else self.steps_to(due)
+
+    def steps_to(self, at: int) -> float:
+        """How far ahead position ``at`` is, in steps."""
+        return (at - self.now) / self.length
+
     def ahead(self, end: int) -> Iterator[tuple[int, tuple[str, ...]]]:
         """The positions from the read-ahead's cursor to ``end``, with their
         keys; the caller moves ``cursor`` past those it dealt with."""
         for at in range(self.cursor, end + 1):
             yield at, self.positions[at % self.length]
+
+
+class JobPlans:
+    """A job's access plans by name (one per attached model); what
+    eviction asks of them: a key's next use, in steps ahead.
+
+    Example:
+        >>> plans = JobPlans()
+        >>> plans.set("m1", [("a",), ("b",)]); plans.set("m2", [("c",)] * 4)
+        >>> plans.by_name["m1"].advance(0); plans.by_name["m2"].advance(0)
+        >>> plans.steps_ahead("b"), plans.steps_ahead("c"), plans.steps_ahead("x")
+        (0.5, 0.25, None)
+        >>> plans.set("m1", []); "a" in plans, bool(plans)
+        (False, True)
+    """
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, AccessPlan] = {}
+        self._of_key: dict[str, AccessPlan] = {}
+
+    def set(self, name: str, positions: Sequence[Sequence[str]]) -> None:
+        """``name``'s plan becomes ``positions`` (empty: forgotten)."""
+        if positions:
+            self.by_name[name] = AccessPlan(positions)
+        else:
+            self.by_name.pop(name, None)
+        self._of_key = {key: plan for plan in self.by_name.values()
+                        for keys in plan.positions for key in keys}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._of_key
+
+    def __bool__(self) -> bool:
+        return bool(self.by_name)
+
+    def steps_ahead(self, key: str) -> float | None:
+        plan = self._of_key.get(key)
+        return None if plan is None else plan.steps_ahead(key)

@@ -20,7 +20,7 @@ from tierd.errors import CapacityError
 from tierd.protocol import TensorSpec
 from tierd.server import eviction
 from tierd.server.admission import Admission
-from tierd.server.readahead import AccessPlan
+from tierd.server.readahead import JobPlans
 from tierd.server.records import (Blocked, Direction, Entry, Job, Residency, TierCounters,
                                   Transfer, stored_size)
 from tierd.server.slots import DiskExtent, ExtentState, PoolSlot, SlotState
@@ -36,7 +36,7 @@ class Tiers:
         self.admission = admission
         self.jobs: dict[str, Job] = {}
         self.entries: dict[tuple[str, str], Entry] = {}
-        self.plans: dict[str, AccessPlan] = {}   # job -> [Note: the job's access plan]
+        self.plans: dict[str, JobPlans] = {}   # job -> [Note: the job's access plan]
         self.counters = TierCounters()
         self.clock = itertools.count(1)   # last_use ticks: leases, publishes, demotes
         self.now = 0                      # the last tick handed out
@@ -128,10 +128,10 @@ class Tiers:
 
     # --------------------------------------------------------- transfers
     def start_swap_in(self, e: Entry, blocked: Blocked, protect: Iterable[Entry],
-                      ahead_of: int | None = None) -> None:
+                      ahead_of: float | None = None) -> None:
         """Begin reading ``e`` into a new slot (or plan evictions into
-        ``blocked``); ``ahead_of``: a read ahead whose horizon ends at that
-        position of the job's plan, which evicts only what is used after it
+        ``blocked``); ``ahead_of``: a read ahead whose horizon ends that many
+        steps ahead, which evicts only what is used after it
         ([Note: the job's access plan] in tierd.server.readahead)."""
         slot = self.alloc_slot(e.job, e.key, e.spec.nbytes, blocked, protect, SlotState.FILLING,
                                ahead_of)
@@ -223,7 +223,7 @@ class Tiers:
     # --------------------------------------------------------------- room
     def alloc_slot(self, job: str, key: str, nbytes: int, blocked: Blocked,
                    protect: Iterable[Entry], state: SlotState,
-                   ahead_of: int | None = None) -> PoolSlot | None:
+                   ahead_of: float | None = None) -> PoolSlot | None:
         """A new pool slot for ``job``, or None after planning evictions into
         ``blocked`` (``ahead_of``: see :meth:`start_swap_in`)."""
         while True:
@@ -252,9 +252,9 @@ class Tiers:
             f"lease smaller batches, or start the daemon with a larger --pool")
 
     def _victims(self, job: str, nbytes: int, protect: Iterable[Entry],
-                 ahead_of: int | None = None) -> list[Entry]:
+                 ahead_of: float | None = None) -> list[Entry]:
         """The job's pool entries that may leave, in eviction order (for a read
-        ahead to position ``ahead_of`` of the job's plan, only those used after it).
+        ahead to ``ahead_of`` steps ahead, only those used after that).
 
         [Note: room for a large tensor]
         Freeing the least recently used tensors makes room for a small one,
@@ -269,21 +269,21 @@ class Tiers:
         entries = self.job_entries(job)
         idle = [e for e in entries
                 if e.state is Residency.IN_POOL and e.slot.idle and id(e) not in protected]
-        now, cycle, plan = self.now, eviction.job_cycle(entries, self.now), self.plans.get(job)
+        now, cycle, plans = self.now, eviction.job_cycle(entries, self.now), self.plans.get(job)
         if ahead_of is not None:
-            idle = [e for e in idle if eviction.used_after(e, ahead_of, now, cycle, plan)]
+            idle = [e for e in idle if eviction.used_after(e, ahead_of, now, cycle, plans)]
         if 8 * nbytes <= self.pool.segment_size:
-            return eviction.by_next_use(idle, now, cycle, plan)
+            return eviction.by_next_use(idle, now, cycle, plans)
         by_segment: dict[int, list[Entry]] = {}
         for e in idle:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
         clearable = {sid: es for sid, es in by_segment.items()
                      if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
-        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle, plan)
-                 for e in eviction.by_next_use(clearable[sid], now, cycle, plan)]
+        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle, plans)
+                 for e in eviction.by_next_use(clearable[sid], now, cycle, plans)]
         chosen = {id(e) for e in first}   # then the rest, should a hole open there
         return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now,
-                                            cycle, plan)
+                                            cycle, plans)
 
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
@@ -299,7 +299,7 @@ class Tiers:
         return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
-                       protect: Iterable[Entry], ahead_of: int | None = None) -> bool:
+                       protect: Iterable[Entry], ahead_of: float | None = None) -> bool:
         """Free or start freeing about ``nbytes`` of pool for ``job`` (see [Note:
         fair eviction] in :mod:`tierd.server.eviction`). True when something was freed at
         once (retry allocating); otherwise what to wait for is in ``blocked``. A
