@@ -33,9 +33,10 @@ order least recently used already gets right), held keys (never evicted)
 and keys shared by ranks (their next version is a new entry).
 
 A job that told the daemon its access plan ([Note: the job's access plan] in
-tierd.server.readahead) has the next use of each key it plans known: after
-cold and demoted tensors those go, the one used farthest ahead first, and
-only then the tensors the plan does not name, least recently used first.
+tierd.server.readahead) has the next use of each key it plans known: those
+go last, the one used farthest ahead first, after the tensors no plan
+names (least recently used first, as before plans: a job's state, whose
+own order the demotes give, keeps the order measured with it).
 
 [Note: cold tensors go first]
 Demoted tensors go before ordinary ones, but a tensor nobody has used for
@@ -100,26 +101,26 @@ def rank(e: Evictable, now: int, cycle: int, plans: JobPlans | None = None
          ) -> tuple[int, float]:
     """Where ``e`` goes in eviction order, lowest first: cold tensors (least
     recently used first), then demoted ones (the last demoted first), then
-    those the job's access ``plans`` use (the farthest next use first), then
-    the others (least recently used first). See [Note: eviction by next use]
-    and [Note: cold tensors go first]. ``cycle``: the job's cycle in ticks
-    (0: unknown, nothing is cold).
+    those no access plan names (least recently used first), then those the
+    job's ``plans`` use (the farthest next use first). See [Note: eviction
+    by next use] and [Note: cold tensors go first]. ``cycle``: the job's
+    cycle in ticks (0: unknown, nothing is cold).
 
     >>> class E:
     ...     def __init__(self, last_use, key="k"): self.last_use, self.key = last_use, key
     >>> [rank(E(u), now=100, cycle=10) for u in (5, -95, -97, 99)]
-    [(0, 5), (1, -95), (1, -97), (3, 99)]
+    [(0, 5), (1, -95), (1, -97), (2, 99)]
     >>> from tierd.server.readahead import JobPlans
     >>> plans = JobPlans(); plans.set("m", [("a",), ("b",)]); plans.by_name["m"].advance(0)
     >>> [rank(E(99, k), now=100, cycle=10, plans=plans) for k in "abk"]
-    [(2, -1.0), (2, -0.5), (3, 99)]
+    [(3, -1.0), (3, -0.5), (2, 99)]
     """
     if cycle and now - abs(e.last_use) > COLD_CYCLES * cycle:
         return (0, abs(e.last_use))
     if e.last_use < 0:
         return (1, e.last_use)
     ahead = None if plans is None else plans.steps_ahead(e.key)
-    return (3, e.last_use) if ahead is None else (2, -ahead)
+    return (2, e.last_use) if ahead is None else (3, -ahead)
 
 
 def used_after(e: Evictable, steps: float, now: int, cycle: int, plans: JobPlans) -> bool:
@@ -128,7 +129,7 @@ def used_after(e: Evictable, steps: float, now: int, cycle: int, plans: JobPlans
     ([Note: the job's access plan] in tierd.server.readahead); a tensor no
     plan names is kept (its next use is unknown)."""
     kind, value = rank(e, now, cycle, plans)
-    return kind < 2 or (kind == 2 and -value > steps)
+    return kind < 2 or (kind == 3 and -value > steps)
 
 
 def by_next_use(candidates: Iterable[Evictable], now: int, cycle: int,

@@ -20,8 +20,8 @@ where it is as it goes (``UseAt``). From these the daemon knows each key's
 next use, and
 
 - evicts the key used farthest ahead first (Belady's choice) among those
-  the plan names, after cold and demoted tensors and before tensors the
-  plan does not name ([Note: eviction by next use] in tierd.server.eviction);
+  the plan names, after the tensors no plan names ([Note: eviction by next
+  use] in tierd.server.eviction);
 - reads ahead (:meth:`AccessPlan.ahead`): it starts swap-ins of the
   planned keys on NVMe in the order they will be used, up to the horizon:
   the positions from now whose distinct keys fit in the pool together
