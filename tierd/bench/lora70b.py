@@ -85,7 +85,9 @@ Writes ``DIR/lora70b-<device>-<commit>.json``: ``{"commit", "device",
   step: the median of the steps after warm-up), ``peak_gb`` (allocator),
   ``nvme_read_gb`` / ``nvme_write_gb`` (the daemon's NVMe traffic per
   steady step: where the streamed base exceeds ``pool_gb``, the pool's
-  size, the excess is read from the disk, which no floor here counts);
+  size, the excess is read from the disk, which no floor here counts),
+  ``nvme_read_ahead_gb`` (of those reads, the ones the daemon began ahead
+  of their lease: [Note: the job's access plan] in tierd.server.readahead);
   ``step_flops``, ``tflops``, ``compute_floor_s`` (FLOPs over ``tflops``),
   ``pcie_floor_s`` (the copies' time at the measured bandwidths: the
   larger of in / host-to-device, out / device-to-host and both / both-ways;
@@ -127,8 +129,8 @@ from pathlib import Path
 import torch
 
 from tierd.bench import steploop
-from tierd.client.torch_internals import free_pinned_host_cache
 from tierd.bench.bigmodel_models import Shape, checkpointed, default_dtype, llama_config
+from tierd.bench.floors import disk_read_rate, floors, nvme_floor, pcie_bandwidths
 
 GB = 1e9
 #: Llama-3-70B's shape
@@ -284,38 +286,6 @@ class HostMemory:
         self.peak_rss, self.peak_anon = max(self.peak_rss, rss), max(self.peak_anon, anon)
 
 
-# ------------------------------------------------------------------ measured rates
-def pcie_bandwidths(device: torch.device, nbytes: int = 256 << 20) -> dict:
-    """Bytes/s of pinned copies host to device, device to host and both at once
-    (best of six each); nominal figures on the CPU, where nothing crosses PCIe."""
-    if device.type != "cuda":
-        return {"h2d": 10 * GB, "d2h": 10 * GB, "both": 20 * GB}
-    host_in = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    host_out = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def best(h2d: bool, d2h: bool) -> float:
-        out = 0.0
-        for _ in range(6):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            if h2d:
-                with torch.cuda.stream(s1):
-                    dev_in.copy_(host_in, non_blocking=True)
-            if d2h:
-                with torch.cuda.stream(s2):
-                    host_out.copy_(dev_out, non_blocking=True)
-            torch.cuda.synchronize(device)
-            out = max(out, (h2d + d2h) * nbytes / (time.perf_counter() - t0))
-        return out
-    rates = {"h2d": best(True, False), "d2h": best(False, True), "both": best(True, True)}
-    del host_in, host_out, dev_in, dev_out
-    free_pinned_host_cache()   # the pool page-locks what the host allows
-    return rates
-
-
 def lora_loop(model, device: torch.device, ids, args, deadline: float, observe=None):
     """LoRA steps back to back: ``--warmup`` first, then as many of the rest of
     ``--steps`` as the deadline leaves time for (at the last warm-up step's
@@ -388,7 +358,7 @@ def traffic(session) -> tuple:
     from tierd.bench.placement import plan_of
     stats, daemon = session.stats(), session.client.stats()
     return (plan_of(session), stats["h2d_bytes"], stats["d2h_bytes"],
-            daemon["bytes_to_pool"], daemon["bytes_to_nvme"])
+            daemon["bytes_to_pool"], daemon["bytes_to_nvme"], daemon["bytes_read_ahead"])
 
 
 def per_step(observed: list, skip: int) -> tuple[float, ...]:
@@ -404,59 +374,6 @@ def per_step(observed: list, skip: int) -> tuple[float, ...]:
                  for i in range(1, len(observed[0])))
 
 
-def disk_read_rate(args) -> float | None:
-    """Bytes per second the disk under the embedded daemon's NVMe files reads
-    (``tierd.bench.nvme.mixed_probe``'s sequential O_DIRECT read of
-    ``--disk-probe-gib``), or None with the probe off."""
-    if not args.disk_probe_gib:
-        return None
-    import shutil
-    import tempfile
-    from tierd.bench.nvme import MiB, mixed_probe
-    from tierd.client.embedded import nvme_root
-    nbytes = max(8 * MiB, int(args.disk_probe_gib * (1 << 30)) // (8 * MiB) * (8 * MiB))
-    nvme_root().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="lora70b-disk-probe-", dir=nvme_root()))
-    try:
-        return mixed_probe(work, nbytes)["read_GBps"] * GB
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def nvme_floor(streamed: float, passes: int, pool: float, read_rate: float | None
-               ) -> tuple[float | None, float]:
-    """Seconds the disk needs at least, and the bytes it must read: the
-    frozen base streams ``streamed`` bytes over ``passes`` passes (a LoRA
-    step's forward and its backward's recompute: 2; a token: 1); between
-    passes the pool keeps at most its ``pool`` bytes of it, so each pass
-    reads the rest from the disk.
-
-    Example:
-        >>> nvme_floor(300e9, 2, 100e9, 2e9)   # 150 GB a pass, 50 of it from the disk
-        (50.0, 100000000000.0)
-    """
-    must = passes * max(0.0, streamed / passes - pool)
-    return (None if read_rate is None else must / read_rate), must
-
-
-def floors(row: dict, rates: dict, tflops: float, read_rate: float | None = None) -> dict:
-    """The row's floor: the longest of its compute, its copies at the
-    measured PCIe bandwidths, and (a tierd row) what the disk must read."""
-    compute = row["step_flops"] / (tflops * 1e12)
-    pin, pout = row["pcie_in_gb"] * GB, row["pcie_out_gb"] * GB
-    parts = {"compute": compute,
-             "pcie": max(pin / rates["h2d"], pout / rates["d2h"], (pin + pout) / rates["both"])}
-    out = {"compute_floor_s": compute, "pcie_floor_s": parts["pcie"]}
-    if "pool_gb" in row:
-        nvme, must = nvme_floor(pin, 2, row["pool_gb"] * GB, read_rate)
-        out.update(nvme_must_read_gb=must / GB, nvme_floor_s=nvme,
-                   disk_read_gbps=None if read_rate is None else read_rate / GB)
-        if nvme is not None:
-            parts["nvme"] = nvme
-    binding = max(parts, key=parts.get)
-    return {**out, "floor_s": parts[binding], "binding": binding}
-
-
 def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: float) -> list:
     from tierd.bench.placement import plan_changes
     from tierd.client.attach import session_of
@@ -469,7 +386,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
     seconds, peaks, observed = lora_loop(model, device, tokens(shape, 1, args.seq, device),
                                          args, deadline, lambda: traffic(session))
     s = steploop.summary(seconds, args.warmup)
-    pin, pout, nvme_in, nvme_out = per_step([before] + observed, args.warmup)
+    pin, pout, nvme_in, nvme_out, ahead = per_step([before] + observed, args.warmup)
     stats = session.stats()
     row = {**build, "tierd_s": s["median_s"], "first_step_s": s["first_step_s"],
            "worst_step_s": s["worst_step_s"], "steady_steps": s["steady_steps"],
@@ -478,7 +395,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "placement": stats["placement"], "resident_gb": stats["resident_bytes"] / GB,
            "pcie_in_gb": pin / GB, "pcie_out_gb": pout / GB, "peak_gb": max(peaks) / GB,
            "nvme_read_gb": nvme_in / GB, "nvme_write_gb": nvme_out / GB,
-           "pool_gb": session.pool_bytes / GB,
+           "nvme_read_ahead_gb": ahead / GB, "pool_gb": session.pool_bytes / GB,
            "step_flops": lora_step_flops(shape, args.seq, args.rank),
            "tflops": calibration["tflops"], "calibration": calibration,
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
@@ -583,12 +500,13 @@ def run_generate(case: Case, shape: Shape, args, device: torch.device, deadline:
     got = generate_timed(model, tokens(shape, 1, args.prompt, device), args, deadline,
                          lambda: traffic(session))
     marks = got.pop("marks")
-    pin, _, nvme_in, _ = per_step(marks, args.warmup_tokens + 1)
+    pin, _, nvme_in, _, ahead = per_step(marks, args.warmup_tokens + 1)
     stats = session.stats()
     disk, must = nvme_floor(pin, 1, session.pool_bytes, disk_read_rate(args))
     return [{**build, **got, "placement": stats["placement"],
              "resident_gb": stats["resident_bytes"] / GB, "pcie_in_gb_per_token": pin / GB,
              "nvme_read_gb_per_token": nvme_in / GB, "nvme_must_read_gb": must / GB,
+             "nvme_read_ahead_gb_per_token": ahead / GB,
              "pool_gb": session.pool_bytes / GB,
              "token_floor_s": max(pin / rates["h2d"], disk or 0.0),
              "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}]
