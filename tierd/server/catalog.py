@@ -316,13 +316,15 @@ class Catalog:
         largest = max(sum(size(k) for k in keys) for keys in plan.positions)
         room = min(self.pool.budget, job.pool_quota or self.pool.budget) - others
         end = plan.horizon(size, room - largest)
+        in_use = [e for e in (self.entries.get((s.job, k)) for k in plan.positions[at % plan.length])
+                  if e is not None]   # leased right after this, if not already
         for position, keys in plan.ahead(end):
             for key in keys:
                 e = self.entries.get((s.job, key))
                 if e is None or e.state is not Residency.ON_NVME:
                     continue   # in the pool, being read, or gone
                 try:
-                    self.tiers.start_swap_in(e, Blocked(), protect=(),
+                    self.tiers.start_swap_in(e, Blocked(), protect=in_use,
                                              ahead_of=plan.steps_to(end))
                 except CapacityError:
                     return   # nothing used later to make room with: resume at the next use
