@@ -105,6 +105,22 @@ def test_detach_reads_the_store_back_in_parts_each_put_in_place(monkeypatch):
         assert torch.equal(p, q), name
 
 
+def test_detach_of_placed_parameters_gives_back_their_values():
+    # placed on the device, their masters are the optimizer's device tensors, taken as
+    # they are (never a compute copy, whose storage detach frees)
+    from tierd.client.store import LocalStore
+    ref = gpt2(n_layer=2, n_embd=64, vocab=1000)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    detach(model)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.shape == q.shape and torch.equal(p, q), name
+
+
 def test_two_attached_models_do_not_see_each_other(daemon):
     a, ref_a = _pair(lambda: gpt2(seed=1), daemon)
     b, ref_b = _pair(lambda: llama(seed=2), daemon)

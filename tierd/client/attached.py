@@ -412,7 +412,9 @@ class AttachSession:
         state is read on the device, with no write-back (under
         torch.distributed a rank's own copy: the pool has its owner's);
         ``take``: its masters are given as they are where already on that
-        device in that dtype (detach: the optimizer forgets them next).
+        device in that dtype (detach: the optimizer forgets them next), except
+        one that is the parameter's compute copy (fp32, or ``master="bf16"``),
+        whose storage detach frees.
 
         [Note: values read back in parts]
         The store is read ``READ_CHUNK_BYTES`` at a time (a quarter of the
@@ -423,7 +425,7 @@ class AttachSession:
         had left 15 GB, and the kernel killed the process), and leasing every
         key at once needs the pool to hold them all together."""
         where = onto if onto is not None else (lambda tp: "cpu")
-        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take)
+        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take or _shares(v, tp.compute))
                for tp, v in self.updates.device_masters(tps).items()}
         out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=True)
                     for tp in tps if not tp.in_store})   # its only copy
@@ -541,6 +543,12 @@ class AttachSession:
         self.closed = True
         if self.owns_client:
             self.client.close()
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage."""
+    return b is not None and a.device == b.device and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _parts(tps: list[TieredParam], most: int) -> list[list[TieredParam]]:
