@@ -405,16 +405,31 @@ class AttachSession:
         finally:
             self.leases.release(keys)
 
-    def read_values(self, tps: list[TieredParam], *, onto=None, take: bool = False
+    def read_values(self, tps: list[TieredParam], *, onto=None
                     ) -> dict[TieredParam, torch.Tensor]:
         """Current values (fp32 master if any), as new tensors in the original
         dtype: on the CPU, or on ``onto(tp)`` (a device). Resident optimizer
         state is read on the device, with no write-back (under
-        torch.distributed a rank's own copy: the pool has its owner's);
-        ``take``: its masters are given as they are where already on that
-        device in that dtype (detach: the optimizer forgets them next), except
-        one that is the parameter's compute copy (fp32, or ``master="bf16"``),
-        whose storage detach frees.
+        torch.distributed a rank's own copy: the pool has its owner's)."""
+        where = onto if onto is not None else (lambda tp: "cpu")
+        out = self._device_values(tps, where, take=False)
+        out.update(self._stored_values([tp for tp in tps if tp not in out], where))
+        return {tp: out[tp] for tp in tps}
+
+    def _device_values(self, tps: list[TieredParam], where, *, take: bool
+                       ) -> dict[TieredParam, torch.Tensor]:
+        """The values only the device has the newest of (resident masters, and
+        frozen weights kept only there), on ``where(tp)`` in the original
+        dtype; ``take``: as they are where already so (detach: nothing else
+        uses them after, and :meth:`close` keeps their storage)."""
+        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take)
+               for tp, v in self.updates.device_masters(tps).items()}
+        out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=not take)
+                    for tp in tps if not tp.in_store})   # its only copy
+        return out
+
+    def _stored_values(self, tps: list[TieredParam], where) -> dict[TieredParam, torch.Tensor]:
+        """The stored values of ``tps`` on ``where(tp)`` in the original dtype.
 
         [Note: values read back in parts]
         The store is read ``READ_CHUNK_BYTES`` at a time (a quarter of the
@@ -423,17 +438,15 @@ class AttachSession:
         on the GPU into host memory before moving any back held the whole
         model there (detach of a 13B Llama: 53 GB of fp32 on a host the pool
         had left 15 GB, and the kernel killed the process), and leasing every
-        key at once needs the pool to hold them all together."""
-        where = onto if onto is not None else (lambda tp: "cpu")
-        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take or _shares(v, tp.compute))
-               for tp, v in self.updates.device_masters(tps).items()}
-        out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=True)
-                    for tp in tps if not tp.in_store})   # its only copy
-        for part in _parts([tp for tp in dict.fromkeys(tps) if tp not in out],
-                           min(READ_CHUNK_BYTES, self.lease_cap)):
+        key at once needs the pool to hold them all together. Detach takes
+        what only the device has first and lets the optimizer's resident
+        state go before it reads, so the device holds the values it gets
+        back in place of that state."""
+        out = {}
+        for part in _parts(list(dict.fromkeys(tps)), min(READ_CHUNK_BYTES, self.lease_cap)):
             got = self.read([tp.value_key for tp in part])
             out.update({tp: got[tp.value_key].to(where(tp), tp.orig_dtype) for tp in part})
-        return {tp: out[tp] for tp in tps}
+        return out
 
     def current_values(self, tps: list[TieredParam], *,
                        to_write: bool = False) -> dict[TieredParam, torch.Tensor]:
@@ -522,10 +535,12 @@ class AttachSession:
         """Detach: hooks off, ordinary parameters back, the model's keys deleted."""
         if self.activations is not None:
             self.activations.close()
-        values = self.read_values(list(self.params.values()), onto=lambda tp: tp.orig_device,
-                                  take=True)
+        tps = list(self.params.values())
+        home = lambda tp: tp.orig_device   # noqa: E731
+        values = self._device_values(tps, home, take=True)
         for opt in self.optimizers:   # read: its keys are deleted below anyway
             opt.discard_resident()
+        values.update(self._stored_values([tp for tp in tps if tp not in values], home))
         self.placer.close()
         self.hooks.remove()
         if self.mover.plans is not None:
@@ -543,12 +558,6 @@ class AttachSession:
         self.closed = True
         if self.owns_client:
             self.client.close()
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage."""
-    return b is not None and a.device == b.device and \
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _parts(tps: list[TieredParam], most: int) -> list[list[TieredParam]]:
