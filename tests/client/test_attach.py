@@ -121,6 +121,25 @@ def test_detach_of_placed_parameters_gives_back_their_values():
         assert p.shape == q.shape and torch.equal(p, q), name
 
 
+def test_detach_copies_a_master_that_is_the_compute_copy(monkeypatch):
+    # on a GPU a resident fp32 parameter's master is its compute copy, whose storage
+    # detach frees when placement streams it again: stand that in on the CPU
+    from tierd.client.store import LocalStore
+    ref = gpt2(n_layer=2, n_embd=64, vocab=1000)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=1 << 30)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    session = session_of(model)
+    monkeypatch.setattr(session.updates, "device_masters",
+                        lambda tps: {tp: tp.compute for tp in tps if tp.resident})
+    detach(model)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.shape == q.shape and torch.equal(p, q), name
+
+
 def test_two_attached_models_do_not_see_each_other(daemon):
     a, ref_a = _pair(lambda: gpt2(seed=1), daemon)
     b, ref_b = _pair(lambda: llama(seed=2), daemon)

@@ -79,7 +79,7 @@ from tierd.client.leases import LeaseTable
 from tierd.client.mover import Mover
 from tierd.client.placer import Placer
 from tierd.client.rank_share import RankShare
-from tierd.client.registry import ParamRegistry, Unit, ValueSource
+from tierd.client.registry import ParamRegistry, Unit, ValueSource, same_storage
 from tierd.client.releases import PendingReleases
 from tierd.client.store import Store
 from tierd.client.tiered_param import ParamState, TieredParam, tiered_of
@@ -421,8 +421,11 @@ class AttachSession:
         """The values only the device has the newest of (resident masters, and
         frozen weights kept only there), on ``where(tp)`` in the original
         dtype; ``take``: as they are where already so (detach: nothing else
-        uses them after, and :meth:`close` keeps their storage)."""
-        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take)
+        uses them after, and :meth:`close` keeps their storage), but for a
+        master that is a stored parameter's compute copy (fp32, or
+        ``master="bf16"``), whose storage placement frees when it streams
+        the parameter again."""
+        out = {tp: v.to(where(tp), tp.orig_dtype, copy=not take or same_storage(v, tp.compute))
                for tp, v in self.updates.device_masters(tps).items()}
         out.update({tp: tp.compute.to(where(tp), tp.orig_dtype, copy=not take)
                     for tp in tps if not tp.in_store})   # its only copy

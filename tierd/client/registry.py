@@ -96,7 +96,7 @@ from tierd.errors import StateError
 ValueSource = Callable[[nn.Parameter], torch.Tensor]
 
 
-def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+def same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Whether ``a`` is a view of ``b``'s (allocated) storage."""
     return a is not None and a.device == b.device and b.untyped_storage().nbytes() > 0 \
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -592,5 +592,5 @@ class ParamRegistry:
                 if buf is not None and device is not None:
                     module._buffers[name] = buf.to(device)
         for tp in self.params.values():   # (a value given back as it was keeps its storage)
-            if tp.state is ParamState.DEVICE and not _same_storage(values.get(tp), tp.compute):
+            if tp.state is ParamState.DEVICE and not same_storage(values.get(tp), tp.compute):
                 tp.param.untyped_storage().resize_(0)
