@@ -53,14 +53,22 @@ def test_eight_b_on_the_gpu_box_spills_what_ram_cannot_hold_to_nvme():
     sizes = embedded_sizes(EIGHT_B, GPU_BOX)
     assert sizes.pool == GPU_BOX.pool_limit == 102 * GiB     # 15 % of the RAM kept
     spill = EIGHT_B.total + EIGHT_B.largest - sizes.pool
-    # the spill (free bytes hold records however fragmented) and slack, within the disk
-    assert sizes.nvme_size == min(GPU_BOX.nvme_limit, spill + slack(EIGHT_B))
+    # the spill (free bytes hold records however fragmented), as much again for
+    # the copies of what is read back, and slack, within the disk
+    assert sizes.nvme_size == min(GPU_BOX.nvme_limit, 2 * spill + slack(EIGHT_B))
     assert 0 < sizes.nvme_size <= GPU_BOX.nvme_limit == 56 * GiB
     assert _holds(DaemonRoom(pool=sizes.pool, nvme=sizes.nvme_size), EIGHT_B)
     # built in bf16 on the CPU: 16 GB less available now, given back by attach
     built = Machine(available_ram=GPU_BOX.available_ram - 16 * 10**9, free_disk=60 * GiB,
                     released=16 * 10**9)
     assert embedded_sizes(EIGHT_B, built) == sizes
+
+
+def test_a_model_larger_than_the_pool_gets_nvme_for_copies_of_what_it_reads_back():
+    roomy = Machine(available_ram=GPU_BOX.available_ram, free_disk=500 * GiB)
+    sizes = embedded_sizes(EIGHT_B, roomy)
+    spill = EIGHT_B.total + EIGHT_B.largest - sizes.pool
+    assert spill > 0 and sizes.nvme_size == 2 * spill + slack(EIGHT_B)
 
 
 def test_named_job_gets_commit_room_within_the_disk():

@@ -20,8 +20,11 @@ def _zigzag(n: int) -> list[int]:
     return list(range(n)) + list(range(n - 1, -1, -1))
 
 
-def _steps(c, keys: list[str], steps: int, *, plan: bool) -> list[tuple[int, int]]:
-    """(bytes read from NVMe, of them read ahead) per step."""
+def _steps(c, keys: list[str], steps: int, *, plan: bool,
+           state: bool = False) -> list[tuple[int, int, int]]:
+    """(bytes read from NVMe, of them read ahead, bytes written to NVMe) per
+    step; ``state``: a 512 KiB tensor no plan names is stored anew each step
+    (an optimizer's), as well."""
     order = _zigzag(len(keys))
     if plan:
         c.use_plan_async("m", [(keys[u],) for u in order])
@@ -35,20 +38,26 @@ def _steps(c, keys: list[str], steps: int, *, plan: bool) -> list[tuple[int, int
             got = c.lease([keys[u]])
             assert float(got[0].tensor[0]) == u, keys[u]
             c.release([keys[u]])
+        if state:
+            c.put("state", torch.full((128 * KiB,), float(at)))
         after = c.stats()
         out.append((after["bytes_to_pool"] - before["bytes_to_pool"],
-                    after["bytes_read_ahead"] - before["bytes_read_ahead"]))
+                    after["bytes_read_ahead"] - before["bytes_read_ahead"],
+                    after["bytes_to_nvme"] - before["bytes_to_nvme"]))
     return out
 
 
-def _run(daemon_factory, key_bytes: int, *, plan: bool, steps: int = 4
-         ) -> list[tuple[int, int]]:
-    d = daemon_factory(pool="8MiB", nvme_size="96MiB", extra=("--segment-size", "4MiB"))
+def _run(daemon_factory, key_bytes: int, *, plan: bool, steps: int = 4, nvme: str = "96MiB",
+         state: bool = False) -> list[tuple[int, int, int]]:
+    d = daemon_factory(pool="8MiB", nvme_size=nvme, extra=("--segment-size", "4MiB"))
     keys = [f"weights/{i:03d}" for i in range(12 * MiB // key_bytes)]   # 1.5x the pool
     with tierd.connect(d.socket) as c:
         for i, k in enumerate(keys):
             c.put(k, torch.full((key_bytes // 4,), float(i)))
-        return _steps(c, keys, steps, plan=plan)
+        got = _steps(c, keys, steps, plan=plan, state=state)
+        for i, k in enumerate(keys):
+            assert float(c.get(k)[0]) == i, k
+        return got
 
 
 # segment-sized keys (over an eighth of a segment) are evicted a segment at a time
@@ -58,12 +67,25 @@ def test_a_planned_zigzag_reads_its_misses_ahead_and_no_more_than_without(daemon
     planned = _run(daemon_factory, key_bytes, plan=True)
     unplanned = _run(daemon_factory, key_bytes, plan=False)
     beyond = 12 * MiB - POOL   # what the pool cannot keep, read again each pass
-    for (read, ahead), (lru_read, lru_ahead) in zip(planned[-2:], unplanned[-2:]):
+    for (read, ahead, _), (lru_read, lru_ahead, _) in zip(planned[-2:], unplanned[-2:]):
         assert lru_ahead == 0
         # (a read begun in one step may land in the next: a key either way)
         assert read <= lru_read + key_bytes, (planned, unplanned)
         assert 2 * beyond <= read <= 2 * beyond + 2 * key_bytes, (planned, beyond)
         assert ahead >= read - key_bytes, planned   # misses read before their lease asks
+
+
+def test_reading_ahead_through_a_file_the_size_of_the_spill_writes_nothing(daemon_factory):
+    """[Note: reading ahead writes nothing]: the weights are read-only, so a
+    step need write nothing but the state; Belady's order alone wrote 4 MiB
+    of weights a step here, whose NVMe copies the file had no room to keep."""
+    nvme = "8MiB"   # the 4 MiB the pool cannot hold, its slack, little more
+    planned = _run(daemon_factory, 256 * KiB, plan=True, steps=5, nvme=nvme, state=True)
+    unplanned = _run(daemon_factory, 256 * KiB, plan=False, steps=5, nvme=nvme, state=True)
+    for (read, ahead, written), (lru_read, _, _) in zip(planned[-3:], unplanned[-3:]):
+        assert written <= 512 * KiB, planned           # at most the state
+        assert read <= lru_read + 4 * 256 * KiB, (planned, unplanned)
+        assert ahead >= read // 2, planned
 
 
 def test_a_plan_naming_keys_that_do_not_exist_is_only_a_hint(daemon):

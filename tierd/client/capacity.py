@@ -7,8 +7,8 @@ Example:
     >>> need = StoreNeed(params=2 << 30, master=4 << 30, optimizer=8 << 30,
     ...                  gradients=4 << 30, largest=1 << 30)
     >>> sizes = embedded_sizes(need, Machine(available_ram=16 << 30, free_disk=100 << 30))
-    >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM; the rest (no gradients) on NVMe
-    (8.0, 7.875)
+    >>> sizes.pool / GiB, sizes.nvme_size / GiB   # half the RAM; the rest (no gradients) twice on NVMe
+    (8.0, 14.875)
 
 [Note: what the store holds for a model]
 Each parameter (tied ones once) has its compute-dtype copy (``p/``); below
@@ -72,7 +72,11 @@ embedded daemon had, within what the RAM gives. The NVMe file is
 preallocated at start, so it is sized from the need: what the pool cannot
 hold plus slack (a record may span several free extents, so free bytes are
 as good as an extent: see [Note: records in several extents] in
-tierd.backends.recordio), and for a named job (which may commit) room for
+tierd.backends.recordio), and as much again as the pool cannot hold: a model
+larger than the pool streams that much through it each pass, and the tensors
+read back in keep their NVMe copies only while the file has room for them,
+so evicting them again costs no write ([Note: reading ahead writes nothing]
+in tierd.server.readahead); and for a named job (which may commit) room for
 two commits (a commit writes every tensor; copy-on-write keeps the previous
 one until the next is complete), within what the disk gives. The sizes an
 error suggests (:func:`shortfall`) keep the same margin.
@@ -333,7 +337,8 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
         pool = min(machine.pool_limit, max(floor, 2 * total + largest + slack(need)))
     if nvme_size is None:
         # as if nothing were on the GPU ([Note: the GPU counted])
-        spill = nvme_for(need.without_gpu + largest - pool, need)
+        beyond = need.without_gpu + largest - pool
+        spill = nvme_for(beyond, need) + max(0, beyond)   # the spill, read back, keeps copies
         room = 2 * total + largest + slack(need) if commits else 0
         nvme_size = min(machine.nvme_limit, max(MIN_NVME, spill, room))
     return Sizes(max(pool, PAGE), max(nvme_size, PAGE))

@@ -273,7 +273,10 @@ class Tiers:
         if ahead_of is not None:
             idle = [e for e in idle if eviction.used_after(e, ahead_of, now, cycle, plans)]
         if 8 * nbytes <= self.pool.segment_size:
-            return eviction.by_next_use(idle, now, cycle, plans)
+            ordered = eviction.by_next_use(idle, now, cycle, plans)
+            if ahead_of is not None:   # clean ones first ([Note: reading ahead writes nothing])
+                ordered.sort(key=lambda e: e.dirty or e.disk is None)
+            return ordered
         by_segment: dict[int, list[Entry]] = {}
         for e in idle:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
@@ -288,14 +291,20 @@ class Tiers:
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
         record of ``nbytes`` fits (free bytes suffice: records may span
-        several extents); False if it still does not."""
+        several extents); False if it still does not. The copies of the
+        tensors each job's eviction order keeps longest go first: a copy
+        spares a write only when its tensor is evicted."""
         extents = self.nvme.extents
-        for e in list(self.entries.values()):
+        copies = [e for e in self.entries.values()
+                  if e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
+                  and not e.disk.holds and not e.disk.readers]   # a commit's record stays
+        orders = {job: (eviction.job_cycle(self.job_entries(job), self.now), self.plans.get(job))
+                  for job in {e.job for e in copies}}
+        copies.sort(key=lambda e: eviction.rank(e, self.now, *orders[e.job]), reverse=True)
+        for e in copies:
             if extents.free_bytes >= extents.extent_size(nbytes):
                 return True
-            if (e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
-                    and not e.disk.holds and not e.disk.readers):   # a commit's record stays
-                self.mark_dirty(e)
+            self.mark_dirty(e)
         return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
@@ -341,7 +350,7 @@ class Tiers:
                     return True
                 if pending or blocked.wait:   # retried once those land
                     break
-                if not self._reclaim_nvme(e.meta().record_len()):
+                if ahead_of is not None or not self._reclaim_nvme(e.meta().record_len()):
                     raise
                 blocked.wait.append(self.start_writeback(e))
             pending += e.slot.nbytes
