@@ -75,16 +75,18 @@ def test_a_planned_zigzag_reads_its_misses_ahead_and_no_more_than_without(daemon
         assert ahead >= read - key_bytes, planned   # misses read before their lease asks
 
 
-def test_reading_ahead_through_a_file_the_size_of_the_spill_writes_nothing(daemon_factory):
+@pytest.mark.parametrize("key_bytes", [256 * KiB, 1 * MiB], ids=["small-keys", "segment-sized-keys"])
+def test_reading_ahead_through_a_file_the_size_of_the_spill_writes_nothing(daemon_factory,
+                                                                           key_bytes):
     """[Note: reading ahead writes nothing]: the weights are read-only, so a
     step need write nothing but the state; Belady's order alone wrote 4 MiB
     of weights a step here, whose NVMe copies the file had no room to keep."""
     nvme = "8MiB"   # the 4 MiB the pool cannot hold, its slack, little more
-    planned = _run(daemon_factory, 256 * KiB, plan=True, steps=5, nvme=nvme, state=True)
-    unplanned = _run(daemon_factory, 256 * KiB, plan=False, steps=5, nvme=nvme, state=True)
+    planned = _run(daemon_factory, key_bytes, plan=True, steps=5, nvme=nvme, state=True)
+    unplanned = _run(daemon_factory, key_bytes, plan=False, steps=5, nvme=nvme, state=True)
     for (read, ahead, written), (lru_read, _, _) in zip(planned[-3:], unplanned[-3:]):
         assert written <= 512 * KiB, planned           # at most the state
-        assert read <= lru_read + 4 * 256 * KiB, (planned, unplanned)
+        assert read <= lru_read + 4 * key_bytes, (planned, unplanned)
         assert ahead >= read // 2, planned
 
 

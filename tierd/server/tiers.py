@@ -282,8 +282,10 @@ class Tiers:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
         clearable = {sid: es for sid, es in by_segment.items()
                      if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
-        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle, plans)
-                 for e in eviction.by_next_use(clearable[sid], now, cycle, plans)]
+        sids = eviction.segments_by_next_use(clearable, now, cycle, plans)
+        if ahead_of is not None:   # clean segments first (the same Note)
+            sids.sort(key=lambda sid: any(e.dirty or e.disk is None for e in clearable[sid]))
+        first = [e for sid in sids for e in eviction.by_next_use(clearable[sid], now, cycle, plans)]
         chosen = {id(e) for e in first}   # then the rest, should a hole open there
         return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now,
                                             cycle, plans)
