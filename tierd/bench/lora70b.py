@@ -361,6 +361,23 @@ def traffic(session) -> tuple:
             daemon["bytes_to_pool"], daemon["bytes_to_nvme"], daemon["bytes_read_ahead"])
 
 
+def progress(session, before: tuple):
+    """``traffic`` after each step, each step's figures printed as it ends
+    (host clock: a run stopped by a time limit still shows its steps)."""
+    last, clock = [before], [time.monotonic()]
+
+    def observe() -> tuple:
+        now, got = time.monotonic(), traffic(session)
+        d = [(b - a) / GB for a, b in zip(last[0][1:], got[1:])]
+        print(f"[lora70b] step {len(clock)}: {now - clock[-1]:.2f} s (host), PCIe in "
+              f"{d[0]:.1f} GB, out {d[1]:.1f} GB; NVMe read {d[2]:.2f} GB ({d[4]:.2f} ahead), "
+              f"written {d[3]:.2f} GB", flush=True)
+        last[0] = got
+        clock.append(now)
+        return got
+    return observe
+
+
 def per_step(observed: list, skip: int) -> tuple[float, ...]:
     """Median bytes per step of each counter ``traffic`` returns after the
     plan (copied in, out, read from NVMe, written to it), from the counters
@@ -384,7 +401,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
         torch.cuda.reset_peak_memory_stats(device)
     before = traffic(session)
     seconds, peaks, observed = lora_loop(model, device, tokens(shape, 1, args.seq, device),
-                                         args, deadline, lambda: traffic(session))
+                                         args, deadline, progress(session, before))
     s = steploop.summary(seconds, args.warmup)
     pin, pout, nvme_in, nvme_out, ahead = per_step([before] + observed, args.warmup)
     stats = session.stats()
