@@ -43,23 +43,24 @@ next use, and
 A tensor read back from NVMe keeps its record there (it is clean) until the
 file needs the room for another tensor's write, which gives up such copies
 (``Tiers._reclaim_nvme``). Evicting a clean tensor costs nothing now; a
-dirty one costs a write, on the disk the reads wait for. Belady's choice
-counts reads only: at 24 GB the 70B LoRA's read-ahead evicted blocks of the
-base that had sat in the pool since attach, dirty, their copies given up
-for others' writes: 12.3 GB written a step beside 40.6 GB read (1.6 GB
-written before read-ahead), 39.5 s a step against its 22.7 s disk floor.
-So a read ahead takes the clean tensors among those used after its horizon
-first (each of those is read again before its next use whichever goes, so
-their order costs no read), writes a dirty one only into free room of the
-file, never giving up another's copy for it, and otherwise stops until the
-next use. A write that must give up copies takes those of the tensors the
-eviction order keeps longest first: a copy spares a write only when its
-tensor is evicted. And the embedded daemon's file has room for the copies
-of what cycles ([Note: embedded daemon sizes] in tierd.client.capacity).
-A zigzag through a pool whose file holds the spill and little more wrote 4
-MiB of read-only weights a step (12 MiB streamed through 8); now only the
-state, reading no more than least recently used does
-(tests/server/test_readahead.py).
+dirty one costs a write, on the disk the reads wait for. At 24 GB the 70B
+LoRA's read-ahead wrote 12.3 GB a step beside 40.6 GB read (1.6 GB written
+before read-ahead), 39.5 s a step against its 22.7 s disk floor: the
+embedded daemon's file held the spill and its slack, so each read ahead
+that evicted a dirty block wrote it by giving up the copies of blocks read
+back earlier, which made those dirty for the next read ahead, and so on.
+So a read ahead writes a dirty tensor only into free room of the file and
+never gives up a copy for it: else it stops until the next use, and the
+lease, when it comes, evicts as before. And the embedded daemon's file has
+room for the copies of what cycles ([Note: embedded daemon sizes] in
+tierd.client.capacity), so the read-ahead finds clean tensors to evict.
+``python -m tierd.bench.eviction_sim`` (the catalog in-process on the 70B's
+blocks, 1/1024 scale) wrote 28-37 GB a step with a spill-sized file before;
+now none (52.6 GB read, 38.0 ahead) and, with the file twice the spill,
+1.2 GB (the state; 51.4 read, all ahead). Tried and dropped: evicting clean
+tensors first among those used after the horizon (more reads than Belady's
+order, no fewer writes), and giving up the copies of the tensors kept
+longest first (no change in either).
 
 Each attached model sends its own plan, by name (:class:`JobPlans`: a job,
 one process, may train several); positions count per plan, so next uses

@@ -273,19 +273,14 @@ class Tiers:
         if ahead_of is not None:
             idle = [e for e in idle if eviction.used_after(e, ahead_of, now, cycle, plans)]
         if 8 * nbytes <= self.pool.segment_size:
-            ordered = eviction.by_next_use(idle, now, cycle, plans)
-            if ahead_of is not None:   # clean ones first ([Note: reading ahead writes nothing])
-                ordered.sort(key=lambda e: e.dirty or e.disk is None)
-            return ordered
+            return eviction.by_next_use(idle, now, cycle, plans)
         by_segment: dict[int, list[Entry]] = {}
         for e in idle:
             by_segment.setdefault(e.slot.segment.id, []).append(e)
         clearable = {sid: es for sid, es in by_segment.items()
                      if sum(e.slot.nbytes for e in es) == self.pool.segments[sid].extents.used}
-        sids = eviction.segments_by_next_use(clearable, now, cycle, plans)
-        if ahead_of is not None:   # clean segments first (the same Note)
-            sids.sort(key=lambda sid: any(e.dirty or e.disk is None for e in clearable[sid]))
-        first = [e for sid in sids for e in eviction.by_next_use(clearable[sid], now, cycle, plans)]
+        first = [e for sid in eviction.segments_by_next_use(clearable, now, cycle, plans)
+                 for e in eviction.by_next_use(clearable[sid], now, cycle, plans)]
         chosen = {id(e) for e in first}   # then the rest, should a hole open there
         return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now,
                                             cycle, plans)
@@ -293,20 +288,14 @@ class Tiers:
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
         record of ``nbytes`` fits (free bytes suffice: records may span
-        several extents); False if it still does not. The copies of the
-        tensors each job's eviction order keeps longest go first: a copy
-        spares a write only when its tensor is evicted."""
+        several extents); False if it still does not."""
         extents = self.nvme.extents
-        copies = [e for e in self.entries.values()
-                  if e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
-                  and not e.disk.holds and not e.disk.readers]   # a commit's record stays
-        orders = {job: (eviction.job_cycle(self.job_entries(job), self.now), self.plans.get(job))
-                  for job in {e.job for e in copies}}
-        copies.sort(key=lambda e: eviction.rank(e, self.now, *orders[e.job]), reverse=True)
-        for e in copies:
+        for e in list(self.entries.values()):
             if extents.free_bytes >= extents.extent_size(nbytes):
                 return True
-            self.mark_dirty(e)
+            if (e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
+                    and not e.disk.holds and not e.disk.readers):   # a commit's record stays
+                self.mark_dirty(e)
         return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
@@ -353,7 +342,7 @@ class Tiers:
                 if pending or blocked.wait:   # retried once those land
                     break
                 if ahead_of is not None or not self._reclaim_nvme(e.meta().record_len()):
-                    raise
+                    raise   # a read ahead gives up no copy ([Note: reading ahead writes nothing])
                 blocked.wait.append(self.start_writeback(e))
             pending += e.slot.nbytes
         return False

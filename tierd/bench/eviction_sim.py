@@ -1,0 +1,149 @@
+"""What the daemon's eviction and read-ahead move for a frozen model streamed
+through a pool smaller than it, without a GPU or a daemon process.
+
+    python -m tierd.bench.eviction_sim --out DIR                 # the 70B LoRA at 24 GB
+    python -m tierd.bench.eviction_sim --out DIR --nvme-gb 37    # a file the size of the spill
+
+The daemon's own catalog runs in this process over a real pool and NVMe
+file, every size divided by ``--scale``; transfers are accounted as done
+the moment they start (no bytes move, no clock), so what comes out is the
+policy's traffic, not its speed: the bytes read from NVMe a step, of them
+the ones read ahead of their lease, and the bytes written. The step is the
+one a checkpointed LoRA step asks of the daemon: each decoder block's
+frozen weights leased in order for the forward, in reverse for the
+backward (each block re-run, then its gradients: one position), and the
+adapters' optimizer state stored anew. With ``--plan`` the access plan is
+told and each position reached ([Note: the job's access plan] in
+``tierd.server.readahead``); without it, least recently used at lease time.
+
+Figures are printed and written to ``DIR/eviction-sim.json`` in full-scale
+GB. What it showed first: Belady's order with a spill-sized file wrote
+28-37 GB a step of read-only weights, as the H200 run wrote 12.3 GB
+([Note: reading ahead writes nothing] in ``tierd.server.readahead``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierd.backends.hostpool import HostPool
+from tierd.backends.nvme import NvmeStore
+from tierd.protocol import TensorSpec
+from tierd.server.catalog import Blocked, Catalog
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Block:
+    """A decoder block's frozen weights (bf16), by name: Llama-3-70B's."""
+
+    hidden: int = 8192
+    mlp: int = 28672
+    kv: int = 1024
+
+    def keys(self) -> dict[str, int]:
+        h, f, kv = self.hidden, self.mlp, self.kv
+        return {"q": 2 * h * h, "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * h * h,
+                "gate": 2 * h * f, "up": 2 * h * f, "down": 2 * f * h}
+
+
+class Simulation:
+    """The catalog, its pool and NVMe file, and one job's session."""
+
+    def __init__(self, pool_bytes: int, nvme_bytes: int, segment_bytes: int, where: Path):
+        self.pool = HostPool(pool_bytes, segment_size=segment_bytes)
+        self.nvme = NvmeStore(where, nvme_bytes)
+        self.catalog = Catalog(self.pool, self.nvme)
+        self.session = self.catalog.open_session(1, "job", pid=1, uid=0)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.nvme.close()
+
+    def settle(self) -> None:
+        for t in self.catalog.take_started():
+            self.catalog.finish(t, None)
+
+    def put(self, key: str, nbytes: int) -> None:
+        spec = TensorSpec(key, "uint8", (nbytes,), nbytes)
+        while isinstance(self.catalog.reserve(self.session, (spec,)), Blocked):
+            self.settle()
+        self.settle()
+        self.catalog.publish(self.session, (key,))
+
+    def use(self, keys: tuple[str, ...]) -> None:
+        while isinstance(self.catalog.lease(self.session, keys, False), Blocked):
+            self.settle()
+        self.catalog.release(self.session, keys, False)
+
+    def counters(self) -> dict[str, int]:
+        c = self.catalog.tiers.counters
+        return {"read": c.bytes_to_pool, "ahead": c.bytes_read_ahead, "written": c.bytes_to_nvme}
+
+
+def run(args) -> list[dict]:
+    """Per step: bytes read from NVMe, of them ahead, and written (full scale)."""
+    scale = args.scale
+    sizes = {k: n // scale for k, n in Block().keys().items()}
+    blocks = [tuple(f"layers/{i}/{k}" for k in sizes) for i in range(args.layers)]
+    order = list(range(args.layers)) + list(range(args.layers - 1, -1, -1))
+    with tempfile.TemporaryDirectory() as where:
+        sim = Simulation(int(args.pool_gb * GB) // scale, int(args.nvme_gb * GB) // scale,
+                         (256 << 20) // scale, Path(where))
+        try:
+            for keys in blocks:
+                for key in keys:
+                    sim.put(key, sizes[key.rsplit("/", 1)[1]])
+            if args.plan:
+                sim.catalog.use_plan(sim.session, "model", tuple(blocks[u] for u in order))
+            rows, at = [], 0
+            for step in range(args.steps):
+                before = sim.counters()
+                for u in order:
+                    if args.plan:
+                        sim.catalog.use_at(sim.session, "model", at)
+                        sim.settle()
+                    at += 1
+                    sim.use(blocks[u])
+                sim.put("state", int(args.state_gb * GB) // scale)
+                after = sim.counters()
+                rows.append({"step": step, **{f"{k}_gb": (after[k] - before[k]) * scale / GB
+                                              for k in after}})
+            return rows
+        finally:
+            sim.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--pool-gb", type=float, default=112.75, help="the H200 run's pool")
+    ap.add_argument("--nvme-gb", type=float, default=56.0,
+                    help="the NVMe file (the embedded daemon's on the H200's disk)")
+    ap.add_argument("--state-gb", type=float, default=1.2,
+                    help="the adapters' state stored anew each step")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--scale", type=int, default=1024, help="every size divided by this")
+    ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args(argv)
+    for name in ("layers", "steps", "scale"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    rows = run(args)
+    for r in rows:
+        print(f"step {r['step']}: read {r['read_gb']:.1f} GB ({r['ahead_gb']:.1f} ahead), "
+              f"written {r['written_gb']:.1f} GB")
+    result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "eviction-sim.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
