@@ -55,6 +55,7 @@ def test_training_rows_have_the_step_times_and_the_larger_floor(tiny):
     assert capped["pcie_in_gb"] > 0 and capped["plan_changes"] == 0
     # the tiny model fits the test daemon's pool: nothing crosses NVMe
     assert capped["nvme_read_gb"] == capped["nvme_write_gb"] == 0 and capped["pool_gb"] > 0
+    assert capped["nvme_read_busy_s"] == 0 and capped["lease_wait_s"] >= 0
     assert rows["lora-default"]["placement"] == "off" and rows["lora-default"]["cap_gb"] is None
     assert rows["build"]["built_by"] in ("lora-24g", "lora-default", "generate-80g")
 

@@ -13,6 +13,7 @@ import mmap
 import os
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +23,7 @@ import tierd
 from tierd.backends import recordio
 from tierd.backends.nvme import DATA_FILE, Failpoints, NvmeStore
 from tierd.errors import IntegrityError, TierIOError
-from tierd.server.transfers import RecordTransfers, checksum_threads
+from tierd.server.transfers import BusyClock, RecordTransfers, checksum_threads
 
 CHUNK = recordio.CHUNK
 SIZES = (2 * CHUNK + 12 * 1024, 4096, CHUNK)   # three pieces (the last short), one page, one piece
@@ -153,6 +154,52 @@ def test_a_failed_write_raises_and_leaves_no_readable_record(tmp_path, fail_at, 
             r.read(0)
     finally:
         r.close()
+
+
+def test_the_busy_clock_counts_overlapping_spans_once():
+    """[Note: the disk's busy time]: records in flight together are one span
+    of busy time, idle time is not counted, an open span counts to now."""
+    now = [100.0]
+    clock = BusyClock(lambda: now[0])
+    with clock:
+        now[0] += 2.0
+        with clock:          # a second record while the first is in flight
+            now[0] += 1.0
+        now[0] += 0.5
+        assert clock.seconds() == 3.5
+    now[0] += 10.0
+    assert clock.seconds() == 3.5
+    with clock:
+        now[0] += 1.0
+    assert clock.seconds() == 4.5
+
+
+def test_records_count_their_busy_time_each_way(records):
+    assert records.rt.busy_seconds() == {"nvme_read_busy_s": 0.0, "nvme_write_busy_s": 0.0}
+    records.write_all()
+    written = records.rt.busy_seconds()
+    assert written["nvme_write_busy_s"] > 0 and written["nvme_read_busy_s"] == 0
+    records.read(0)
+    assert records.rt.busy_seconds()["nvme_read_busy_s"] > 0
+
+
+def test_a_daemon_reports_the_seconds_its_disk_was_busy_each_way(daemon_factory):
+    d = daemon_factory(pool="64MiB", nvme_size="256MiB")
+    values = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(4)}   # 4 MiB each
+    with tierd.connect(d.socket, job="busy") as c:
+        t0 = time.monotonic()
+        before = c.stats()
+        for k, v in values.items():
+            c.put(k, v)
+        c.evict(list(values))
+        for k, v in values.items():
+            assert torch.equal(c.get(k), v)
+        after = c.stats()
+        wall = time.monotonic() - t0
+    read = after["nvme_read_busy_s"] - before["nvme_read_busy_s"]
+    written = after["nvme_write_busy_s"] - before["nvme_write_busy_s"]
+    assert after["bytes_to_pool"] > before["bytes_to_pool"]
+    assert 0 < read <= wall and 0 < written <= wall
 
 
 def test_checksum_threads_stay_within_the_io_threads_and_at_least_one():

@@ -87,7 +87,11 @@ Writes ``DIR/lora70b-<device>-<commit>.json``: ``{"commit", "device",
   steady step: where the streamed base exceeds ``pool_gb``, the pool's
   size, the excess is read from the disk, which no floor here counts),
   ``nvme_read_ahead_gb`` (of those reads, the ones the daemon began ahead
-  of their lease: [Note: the job's access plan] in tierd.server.readahead);
+  of their lease: [Note: the job's access plan] in tierd.server.readahead),
+  ``nvme_read_busy_s`` (seconds a steady step the disk had a read in
+  flight: [Note: the disk's busy time] in tierd.server.transfers) and
+  ``lease_wait_s`` (host seconds a steady step blocked on the daemon's
+  leases);
   ``step_flops``, ``tflops``, ``compute_floor_s`` (FLOPs over ``tflops``),
   ``pcie_floor_s`` (the copies' time at the measured bandwidths: the
   larger of in / host-to-device, out / device-to-host and both / both-ways;
@@ -353,12 +357,15 @@ def build_attached(case: Case, shape: Shape, args, device: torch.device, *, trai
 
 def traffic(session) -> tuple:
     """What the counters say after a step: the attached model's plan and
-    bytes copied in and out, and the daemon's bytes read from and written
-    to NVMe (the part of the streamed base the pool cannot hold)."""
+    bytes copied in and out, the daemon's bytes read from and written to
+    NVMe (the part of the streamed base the pool cannot hold) and read
+    ahead, the disk's busy seconds reading, and the host's seconds waiting
+    on leases."""
     from tierd.bench.placement import plan_of
     stats, daemon = session.stats(), session.client.stats()
     return (plan_of(session), stats["h2d_bytes"], stats["d2h_bytes"],
-            daemon["bytes_to_pool"], daemon["bytes_to_nvme"], daemon["bytes_read_ahead"])
+            daemon["bytes_to_pool"], daemon["bytes_to_nvme"], daemon["bytes_read_ahead"],
+            daemon.get("nvme_read_busy_s", 0.0), stats["lease_wait_seconds"])
 
 
 def progress(session, before: tuple):
@@ -368,10 +375,11 @@ def progress(session, before: tuple):
 
     def observe() -> tuple:
         now, got = time.monotonic(), traffic(session)
-        d = [(b - a) / GB for a, b in zip(last[0][1:], got[1:])]
+        d = [b - a for a, b in zip(last[0][1:], got[1:])]
         print(f"[lora70b] step {len(clock)}: {now - clock[-1]:.2f} s (host), PCIe in "
-              f"{d[0]:.1f} GB, out {d[1]:.1f} GB; NVMe read {d[2]:.2f} GB ({d[4]:.2f} ahead), "
-              f"written {d[3]:.2f} GB", flush=True)
+              f"{d[0] / GB:.1f} GB, out {d[1] / GB:.1f} GB; NVMe read {d[2] / GB:.2f} GB "
+              f"({d[4] / GB:.2f} ahead), written {d[3] / GB:.2f} GB; the disk reading "
+              f"{d[5]:.1f} s; leases waited {d[6]:.1f} s", flush=True)
         last[0] = got
         clock.append(now)
         return got
@@ -403,7 +411,8 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
     seconds, peaks, observed = lora_loop(model, device, tokens(shape, 1, args.seq, device),
                                          args, deadline, progress(session, before))
     s = steploop.summary(seconds, args.warmup)
-    pin, pout, nvme_in, nvme_out, ahead = per_step([before] + observed, args.warmup)
+    pin, pout, nvme_in, nvme_out, ahead, busy, waits = per_step([before] + observed,
+                                                                args.warmup)
     stats = session.stats()
     row = {**build, "tierd_s": s["median_s"], "first_step_s": s["first_step_s"],
            "worst_step_s": s["worst_step_s"], "steady_steps": s["steady_steps"],
@@ -412,7 +421,8 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "placement": stats["placement"], "resident_gb": stats["resident_bytes"] / GB,
            "pcie_in_gb": pin / GB, "pcie_out_gb": pout / GB, "peak_gb": max(peaks) / GB,
            "nvme_read_gb": nvme_in / GB, "nvme_write_gb": nvme_out / GB,
-           "nvme_read_ahead_gb": ahead / GB, "pool_gb": session.pool_bytes / GB,
+           "nvme_read_ahead_gb": ahead / GB, "nvme_read_busy_s": busy,
+           "lease_wait_s": waits, "pool_gb": session.pool_bytes / GB,
            "step_flops": lora_step_flops(shape, args.seq, args.rank),
            "tflops": calibration["tflops"], "calibration": calibration,
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
@@ -517,7 +527,7 @@ def run_generate(case: Case, shape: Shape, args, device: torch.device, deadline:
     got = generate_timed(model, tokens(shape, 1, args.prompt, device), args, deadline,
                          lambda: traffic(session))
     marks = got.pop("marks")
-    pin, _, nvme_in, _, ahead = per_step(marks, args.warmup_tokens + 1)
+    pin, _, nvme_in, _, ahead, _, _ = per_step(marks, args.warmup_tokens + 1)
     stats = session.stats()
     disk, must = nvme_floor(pin, 1, session.pool_bytes, disk_read_rate(args))
     return [{**build, **got, "placement": stats["placement"],

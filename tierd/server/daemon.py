@@ -382,7 +382,8 @@ class Daemon:
                 case P.Keys(prefix):
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
-                    return P.StatsReply({**c.stats(), "quarantined": self.manifests.quarantined()})
+                    return P.StatsReply({**c.stats(), **self.records.busy_seconds(),
+                                         "quarantined": self.manifests.quarantined()})
                 case P.Commits():
                     return P.TagList(tuple(c.commit_tags(s)))
                 case P.ReportDevice(resident_bytes):

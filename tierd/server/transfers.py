@@ -36,6 +36,16 @@ direction still keeps all but one thread busy; with both at work the
 threads interleave their calls, and a read never waits for more than the
 calls already running.
 
+[Note: the disk's busy time]
+Bytes read a step say how much crossed the disk, not whether the disk was
+the step's limit: a step slower than its reads at the disk's rate either
+left the disk idle (reads asked for too late) or read slower than the probe
+did. Each direction keeps a :class:`BusyClock`, the seconds during which at
+least one of its records was in flight (the union of their spans, on the
+loop's clock), in the daemon's stats as ``nvme_read_busy_s`` and
+``nvme_write_busy_s``: bytes over busy seconds is the rate the disk gave,
+step time less busy seconds is how long it idled.
+
 The asyncio side only gathers the pieces. Nothing here touches the catalog.
 """
 
@@ -43,6 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tierd.backends import recordio
@@ -55,6 +67,40 @@ def checksum_threads(io_threads: int) -> int:
     many as I/O threads (crc32c runs at ~14 GB/s a thread, so two keep up
     with a fast NVMe; more would only take cores from the clients)."""
     return max(1, min(io_threads, (os.cpu_count() or 2) // 2))
+
+
+class BusyClock:
+    """Seconds during which at least one call was in flight ([Note: the disk's
+    busy time]); used on one event loop, so no lock.
+
+    >>> clock = BusyClock()
+    >>> with clock, clock:
+    ...     pass
+    >>> clock.seconds() >= 0
+    True
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._in_flight = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def __enter__(self) -> "BusyClock":
+        if self._in_flight == 0:
+            self._since = self._clock()
+        self._in_flight += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._total += self._clock() - self._since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, a span still open counted to now."""
+        open_ = self._clock() - self._since if self._in_flight else 0.0
+        return self._total + open_
 
 
 class RecordTransfers:
@@ -72,6 +118,12 @@ class RecordTransfers:
         # [Note: reads beside writes]; the executor's size is its thread count
         self._depth = max(1, executor._max_workers - 1)
         self._gates: tuple[asyncio.AbstractEventLoop, dict[bool, asyncio.Semaphore]] | None = None
+        self.busy = {False: BusyClock(), True: BusyClock()}   # by write; [Note: the disk's busy time]
+
+    def busy_seconds(self) -> dict[str, float]:
+        """The disk's busy seconds each way, for the daemon's stats."""
+        return {"nvme_read_busy_s": round(self.busy[False].seconds(), 3),
+                "nvme_write_busy_s": round(self.busy[True].seconds(), 3)}
 
     async def _all(self, aws) -> list:
         """Await every one; all finish before any error is raised, so no
@@ -104,13 +156,14 @@ class RecordTransfers:
         scatter = recordio.Scatter(spans)
         header = None
         try:
-            writes = [self._io(True, self.nvme.write_from, offset, bufs)
-                      for (s, _), v in zip(pieces, views)
-                      for offset, bufs in scatter.runs(hlen + s, [v])]
-            sums = await self._all([*writes, *(self._sum(v) for v in views)])
-            header = recordio.encode_header(meta, sums[len(writes):])
-            await self._all([self._io(True, self.nvme.write_from, offset, bufs)
-                             for offset, bufs in scatter.runs(0, [header])])
+            with self.busy[True]:
+                writes = [self._io(True, self.nvme.write_from, offset, bufs)
+                          for (s, _), v in zip(pieces, views)
+                          for offset, bufs in scatter.runs(hlen + s, [v])]
+                sums = await self._all([*writes, *(self._sum(v) for v in views)])
+                header = recordio.encode_header(meta, sums[len(writes):])
+                await self._all([self._io(True, self.nvme.write_from, offset, bufs)
+                                 for offset, bufs in scatter.runs(0, [header])])
         finally:
             scatter.release()
             _release(views)
@@ -134,10 +187,11 @@ class RecordTransfers:
         scatter = recordio.Scatter(spans)
         try:
             hlen = len(header)
-            got = await self._all(
-                self._read_piece(scatter.runs(0, [header, v]) if i == 0 else
-                                 scatter.runs(hlen + s, [v]), v)
-                for i, ((s, _), v) in enumerate(zip(pieces, views)))
+            with self.busy[False]:
+                got = await self._all(
+                    self._read_piece(scatter.runs(0, [header, v]) if i == 0 else
+                                     scatter.runs(hlen + s, [v]), v)
+                    for i, ((s, _), v) in enumerate(zip(pieces, views)))
             algo, sums = recordio.parse_header(header, meta)
             recordio.verify_pieces(meta, algo, sums, got, data)
         finally:
