@@ -75,6 +75,27 @@ def test_a_planned_zigzag_reads_its_misses_ahead_and_no_more_than_without(daemon
         assert ahead >= read - key_bytes, planned   # misses read before their lease asks
 
 
+def test_read_ahead_passes_say_how_far_they_reached_and_why_they_stopped(daemon_factory):
+    """The counters a slow step is diagnosed with: one pass per use told,
+    how far its horizon reached, and why passes stopped short of it."""
+    d = daemon_factory(pool="8MiB", nvme_size="96MiB", extra=("--segment-size", "4MiB"))
+    keys = [f"weights/{i:03d}" for i in range(48)]   # 256 KiB each: 1.5x the pool
+    with tierd.connect(d.socket) as c:
+        for i, k in enumerate(keys):
+            c.put(k, torch.full((64 * KiB,), float(i)))
+        before = c.stats()
+        _steps(c, keys, 2, plan=True)
+        after = c.stats()
+    passes = after["read_ahead_passes"] - before["read_ahead_passes"]
+    assert passes == 2 * 2 * len(keys)
+    # the pool holds about 32 of the keys: horizons reach well past now
+    assert 8 * passes <= after["read_ahead_reach"] - before["read_ahead_reach"] <= 48 * passes
+    stops = {k: after[k] - before[k] for k in ("read_ahead_no_room", "read_ahead_waits")}
+    # each stop ends a pass, and here the room the misses need is held by
+    # reads begun earlier, not missing: the passes stop to wait, never for want of room
+    assert 0 < stops["read_ahead_waits"] < passes and stops["read_ahead_no_room"] == 0, stops
+
+
 @pytest.mark.parametrize("key_bytes", [256 * KiB, 1 * MiB], ids=["small-keys", "segment-sized-keys"])
 def test_reading_ahead_through_a_file_the_size_of_the_spill_writes_nothing(daemon_factory,
                                                                            key_bytes):
@@ -101,6 +122,10 @@ def test_a_plan_naming_keys_that_do_not_exist_is_only_a_hint(daemon):
         c.use_plan_async("m", [])   # forgotten
         c.use_at_async("m", 2)
         assert torch.equal(c.get("real"), torch.ones(4))
+        stats = c.stats()
+    # the three uses of the plan while it was known each ran a read-ahead pass
+    assert stats["read_ahead_passes"] == 3 and stats["read_ahead_reach"] >= 0
+    assert stats["read_ahead_no_room"] == stats["read_ahead_waits"] == 0
 
 
 @pytest.mark.parametrize("positions,why", [

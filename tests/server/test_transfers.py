@@ -200,6 +200,7 @@ def test_a_daemon_reports_the_seconds_its_disk_was_busy_each_way(daemon_factory)
     written = after["nvme_write_busy_s"] - before["nvme_write_busy_s"]
     assert after["bytes_to_pool"] > before["bytes_to_pool"]
     assert 0 < read <= wall and 0 < written <= wall
+    assert 0 < after["catalog_s"] - before["catalog_s"] <= wall   # the loop's own work
 
 
 def test_checksum_threads_stay_within_the_io_threads_and_at_least_one():

@@ -91,7 +91,10 @@ Writes ``DIR/lora70b-<device>-<commit>.json``: ``{"commit", "device",
   ``nvme_read_busy_s`` (seconds a steady step the disk had a read in
   flight: [Note: the disk's busy time] in tierd.server.transfers) and
   ``lease_wait_s`` (host seconds a steady step blocked on the daemon's
-  leases);
+  leases), ``read_ahead`` (the daemon's seconds in its catalog serving
+  requests, ``catalog_s``, and its read-ahead passes a steady step,
+  the positions their horizons reached, summed, and how many stopped for
+  want of room or to wait on transfers in flight);
   ``step_flops``, ``tflops``, ``compute_floor_s`` (FLOPs over ``tflops``),
   ``pcie_floor_s`` (the copies' time at the measured bandwidths: the
   larger of in / host-to-device, out / device-to-host and both / both-ways;
@@ -355,17 +358,23 @@ def build_attached(case: Case, shape: Shape, args, device: torch.device, *, trai
                    "host_peak_anon_gb": memory.peak_anon / GB}
 
 
+#: the daemon's seconds serving requests in its catalog, and its counters of
+#: read-ahead passes (tierd.server.records.TierCounters)
+READ_AHEAD = ("catalog_s", "read_ahead_passes", "read_ahead_reach", "read_ahead_no_room", "read_ahead_waits")
+
+
 def traffic(session) -> tuple:
     """What the counters say after a step: the attached model's plan and
     bytes copied in and out, the daemon's bytes read from and written to
     NVMe (the part of the streamed base the pool cannot hold) and read
-    ahead, the disk's busy seconds reading, and the host's seconds waiting
-    on leases."""
+    ahead, the disk's busy seconds reading, the host's seconds waiting
+    on leases, and the read-ahead's passes (:data:`READ_AHEAD`)."""
     from tierd.bench.placement import plan_of
     stats, daemon = session.stats(), session.client.stats()
     return (plan_of(session), stats["h2d_bytes"], stats["d2h_bytes"],
             daemon["bytes_to_pool"], daemon["bytes_to_nvme"], daemon["bytes_read_ahead"],
-            daemon.get("nvme_read_busy_s", 0.0), stats["lease_wait_seconds"])
+            daemon.get("nvme_read_busy_s", 0.0), stats["lease_wait_seconds"],
+            *(daemon.get(k, 0) for k in READ_AHEAD))
 
 
 def progress(session, before: tuple):
@@ -379,7 +388,9 @@ def progress(session, before: tuple):
         print(f"[lora70b] step {len(clock)}: {now - clock[-1]:.2f} s (host), PCIe in "
               f"{d[0] / GB:.1f} GB, out {d[1] / GB:.1f} GB; NVMe read {d[2] / GB:.2f} GB "
               f"({d[4] / GB:.2f} ahead), written {d[3] / GB:.2f} GB; the disk reading "
-              f"{d[5]:.1f} s; leases waited {d[6]:.1f} s", flush=True)
+              f"{d[5]:.1f} s; leases waited {d[6]:.1f} s; the daemon's catalog {d[7]:.2f} s; "
+              f"read-ahead passes {d[8]} reaching {d[9] / max(d[8], 1):.1f} positions, "
+              f"stopped {d[10]} for room, {d[11]} to wait", flush=True)
         last[0] = got
         clock.append(now)
         return got
@@ -411,8 +422,8 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
     seconds, peaks, observed = lora_loop(model, device, tokens(shape, 1, args.seq, device),
                                          args, deadline, progress(session, before))
     s = steploop.summary(seconds, args.warmup)
-    pin, pout, nvme_in, nvme_out, ahead, busy, waits = per_step([before] + observed,
-                                                                args.warmup)
+    pin, pout, nvme_in, nvme_out, ahead, busy, waits, *passes = per_step([before] + observed,
+                                                                         args.warmup)
     stats = session.stats()
     row = {**build, "tierd_s": s["median_s"], "first_step_s": s["first_step_s"],
            "worst_step_s": s["worst_step_s"], "steady_steps": s["steady_steps"],
@@ -422,7 +433,7 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "pcie_in_gb": pin / GB, "pcie_out_gb": pout / GB, "peak_gb": max(peaks) / GB,
            "nvme_read_gb": nvme_in / GB, "nvme_write_gb": nvme_out / GB,
            "nvme_read_ahead_gb": ahead / GB, "nvme_read_busy_s": busy,
-           "lease_wait_s": waits, "pool_gb": session.pool_bytes / GB,
+           "lease_wait_s": waits, "read_ahead": dict(zip(READ_AHEAD, passes)), "pool_gb": session.pool_bytes / GB,
            "step_flops": lora_step_flops(shape, args.seq, args.rank),
            "tflops": calibration["tflops"], "calibration": calibration,
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
@@ -527,7 +538,7 @@ def run_generate(case: Case, shape: Shape, args, device: torch.device, deadline:
     got = generate_timed(model, tokens(shape, 1, args.prompt, device), args, deadline,
                          lambda: traffic(session))
     marks = got.pop("marks")
-    pin, _, nvme_in, _, ahead, _, _ = per_step(marks, args.warmup_tokens + 1)
+    pin, _, nvme_in, _, ahead, *_ = per_step(marks, args.warmup_tokens + 1)
     stats = session.stats()
     disk, must = nvme_floor(pin, 1, session.pool_bytes, disk_read_rate(args))
     return [{**build, **got, "placement": stats["placement"],

@@ -316,6 +316,9 @@ class Catalog:
         largest = max(sum(size(k) for k in keys) for keys in plan.positions)
         room = min(self.pool.budget, job.pool_quota or self.pool.budget) - others
         end = plan.horizon(size, room - largest)
+        c = self.tiers.counters
+        c.read_ahead_passes += 1
+        c.read_ahead_reach += end - plan.now
         in_use = [e for e in (self.entries.get((s.job, k)) for k in plan.positions[at % plan.length])
                   if e is not None]   # leased right after this, if not already
         for position, keys in plan.ahead(end):
@@ -327,10 +330,12 @@ class Catalog:
                     self.tiers.start_swap_in(e, Blocked(), protect=in_use,
                                              ahead_of=plan.steps_to(end))
                 except CapacityError:
+                    c.read_ahead_no_room += 1
                     return   # nothing used later to make room with: resume at the next use
                 if e.state is not Residency.READING_IN:
-                    return   # its room waits on write-backs: resume at the next use
-                self.tiers.counters.bytes_read_ahead += e.spec.nbytes
+                    c.read_ahead_waits += 1
+                    return   # its room waits on transfers in flight: resume at the next use
+                c.bytes_read_ahead += e.spec.nbytes
             plan.cursor = position + 1
 
     def demote(self, s: Session, keys: tuple[str, ...]) -> None:
@@ -392,6 +397,10 @@ class Catalog:
             "bytes_to_nvme": c.bytes_to_nvme,
             "bytes_to_pool": c.bytes_to_pool,
             "bytes_read_ahead": c.bytes_read_ahead,
+            "read_ahead_passes": c.read_ahead_passes,
+            "read_ahead_no_room": c.read_ahead_no_room,
+            "read_ahead_waits": c.read_ahead_waits,
+            "read_ahead_reach": c.read_ahead_reach,
             "evictions": c.evictions,
             "io_errors": c.io_errors,
             "jobs": per_job,

@@ -119,6 +119,7 @@ class Daemon:
         self.checksums = ThreadPoolExecutor(checksum_threads(cfg.io_threads),
                                             thread_name_prefix="tierd-sum")
         self.records = RecordTransfers(self.nvme, self.executor, self.checksums)
+        self.catalog_seconds = 0.0   # the loop's time inside the catalog, serving requests
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -352,6 +353,13 @@ class Daemon:
         self.manifests.write(manifest)   # ... then the manifest naming them
 
     def _attempt(self, s: Session, req: P.Request) -> P.Reply | Blocked:
+        start = time.perf_counter()
+        try:
+            return self._attempt_once(s, req)
+        finally:
+            self.catalog_seconds += time.perf_counter() - start
+
+    def _attempt_once(self, s: Session, req: P.Request) -> P.Reply | Blocked:
         c = self.catalog
         try:
             match req:
@@ -383,6 +391,7 @@ class Daemon:
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
                     return P.StatsReply({**c.stats(), **self.records.busy_seconds(),
+                                         "catalog_s": round(self.catalog_seconds, 3),
                                          "quarantined": self.manifests.quarantined()})
                 case P.Commits():
                     return P.TagList(tuple(c.commit_tags(s)))

@@ -133,6 +133,15 @@ class TierCounters:
     bytes_to_nvme: int = 0
     bytes_to_pool: int = 0
     bytes_read_ahead: int = 0   # of those, swap-ins begun by a job's access plan
+    # how read-ahead passes ended ([Note: the job's access plan] in
+    # tierd.server.readahead): at their horizon, or stopped with no tensor
+    # used after the horizon to evict (no_room), or with room only once
+    # transfers in flight land (waits: reads begun earlier, write-backs);
+    # and the positions their horizons reached past now, summed
+    read_ahead_passes: int = 0
+    read_ahead_no_room: int = 0
+    read_ahead_waits: int = 0
+    read_ahead_reach: int = 0
     evictions: int = 0
     io_errors: int = 0
 
