@@ -300,3 +300,28 @@ def test_a_dropped_segment_is_closed_off_the_callers_thread(monkeypatch):
     gate.set()
     pool.close()
     assert closed == [seg.id] and _fds() == before
+
+
+def test_the_mapped_bytes_follow_segments_made_dropped_and_given_way():
+    """``mapped_bytes`` is a running total ([Note: the catalog's cost on the
+    loop] in tierd.server.catalog): after segments of both sizes are made,
+    emptied and dropped for another job, and a job dropped, it still equals
+    the segments' sizes plus the spares'."""
+    pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        def counted() -> int:
+            return sum(s.size for s in pool.segments.values()) + pool.spare_bytes
+
+        slots = [pool.allocate("a", MiB) for _ in range(6)]   # three standard segments
+        big = pool.allocate("a", 5 * MiB)                       # one of its own size
+        assert big is not None and pool.mapped_bytes == counted()
+        for seg, off in slots:
+            pool.free(seg, off)
+        assert pool.allocate("b", 9 * MiB) is not None          # a's empty segments give way
+        assert pool.mapped_bytes == counted() <= pool.budget
+        pool.drop_job("a")
+        assert pool.mapped_bytes == counted()
+        pool.drop_job("b")
+        assert pool.mapped_bytes == pool.spare_bytes
+    finally:
+        pool.close()

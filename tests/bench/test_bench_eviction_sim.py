@@ -27,6 +27,22 @@ def test_a_planned_step_through_a_spill_sized_file_writes_only_the_state(tmp_pat
     assert saved["rows"] == planned and saved["args"]["plan"] is True
 
 
+def test_blocks_with_adapters_lease_them_and_split_the_state_over_them(tmp_path):
+    """``--rank``: each block's lease names its norms and adapters too (the
+    catalog's entries, its cost), the state is stored per adapter, and the
+    frozen weights' traffic stays what it was."""
+    keys = eviction_sim.Block(rank=16).keys()
+    assert {"input_norm", "post_norm", "q.lora_A", "o.lora_B"} <= set(keys)
+    assert keys["k.lora_B"] == 2 * 1024 * 16 and len(eviction_sim.Block(rank=16).adapters()) == 8
+    # scaled down, each small tensor takes a page: a larger file for them
+    roomy = [*SMALL[:4], "--nvme-gb", "12", *SMALL[6:]]
+    rows = eviction_sim.main(["--out", str(tmp_path), *roomy, "--rank", "16"])["rows"]
+    plain = eviction_sim.main(["--out", str(tmp_path / "plain"), *roomy])["rows"]
+    for r, p in zip(rows[2:], plain[2:]):   # once the first copies are made
+        assert r["catalog_s"] > 0 and r["written_gb"] <= 0.25, rows
+        assert r["read_gb"] >= p["read_gb"], (rows, plain)   # the small tensors take room too
+
+
 @pytest.mark.parametrize("flag", ["--scale", "--layers", "--steps"])
 def test_sizes_below_one_are_refused(tmp_path, flag, capsys):
     with pytest.raises(SystemExit):

@@ -290,6 +290,7 @@ class HostPool:
         self.budget = align_up(budget)
         self.segment_size = min(align_up(segment_size), self.budget)
         self.segments: dict[int, Segment] = {}
+        self._segment_bytes = 0   # sum of their sizes, kept as they come and go
         self._next_id = 1
         self.ahead = ahead
         self._spares: deque[Future] = deque()   # (fd, mmap) of standard segments, oldest first
@@ -319,7 +320,10 @@ class HostPool:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of the budget in segments: the jobs' and the spares made ahead."""
-        return sum(s.size for s in self.segments.values()) + self.spare_bytes
+        # a running total: allocation asks this for each segment it might
+        # drop, and a sum over ~400 segments each time cost a 113 GB pool's
+        # daemon seconds a step ([Note: the catalog's cost on the loop])
+        return self._segment_bytes + self.spare_bytes
 
     @property
     def spare_bytes(self) -> int:
@@ -396,11 +400,12 @@ class HostPool:
                 self._off_loop(_close_memfd, q.pop())
         while self._spares and self.budget - self.mapped_bytes < need:
             self._off_loop(_close_memfd, self._spares.pop())   # the newest: perhaps not begun
-        for seg in list(self.segments.values()):
+        if self.budget - self.mapped_bytes >= need:
+            return
+        for seg in [s for s in self.segments.values() if s.job != exclude and s.extents.used == 0]:
+            self.drop_segment(seg)
             if self.budget - self.mapped_bytes >= need:
                 return
-            if seg.job != exclude and seg.extents.used == 0:
-                self.drop_segment(seg)
 
     def drop_job(self, job: str) -> None:
         for seg in self.job_segments(job):
@@ -408,6 +413,7 @@ class HostPool:
 
     def drop_segment(self, seg: Segment) -> None:
         del self.segments[seg.id]
+        self._segment_bytes -= seg.size
         self._off_loop(seg.close)
 
     def _off_loop(self, close, *args) -> None:
@@ -547,4 +553,5 @@ class HostPool:
         seg = Segment(self._next_id, job, size, fd, mm, populated)
         self._next_id += 1
         self.segments[seg.id] = seg
+        self._segment_bytes += seg.size
         return seg

@@ -3,6 +3,7 @@ through a pool smaller than it, without a GPU or a daemon process.
 
     python -m tierd.bench.eviction_sim --out DIR                 # the 70B LoRA at 24 GB
     python -m tierd.bench.eviction_sim --out DIR --nvme-gb 37    # a file the size of the spill
+    python -m tierd.bench.eviction_sim --out DIR --rank 16       # the catalog's entries, its cost
 
 The daemon's own catalog runs in this process over a real pool and NVMe
 file, every size divided by ``--scale``; transfers are accounted as done
@@ -17,7 +18,9 @@ told and each position reached ([Note: the job's access plan] in
 ``tierd.server.readahead``); without it, least recently used at lease time.
 
 Figures are printed and written to ``DIR/eviction-sim.json`` in full-scale
-GB. What it showed first: Belady's order with a spill-sized file wrote
+GB, with the CPU seconds the step spent in the catalog (``catalog_s``: what
+the daemon's loop would spend, [Note: the catalog's cost on the loop] in
+``tierd.server.catalog``). What it showed first: Belady's order with a spill-sized file wrote
 28-37 GB a step of read-only weights, as the H200 run wrote 12.3 GB
 ([Note: reading ahead writes nothing] in ``tierd.server.readahead``).
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +44,29 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Block:
-    """A decoder block's frozen weights (bf16), by name: Llama-3-70B's."""
+    """A decoder block's tensors (bf16), by name, as its lease names them:
+    Llama-3-70B's frozen weights; with ``rank`` > 0 also its norms and LoRA
+    adapters of that rank on q/k/v/o. Those small tensors are most of the
+    catalog's entries, so they make its cost, not its traffic (scaled down,
+    each takes a page of the pool: a few % of it at 1/1024)."""
 
     hidden: int = 8192
     mlp: int = 28672
     kv: int = 1024
+    rank: int = 0
 
     def keys(self) -> dict[str, int]:
-        h, f, kv = self.hidden, self.mlp, self.kv
-        return {"q": 2 * h * h, "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * h * h,
-                "gate": 2 * h * f, "up": 2 * h * f, "down": 2 * f * h}
+        h, f, kv, r = self.hidden, self.mlp, self.kv, self.rank
+        out = {"q": 2 * h * h, "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * h * h,
+               "gate": 2 * h * f, "up": 2 * h * f, "down": 2 * f * h}
+        if r:
+            out["input_norm"] = out["post_norm"] = 2 * h
+            for name, width in (("q", h), ("k", kv), ("v", kv), ("o", h)):
+                out[f"{name}.lora_A"], out[f"{name}.lora_B"] = 2 * r * h, 2 * width * r
+        return out
+
+    def adapters(self) -> list[str]:
+        return [k for k in self.keys() if "lora" in k]
 
 
 class Simulation:
@@ -87,10 +104,14 @@ class Simulation:
 
 
 def run(args) -> list[dict]:
-    """Per step: bytes read from NVMe, of them ahead, and written (full scale)."""
-    scale = args.scale
-    sizes = {k: n // scale for k, n in Block().keys().items()}
+    """Per step: bytes read from NVMe, of them ahead, and written (full
+    scale), and the seconds this process spent in the catalog."""
+    scale, block = args.scale, Block(rank=args.rank)
+    sizes = {k: n // scale for k, n in block.keys().items()}
     blocks = [tuple(f"layers/{i}/{k}" for k in sizes) for i in range(args.layers)]
+    # the adapters' optimizer state, stored anew each step (masters, moments)
+    state = [f"state/{i}/{k}" for i in range(args.layers) for k in block.adapters()] or ["state"]
+    state_bytes = max(1, int(args.state_gb * GB) // scale // len(state))
     order = list(range(args.layers)) + list(range(args.layers - 1, -1, -1))
     with tempfile.TemporaryDirectory() as where:
         sim = Simulation(int(args.pool_gb * GB) // scale, int(args.nvme_gb * GB) // scale,
@@ -103,17 +124,19 @@ def run(args) -> list[dict]:
                 sim.catalog.use_plan(sim.session, "model", tuple(blocks[u] for u in order))
             rows, at = [], 0
             for step in range(args.steps):
-                before = sim.counters()
+                before, began = sim.counters(), time.process_time()
                 for u in order:
                     if args.plan:
                         sim.catalog.use_at(sim.session, "model", at)
                         sim.settle()
                     at += 1
                     sim.use(blocks[u])
-                sim.put("state", int(args.state_gb * GB) // scale)
+                for key in state:
+                    sim.put(key, state_bytes)
                 after = sim.counters()
                 rows.append({"step": step, **{f"{k}_gb": (after[k] - before[k]) * scale / GB
-                                              for k in after}})
+                                              for k in after},
+                             "catalog_s": time.process_time() - began})
             return rows
         finally:
             sim.close()
@@ -128,17 +151,22 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the NVMe file (the embedded daemon's on the H200's disk)")
     ap.add_argument("--state-gb", type=float, default=1.2,
                     help="the adapters' state stored anew each step")
+    ap.add_argument("--rank", type=int, default=0,
+                    help="LoRA rank: blocks with norms and adapters, the state split over "
+                         "the adapters (0: the frozen weights only, one state tensor)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--scale", type=int, default=1024, help="every size divided by this")
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
+    if args.rank < 0:
+        ap.error(f"--rank must be at least 0, not {args.rank}")
     for name in ("layers", "steps", "scale"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     rows = run(args)
     for r in rows:
         print(f"step {r['step']}: read {r['read_gb']:.1f} GB ({r['ahead_gb']:.1f} ahead), "
-              f"written {r['written_gb']:.1f} GB")
+              f"written {r['written_gb']:.1f} GB; {r['catalog_s']:.2f} s in the catalog")
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eviction-sim.json").write_text(json.dumps(result, indent=1))
