@@ -16,7 +16,7 @@ from tierd.errors import UnknownKey
 NAMES = {"tierd_pool_bytes", "tierd_pool_used_bytes", "tierd_nvme_bytes",
          "tierd_nvme_used_bytes", "tierd_job_pool_used_bytes", "tierd_job_nvme_used_bytes",
          "tierd_moved_bytes", "tierd_evictions", "tierd_io_errors", "tierd_errors",
-         "tierd_request_duration_seconds"}
+         "tierd_request_duration_seconds", "tierd_nvme_busy_seconds", "tierd_catalog_seconds"}
 
 
 def metrics_url(daemon) -> str:
@@ -67,6 +67,10 @@ def test_metrics_endpoint_serves_prometheus_text_with_the_named_metrics(metered)
     assert value(families, "tierd_moved_bytes", "tierd_moved_bytes_total",
                  direction="to_pool") > 0
     assert value(families, "tierd_evictions", "tierd_evictions_total") > 0
+    for direction in ("read", "write"):   # the spill and the read back took disk time
+        assert value(families, "tierd_nvme_busy_seconds", "tierd_nvme_busy_seconds_total",
+                     direction=direction) > 0
+    assert value(families, "tierd_catalog_seconds", "tierd_catalog_seconds_total") > 0
     assert value(families, "tierd_errors", "tierd_errors_total", code="key") >= 1
     assert value(families, "tierd_job_pool_used_bytes", tierd_job="metrics-test") > 0
     assert value(families, "tierd_job_nvme_used_bytes", tierd_job="metrics-test") > 0

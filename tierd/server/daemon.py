@@ -165,7 +165,7 @@ class Daemon:
             self._spawn(self._router_loop(), critical=True)
             if self.config.metrics_port is not None:
                 self._spawn(serve_metrics(self.config.metrics_host, self.config.metrics_port,
-                                          lambda: self.metrics.render(self.catalog.stats())),
+                                          lambda: self.metrics.render(self.stats())),
                             critical=True)
             await self.stopping.wait()
             log.info("tierd stopping")
@@ -352,6 +352,14 @@ class Daemon:
         self.nvme.sync()          # the records first ...
         self.manifests.write(manifest)   # ... then the manifest naming them
 
+    def stats(self) -> dict:
+        """The catalog's figures, the disk's busy seconds each way and the
+        loop's in the catalog ([Note: the catalog's cost on the loop] in
+        tierd.server.catalog), and the manifests set aside."""
+        return {**self.catalog.stats(), **self.records.busy_seconds(),
+                "catalog_s": round(self.catalog_seconds, 3),
+                "quarantined": self.manifests.quarantined()}
+
     def _attempt(self, s: Session, req: P.Request) -> P.Reply | Blocked:
         start = time.perf_counter()
         try:
@@ -390,9 +398,7 @@ class Daemon:
                 case P.Keys(prefix):
                     return P.KeyList(tuple(c.keys(s, prefix)))
                 case P.Stats():
-                    return P.StatsReply({**c.stats(), **self.records.busy_seconds(),
-                                         "catalog_s": round(self.catalog_seconds, 3),
-                                         "quarantined": self.manifests.quarantined()})
+                    return P.StatsReply(self.stats())
                 case P.Commits():
                     return P.TagList(tuple(c.commit_tags(s)))
                 case P.ReportDevice(resident_bytes):

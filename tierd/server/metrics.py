@@ -117,6 +117,15 @@ def stats_families(stats: dict) -> list[Metric]:
                                 value=stats["evictions"]),
             CounterMetricFamily("tierd_io_errors", "Failed NVMe reads and writes.",
                                 value=stats["io_errors"])]
+    if "nvme_read_busy_s" in stats:   # the daemon's, beside the catalog's
+        busy = CounterMetricFamily("tierd_nvme_busy_seconds",
+                                   "Seconds the NVMe tier had a record in flight, by direction.",
+                                   labels=["direction"])
+        busy.add_metric(["read"], stats["nvme_read_busy_s"])
+        busy.add_metric(["write"], stats["nvme_write_busy_s"])
+        out += [busy, CounterMetricFamily(
+            "tierd_catalog_seconds", "Seconds the daemon's loop spent serving requests "
+            "in its catalog (time no transfer starts).", value=stats["catalog_s"])]
     return out
 
 
