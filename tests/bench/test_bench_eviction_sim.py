@@ -27,6 +27,19 @@ def test_a_planned_step_through_a_spill_sized_file_writes_only_the_state(tmp_pat
     assert saved["rows"] == planned and saved["args"]["plan"] is True
 
 
+def test_with_a_clock_the_planned_step_keeps_the_disk_busy(tmp_path):
+    """``--disk-gbps``: transfers take time, so leases find reads ahead still
+    in flight. A lease that had to evict a dirty tensor into a full file,
+    with no clean victim, used to fail (CapacityError "NVMe tier full")
+    although those reads would land as clean victims: it waits for them
+    now. The disk is busy nearly all of each step, whose time is the disk's."""
+    rows = eviction_sim.main(["--out", str(tmp_path), *SMALL, "--disk-gbps", "1.8"])["rows"]
+    for r in rows[1:]:
+        assert r["disk_s"] == pytest.approx((r["read_gb"] + r["written_gb"]) / 1.8, rel=0.05)
+        assert 0.9 * r["step_s"] <= r["disk_s"] <= r["step_s"], rows
+        assert r["waited_s"] < r["step_s"] and r["ahead_gb"] > 0
+
+
 def test_blocks_with_adapters_lease_them_and_split_the_state_over_them(tmp_path):
     """``--rank``: each block's lease names its norms and adapters too (the
     catalog's entries, its cost), the state is stored per adapter, and the

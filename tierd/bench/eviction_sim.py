@@ -4,12 +4,19 @@ through a pool smaller than it, without a GPU or a daemon process.
     python -m tierd.bench.eviction_sim --out DIR                 # the 70B LoRA at 24 GB
     python -m tierd.bench.eviction_sim --out DIR --nvme-gb 37    # a file the size of the spill
     python -m tierd.bench.eviction_sim --out DIR --rank 16       # the catalog's entries, its cost
+    python -m tierd.bench.eviction_sim --out DIR --layers 74 --rank 16 --disk-gbps 1.8   # timed
 
 The daemon's own catalog runs in this process over a real pool and NVMe
 file, every size divided by ``--scale``; transfers are accounted as done
 the moment they start (no bytes move, no clock), so what comes out is the
 policy's traffic, not its speed: the bytes read from NVMe a step, of them
-the ones read ahead of their lease, and the bytes written. The step is the
+the ones read ahead of their lease, and the bytes written. With
+``--disk-gbps`` there is a clock: each transfer takes its bytes over that
+rate, one after another in the order the catalog started them, and the GPU
+holds each block it leases ``--gpu-s`` seconds; each step then also says
+its seconds, the disk's busy seconds and the seconds the job waited on
+leases (what the policy leaves the disk to do, without the daemon's own
+CPU time or the client's). The step is the
 one a checkpointed LoRA step asks of the daemon: each decoder block's
 frozen weights leased in order for the forward, in reverse for the
 backward (each block re-run, then its gradients: one position), and the
@@ -70,32 +77,67 @@ class Block:
 
 
 class Simulation:
-    """The catalog, its pool and NVMe file, and one job's session."""
+    """The catalog, its pool and NVMe file, and one job's session; with a
+    ``disk_rate`` (bytes a second, this scale's), a clock: each transfer
+    takes its bytes over the rate, one after another in the order started."""
 
-    def __init__(self, pool_bytes: int, nvme_bytes: int, segment_bytes: int, where: Path):
+    def __init__(self, pool_bytes: int, nvme_bytes: int, segment_bytes: int, where: Path,
+                 disk_rate: float | None = None):
         self.pool = HostPool(pool_bytes, segment_size=segment_bytes)
         self.nvme = NvmeStore(where, nvme_bytes)
         self.catalog = Catalog(self.pool, self.nvme)
         self.session = self.catalog.open_session(1, "job", pid=1, uid=0)
+        self.rate = disk_rate
+        self.clock = 0.0        # seconds
+        self.disk_free = 0.0    # when the disk has done all it was given
+        self.disk_busy = 0.0    # seconds of transfers given to it
+        self.waited = 0.0       # seconds the job waited on leases and reserves
+        self.in_flight: list[tuple[float, object]] = []
 
     def close(self) -> None:
         self.pool.close()
         self.nvme.close()
 
-    def settle(self) -> None:
+    def start(self) -> None:
+        """Give the disk the transfers the catalog started (no clock: done at once)."""
         for t in self.catalog.take_started():
+            if self.rate is None:
+                self.catalog.finish(t, None)
+                continue
+            self.disk_free = max(self.disk_free, self.clock) + t.nbytes / self.rate
+            self.disk_busy += t.nbytes / self.rate
+            self.in_flight.append((self.disk_free, t))
+
+    def run_until(self, when: float) -> None:
+        """The clock moves to ``when``; transfers done by then finish."""
+        self.start()
+        done = [(at, t) for at, t in self.in_flight if at <= when]
+        self.in_flight = [(at, t) for at, t in self.in_flight if at > when]
+        for _, t in sorted(done, key=lambda d: d[0]):
             self.catalog.finish(t, None)
+        self.clock = max(self.clock, when)
+
+    def wait(self) -> None:
+        """A request is blocked: until the next transfer finishes."""
+        self.start()
+        if self.rate is None or not self.in_flight:
+            return
+        before = self.clock
+        self.run_until(min(at for at, _ in self.in_flight))
+        self.waited += self.clock - before
 
     def put(self, key: str, nbytes: int) -> None:
         spec = TensorSpec(key, "uint8", (nbytes,), nbytes)
         while isinstance(self.catalog.reserve(self.session, (spec,)), Blocked):
-            self.settle()
-        self.settle()
+            self.wait()
+        self.start()
         self.catalog.publish(self.session, (key,))
 
-    def use(self, keys: tuple[str, ...]) -> None:
+    def use(self, keys: tuple[str, ...], seconds: float = 0.0) -> None:
+        """Lease ``keys``, hold them ``seconds`` (the GPU's time on them), release."""
         while isinstance(self.catalog.lease(self.session, keys, False), Blocked):
-            self.settle()
+            self.wait()
+        self.run_until(self.clock + seconds)
         self.catalog.release(self.session, keys, False)
 
     def counters(self) -> dict[str, int]:
@@ -113,9 +155,10 @@ def run(args) -> list[dict]:
     state = [f"state/{i}/{k}" for i in range(args.layers) for k in block.adapters()] or ["state"]
     state_bytes = max(1, int(args.state_gb * GB) // scale // len(state))
     order = list(range(args.layers)) + list(range(args.layers - 1, -1, -1))
+    rate = None if args.disk_gbps is None else args.disk_gbps * GB / scale
     with tempfile.TemporaryDirectory() as where:
         sim = Simulation(int(args.pool_gb * GB) // scale, int(args.nvme_gb * GB) // scale,
-                         (256 << 20) // scale, Path(where))
+                         (256 << 20) // scale, Path(where), rate)
         try:
             for keys in blocks:
                 for key in keys:
@@ -125,18 +168,22 @@ def run(args) -> list[dict]:
             rows, at = [], 0
             for step in range(args.steps):
                 before, began = sim.counters(), time.process_time()
+                clock, busy, waited = sim.clock, sim.disk_busy, sim.waited
                 for u in order:
                     if args.plan:
                         sim.catalog.use_at(sim.session, "model", at)
-                        sim.settle()
+                        sim.start()
                     at += 1
-                    sim.use(blocks[u])
+                    sim.use(blocks[u], args.gpu_s)
                 for key in state:
                     sim.put(key, state_bytes)
                 after = sim.counters()
                 rows.append({"step": step, **{f"{k}_gb": (after[k] - before[k]) * scale / GB
                                               for k in after},
                              "catalog_s": time.process_time() - began})
+                if rate is not None:
+                    rows[-1].update(step_s=sim.clock - clock, disk_s=sim.disk_busy - busy,
+                                    waited_s=sim.waited - waited)
             return rows
         finally:
             sim.close()
@@ -154,6 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=0,
                     help="LoRA rank: blocks with norms and adapters, the state split over "
                          "the adapters (0: the frozen weights only, one state tensor)")
+    ap.add_argument("--disk-gbps", type=float, default=None,
+                    help="a clock: transfers take their bytes over this rate, one at a time "
+                         "(default: none, every transfer done when started)")
+    ap.add_argument("--gpu-s", type=float, default=0.04,
+                    help="with --disk-gbps: the GPU's seconds on each block it leases")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--scale", type=int, default=1024, help="every size divided by this")
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True)
@@ -166,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = run(args)
     for r in rows:
         print(f"step {r['step']}: read {r['read_gb']:.1f} GB ({r['ahead_gb']:.1f} ahead), "
-              f"written {r['written_gb']:.1f} GB; {r['catalog_s']:.2f} s in the catalog")
+              f"written {r['written_gb']:.1f} GB; {r['catalog_s']:.2f} s in the catalog"
+              + ("" if "step_s" not in r else f"; clock: step {r['step_s']:.1f} s, disk "
+                 f"{r['disk_s']:.1f} s, waited {r['waited_s']:.1f} s"))
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eviction-sim.json").write_text(json.dumps(result, indent=1))

@@ -350,6 +350,11 @@ class Tiers:
                     return True
                 if pending or blocked.wait:   # retried once those land
                     break
+                reading = [x.transfer for x in self.job_entries(job)
+                           if x.state is Residency.READING_IN]
+                if reading:   # they land with their NVMe copies: clean victims then
+                    blocked.wait.extend(reading)
+                    break
                 if ahead_of is not None or not self._reclaim_nvme(e.meta().record_len()):
                     raise   # a read ahead gives up no copy ([Note: reading ahead writes nothing])
                 blocked.wait.append(self.start_writeback(e))
