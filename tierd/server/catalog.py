@@ -23,21 +23,20 @@ while its disk idled ~10 s a step. ``python -m tierd.bench.eviction_sim
 the 2-core development VM. Most of it was ``HostPool.mapped_bytes``, a sum
 over every segment, asked for each segment an allocation might drop,
 for every allocation the full pool refused: segments squared, hundreds of
-times a step. It is a running total now: 4.5 s a step in the same
-simulation (0.55 s without the adapters). Then the eviction order: each
-clean victim dropped made the slot's allocation rank every idle entry of
-the job by next use again (~1,500 here), to drop the next one. The order
-is made once per slot now (``Tiers.alloc_slot``): 2.8 s a step (0.48 s
-without the adapters), the bytes read and written the same within 0.5 %
-(the order is no longer re-ranked after each eviction, so ties among
-tensors read back at once may fall the other way). What is left is that
-ranking, once per slot (~600 a step); an index of entries by next use
-would cut it. Tried without effect: remembering next uses until the
-position moves, and ranking each entry once per plan. The policy itself
-keeps the disk busy: with a clock (``--disk-gbps 1.8 --layers 74``, the
-74 streamed blocks) the simulated step is 21.3-22.2 s with the disk busy
-21.2-21.8 s of it (least recently used: 27.5 s), so the H200's ~10 s of
-idle disk a step lay outside it: the loop's time, or the client's.
+times a step. It is a running total now: 4.3-4.6 s a step in the same
+simulation (0.55 s without the adapters). What is left is the eviction
+order: each clean victim an allocation drops makes it rank every idle
+entry of the job by next use again (~1,500 here) to drop the next one.
+Tried and dropped: making that order once per allocation (2.8 s a step,
+but a clean victim taken out of order can change which segment ranks
+first, so the order was not the one re-ranking gives, and a test of a
+store too full for the first update then failed), remembering next uses
+until the position moves, and ranking each entry once per order (no
+effect). An index of entries by next use is the next step. The policy
+itself keeps the disk busy: with a clock (``--disk-gbps 1.8 --layers
+74``, the 74 streamed blocks) the simulated step is 20.7-21.5 s with the
+disk busy 20.6-21.3 s of it (least recently used: 28.0 s), so the H200's
+~10 s of idle disk a step lay outside it: the loop's time, or the client's.
 """
 
 from __future__ import annotations

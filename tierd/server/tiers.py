@@ -226,13 +226,12 @@ class Tiers:
                    ahead_of: float | None = None) -> PoolSlot | None:
         """A new pool slot for ``job``, or None after planning evictions into
         ``blocked`` (``ahead_of``: see :meth:`start_swap_in`)."""
-        order: list[Entry] = []   # the eviction order, made once for this slot
         while True:
             got = self.pool.allocate(job, nbytes, self.jobs[job].pool_quota)
             if got is not None:
                 seg, off = got
                 return PoolSlot(seg, off, seg.extents.extent_size(nbytes), key, state)
-            if not self._plan_eviction(job, nbytes, blocked, protect, ahead_of, order):
+            if not self._plan_eviction(job, nbytes, blocked, protect, ahead_of):
                 break
         if not blocked.wait:
             # Swap-ins a prefetch began hold room that is evictable once they
@@ -300,15 +299,11 @@ class Tiers:
         return extents.free_bytes >= extents.extent_size(nbytes)
 
     def _plan_eviction(self, job: str, nbytes: int, blocked: Blocked,
-                       protect: Iterable[Entry], ahead_of: float | None = None,
-                       order: list[Entry] | None = None) -> bool:
+                       protect: Iterable[Entry], ahead_of: float | None = None) -> bool:
         """Free or start freeing about ``nbytes`` of pool for ``job`` (see [Note:
         fair eviction] in :mod:`tierd.server.eviction`). True when something was freed at
         once (retry allocating); otherwise what to wait for is in ``blocked``. A
-        read ahead (``ahead_of``) takes nothing from other jobs. ``order``: the
-        eviction order of earlier calls for the same slot (filled if empty):
-        only their own evictions came between, which leave the rest's order
-        as it was ([Note: the catalog's cost on the loop] in tierd.server.catalog)."""
+        read ahead (``ahead_of``) takes nothing from other jobs."""
         pending = sum(t.slot.nbytes for t in blocked.wait if t.direction is Direction.TO_NVME)
         for t in self.writebacks_in_flight(job):
             if t not in blocked.wait:
@@ -325,11 +320,7 @@ class Tiers:
                 freed = self._evict_segment(other, blocked)
                 if freed is not None:
                     return freed
-        if order is None:
-            order = self._victims(job, nbytes, protect, ahead_of)
-        elif not order:
-            order.extend(self._victims(job, nbytes, protect, ahead_of))
-        victims = [e for e in order if e.state is Residency.IN_POOL]   # not evicted since
+        victims = self._victims(job, nbytes, protect, ahead_of)
         for e in victims:
             if pending >= nbytes:
                 break
