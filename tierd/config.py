@@ -252,6 +252,10 @@ class ServeConfig:
     log_format: str = "text"
     """``text`` (one human-readable line per event) or ``json`` (one JSON object per
     line with ``ts``, ``level``, ``logger``, ``message``; for log collectors)."""
+    trace: Path | None = None
+    """File to append the daemon's timeline to: a JSON line per request served
+    and per NVMe record moved (``python -m tierd.bench.trace_report`` reads it);
+    unset: none."""
     metrics_port: int | None = None
     """TCP port for Prometheus metrics at ``/metrics``; unset: no metrics server."""
     metrics_host: str = "127.0.0.1"

@@ -34,6 +34,7 @@ from tierd.server.catalog import Blocked, Catalog, Direction, Session, Transfer
 from tierd.server.metrics import Metrics, serve_metrics
 from tierd.server.sessions import ControlSessions
 from tierd.server.sockets import ctl_path
+from tierd.server.trace import Trace
 from tierd.server.transfers import RecordTransfers, checksum_threads
 
 log = logging.getLogger("tierd.daemon")
@@ -120,6 +121,8 @@ class Daemon:
                                             thread_name_prefix="tierd-sum")
         self.records = RecordTransfers(self.nvme, self.executor, self.checksums)
         self.catalog_seconds = 0.0   # the loop's time inside the catalog, serving requests
+        # [Note: the daemon's timeline] in tierd.server.trace
+        self.trace = Trace(cfg.trace) if cfg.trace is not None else None
         self.zctx = zmq.asyncio.Context()
         self.router = self.zctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
@@ -191,6 +194,8 @@ class Daemon:
         self.pool.close()
         self.nvme.close(remove=not self.manifests.any())
         self.owner.release()
+        if self.trace is not None:
+            self.trace.close()
         log.info("tierd stopped")
 
     def _spawn(self, coro, critical: bool = False) -> asyncio.Task:
@@ -258,6 +263,7 @@ class Daemon:
     def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
         """Answer at once when the catalog can; else finish in a tracked task."""
         start = time.perf_counter()
+        arrived = Trace.clock()
         if isinstance(req, P.Commit):   # long: fsyncs; always in its own task
             self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
             self._spawn(self._serve_commit(ident, session, rid, req, start))
@@ -274,13 +280,19 @@ class Daemon:
             return
         if isinstance(result, Blocked):
             self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
-            self._spawn(self._serve_blocked(ident, session, rid, req, result, start))
+            self._spawn(self._serve_blocked(ident, session, rid, req, result, start, arrived))
         else:
             self._send(ident, P.encode_reply(rid, result))
             self.metrics.observe(type(req).__name__.lower(), time.perf_counter() - start)
+            self._traced(session, req, arrived, blocked=False)
+
+    def _traced(self, session: Session, req: P.Request, arrived: float, blocked: bool) -> None:
+        if self.trace is not None:
+            self.trace.request(type(req).__name__, session.id, getattr(req, "keys", ()),
+                               arrived, blocked, getattr(req, "at", None))
 
     async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked,
-                             start: float) -> None:
+                             start: float, arrived: float) -> None:
         try:
             for _ in range(MAX_RETRIES):
                 await self._wait(blocked)
@@ -289,6 +301,7 @@ class Daemon:
                 result = self._attempt(session, req)
                 if not isinstance(result, Blocked):
                     self._send(ident, P.encode_reply(rid, result))
+                    self._traced(session, req, arrived, blocked=True)
                     return
                 blocked = result
             raise CapacityError(f"no room after {MAX_RETRIES} rounds of eviction")
@@ -443,8 +456,9 @@ class Daemon:
 
     async def _transfer(self, t: Transfer) -> None:
         view = t.slot.segment.view(t.slot.offset, t.nbytes)
-        io = self.records.write if t.direction is Direction.TO_NVME else self.records.read
-        error = None
+        write = t.direction is Direction.TO_NVME
+        io = self.records.write if write else self.records.read
+        error, began = None, Trace.clock()
         try:
             await io(t.disk.spans, t.entry.meta(), view)
         except TierdError as exc:
@@ -455,6 +469,8 @@ class Daemon:
             error = InternalError(f"internal error in the daemon's NVMe transfer: {exc!r}")
         finally:
             view.release()
+            if self.trace is not None:
+                self.trace.io("write" if write else "read", t.entry.key, t.nbytes, began)
             try:
                 self.catalog.finish(t, error)
             finally:   # whatever happened, nobody may wait for this transfer for ever
