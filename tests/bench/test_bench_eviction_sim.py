@@ -61,3 +61,15 @@ def test_sizes_below_one_are_refused(tmp_path, flag, capsys):
     with pytest.raises(SystemExit):
         eviction_sim.main(["--out", str(tmp_path), flag, "0"])
     assert f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+def test_a_plan_told_late_reads_ahead_only_from_then(tmp_path, capsys):
+    """``--plan-from``: the client tells its plan at its third step, after
+    steps evicted least recently used first; before it nothing is read
+    ahead, after it the misses are."""
+    rows = eviction_sim.main(["--out", str(tmp_path), *SMALL, "--plan-from", "2"])["rows"]
+    assert [r["ahead_gb"] > 0 for r in rows] == [False, False, True, True], rows
+    assert json.loads((tmp_path / "eviction-sim.json").read_text())["args"]["plan_from"] == 2
+    with pytest.raises(SystemExit):
+        eviction_sim.main(["--out", str(tmp_path), "--plan-from", "-1"])
+    assert "--plan-from must be at least 0" in capsys.readouterr().err

@@ -4,6 +4,7 @@ per record moved, and the report splits the span by what was in flight."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -68,6 +69,9 @@ def test_the_report_reads_a_trace_and_says_what_it_split(tmp_path, capsys):
     # asked at 0.5, answered at 3.0, read 1.0-2.0: idle with it pending 0.5-1.0 and 2.0-3.0
     assert r["idle_lease_pending_s"] == pytest.approx(1.5)
     assert "a read in flight 1.0 s" in capsys.readouterr().out
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert trace_report.main([str(packed)]) == r
     with pytest.raises(SystemExit, match="no events"):
         (tmp_path / "empty.jsonl").write_text("")
         trace_report.main([str(tmp_path / "empty.jsonl")])

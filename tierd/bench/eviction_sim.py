@@ -23,6 +23,10 @@ backward (each block re-run, then its gradients: one position), and the
 adapters' optimizer state stored anew. With ``--plan`` the access plan is
 told and each position reached ([Note: the job's access plan] in
 ``tierd.server.readahead``); without it, least recently used at lease time.
+``--plan-from 2`` tells it at the third step, as the client does (its
+prefetch planner learns the order first): the blocks the first steps
+spilled keep cycling, and the disk idles mid-step as on the H200 (the
+README's 70B section).
 
 Figures are printed and written to ``DIR/eviction-sim.json`` in full-scale
 GB, with the CPU seconds the step spent in the catalog (``catalog_s``: what
@@ -163,14 +167,15 @@ def run(args) -> list[dict]:
             for keys in blocks:
                 for key in keys:
                     sim.put(key, sizes[key.rsplit("/", 1)[1]])
-            if args.plan:
-                sim.catalog.use_plan(sim.session, "model", tuple(blocks[u] for u in order))
             rows, at = [], 0
             for step in range(args.steps):
+                planned = args.plan and step >= args.plan_from
+                if planned and step == args.plan_from:
+                    sim.catalog.use_plan(sim.session, "model", tuple(blocks[u] for u in order))
                 before, began = sim.counters(), time.process_time()
                 clock, busy, waited = sim.clock, sim.disk_busy, sim.waited
                 for u in order:
-                    if args.plan:
+                    if planned:
                         sim.catalog.use_at(sim.session, "model", at)
                         sim.start()
                     at += 1
@@ -209,9 +214,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--scale", type=int, default=1024, help="every size divided by this")
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--plan-from", type=int, default=0,
+                    help="the step the plan is first told at (the client: its third, once "
+                         "its prefetch planner follows the learned order)")
     args = ap.parse_args(argv)
     if args.rank < 0:
         ap.error(f"--rank must be at least 0, not {args.rank}")
+    if args.plan_from < 0:
+        ap.error(f"--plan-from must be at least 0, not {args.plan_from}")
     for name in ("layers", "steps", "scale"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, not {getattr(args, name)}")

@@ -16,15 +16,17 @@ took from arrival to reply (the loop's time on them), by type.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
 
 
 def load(path: Path) -> list[dict]:
-    """The timeline's events, in file order (a torn last line is skipped)."""
+    """The timeline's events, in file order (a torn last line is skipped);
+    a ``.gz`` file is read compressed."""
     events = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
         for line in f:
             try:
                 events.append(json.loads(line))
