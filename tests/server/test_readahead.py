@@ -99,7 +99,7 @@ def test_read_ahead_passes_say_how_far_they_reached_and_why_they_stopped(daemon_
 @pytest.mark.parametrize("key_bytes", [256 * KiB, 1 * MiB], ids=["small-keys", "segment-sized-keys"])
 def test_reading_ahead_through_a_file_the_size_of_the_spill_writes_nothing(daemon_factory,
                                                                            key_bytes):
-    """[Note: reading ahead writes nothing]: the weights are read-only, so a
+    """[Note: what reading ahead writes]: the weights are read-only, so a
     step need write nothing but the state; Belady's order alone wrote 4 MiB
     of weights a step here, whose NVMe copies the file had no room to keep."""
     nvme = "8MiB"   # the 4 MiB the pool cannot hold, its slack, little more

@@ -33,7 +33,7 @@ GB, with the CPU seconds the step spent in the catalog (``catalog_s``: what
 the daemon's loop would spend, [Note: the catalog's cost on the loop] in
 ``tierd.server.catalog``). What it showed first: Belady's order with a spill-sized file wrote
 28-37 GB a step of read-only weights, as the H200 run wrote 12.3 GB
-([Note: reading ahead writes nothing] in ``tierd.server.readahead``).
+([Note: what reading ahead writes] in ``tierd.server.readahead``).
 """
 
 from __future__ import annotations

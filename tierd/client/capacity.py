@@ -75,7 +75,7 @@ as good as an extent: see [Note: records in several extents] in
 tierd.backends.recordio), and as much again as the pool cannot hold: a model
 larger than the pool streams that much through it each pass, and the tensors
 read back in keep their NVMe copies only while the file has room for them,
-so evicting them again costs no write ([Note: reading ahead writes nothing]
+so evicting them again costs no write ([Note: what reading ahead writes]
 in tierd.server.readahead); and for a named job (which may commit) room for
 two commits (a commit writes every tensor; copy-on-write keeps the previous
 one until the next is complete), within what the disk gives. The sizes an

@@ -285,6 +285,34 @@ class Tiers:
         return first + eviction.by_next_use((e for e in idle if id(e) not in chosen), now,
                                             cycle, plans)
 
+    def _reclaim_kept(self, job: str, victim: Entry, ahead_of: float) -> bool:
+        """Make room in the NVMe file for ``victim``'s record, which a read
+        ahead to ``ahead_of`` steps evicts: free the copies of the job's
+        tensors in the pool that the read ahead keeps (its plan uses them
+        before then) and whose uses lie closer together than the victim's,
+        those closest together first; none if they all would not make it
+        fit ([Note: what reading ahead writes] in tierd.server.readahead)."""
+        extents, plans = self.nvme.extents, self.plans.get(job)
+        need = extents.extent_size(victim.meta().record_len())
+        if plans is None or plans.longest_gap(victim.key) is None:
+            return False
+        longest = plans.longest_gap(victim.key)
+        kept = []
+        for e in self.job_entries(job):
+            if (e.state is Residency.IN_POOL and e.disk is not None and not e.dirty
+                    and not e.disk.holds and not e.disk.readers):
+                ahead = plans.steps_ahead(e.key)
+                gap = plans.longest_gap(e.key)
+                if ahead is not None and ahead <= ahead_of and gap < longest:
+                    kept.append(((gap, ahead), e))
+        if extents.free_bytes + sum(e.disk.nbytes for _, e in kept) < need:
+            return False
+        for _, e in sorted(kept, key=lambda k: k[0]):
+            if extents.free_bytes >= need:
+                break
+            self.mark_dirty(e)
+        return extents.free_bytes >= need
+
     def _reclaim_nvme(self, nbytes: int) -> bool:
         """Free the NVMe copies of tensors whose pool copy is current until a
         record of ``nbytes`` fits (free bytes suffice: records may span
@@ -341,13 +369,19 @@ class Tiers:
                     return True
                 if pending or blocked.wait:   # retried once those land
                     break
+                if ahead_of is not None:   # [Note: what reading ahead writes]
+                    if not self._reclaim_kept(job, e, ahead_of):
+                        raise
+                    blocked.wait.append(self.start_writeback(e, reclaim=False))
+                    pending += e.slot.nbytes
+                    continue
                 reading = [x.transfer for x in self.job_entries(job)
                            if x.state is Residency.READING_IN]
                 if reading:   # they land with their NVMe copies: clean victims then
                     blocked.wait.extend(reading)
                     break
-                if ahead_of is not None or not self._reclaim_nvme(e.meta().record_len()):
-                    raise   # a read ahead gives up no copy ([Note: reading ahead writes nothing])
+                if not self._reclaim_nvme(e.meta().record_len()):
+                    raise
                 blocked.wait.append(self.start_writeback(e))
             pending += e.slot.nbytes
         return False
