@@ -242,8 +242,8 @@ class ControlChannel:
     def map(self, ids: list[int], ask: bool = False, timeout: float | None = None) -> None:
         """Map the segments ``ids`` not mapped yet; with ``ask``, ask the daemon
         even when that is none (a round trip that shows it answers). A reply
-        not here within ``timeout`` (default ``reply_timeout``) seconds loses
-        the channel (DaemonUnavailable)."""
+        not here within ``timeout`` (default ``reply_timeout``, at least
+        CONNECT_TIMEOUT) seconds loses the channel (DaemonUnavailable)."""
         new, gone = [], []
         with self.lock:
             want = list(dict.fromkeys(i for i in ids if i not in self.views))
@@ -332,7 +332,10 @@ class ControlChannel:
         lock held. Also returns the ids of segments mapped earlier that the
         daemon has dropped since, and (for a claim) how many more it makes."""
         try:
-            self.ctl.settimeout(timeout)
+            # at least CONNECT_TIMEOUT: a request_timeout is when a reply is
+            # checked on ([Note: overdue replies] in tierd.client.connection),
+            # never a bound that fails a control round trip on a busy machine
+            self.ctl.settimeout(max(timeout, CONNECT_TIMEOUT))
             self._send(ask)
             reply, fds = self._recv()
         except (OSError, EOFError) as exc:
