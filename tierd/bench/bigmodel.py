@@ -17,14 +17,16 @@ if its whole ``--timeout`` still fits, e.g.:
         --ladder-from 64 --timeout 540 --budget-s 550   # one rung; the next call: --ladder-from 72
 
 Past the pool (L64, L80: the NVMe regime), one call per row into one DIR, each
-under 9 minutes (L64 ~4, L80 ~6-7); the first also runs the all-GPU reference
+under 9 minutes (L64 ~6, L80 ~6-7); the first also runs the all-GPU reference
 that gives both rows' compute floor (``--compute-ref``: L8 at the same width
-and batch, ~1.5 minutes). Three warm-up steps: the compute copies that no
-step reads leave the pool from the third updating step on ([Note: cold
-tensors go first] in ``tierd.server.eviction``):
+and batch, ~20 s). The compute copies that no step reads leave the pool from
+the third updating step on ([Note: cold tensors go first] in
+``tierd.server.eviction``), over a few steps: L64 at a2b664c still moved 11.7
+and 3.5 GB each way through NVMe at its steps 4 and 5 (0 must), hence six
+warm-up steps there:
 
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L64 --batch 4 \
-        --warmup 3 --steps 2 --compute-ref L8 --timeout 360 --budget-s 560
+        --warmup 6 --steps 2 --compute-ref L8 --timeout 480 --budget-s 560
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L80 --batch 4 \
         --warmup 3 --steps 2 --timeout 500 --budget-s 560
 
