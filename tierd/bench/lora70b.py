@@ -14,7 +14,8 @@ in time to write its row, recording how many ran)::
     python -m tierd.bench.lora70b --out $OUT --case allgpu
     python -m tierd.bench.lora70b --out $OUT --case lora-default
     python -m tierd.bench.lora70b --out $OUT --case lora-80g
-    python -m tierd.bench.lora70b --out $OUT --case lora-24g
+    python -m tierd.bench.lora70b --out $OUT --case lora-24g --warmup 8 --steps 14
+        # (its first ~6 steps move the blocks attach spilled: 8 warm-up steps)
     python -m tierd.bench.lora70b --out $OUT --case generate-80g
     python -m tierd.bench.lora70b --out $OUT --case peer-80g
     python -m tierd.bench.lora70b --out $OUT --case generate-lora-80g   # optional
