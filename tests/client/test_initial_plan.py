@@ -145,7 +145,14 @@ def test_the_estimate_keeps_within_the_free_memory_and_the_measured_plan_shrinks
     opt.step(); opt.zero_grad()
     got = [loss.item()]
     assert placer.state is PlacerState.PLACED and placer.resident_bytes() == 0
+    # the order learned with units kept is followed; the units streamed
+    # again join it ([Note: units new to the trace] in tierd.client.planner)
+    planner = session.mover.planner
+    assert planner.trace
     got += train(model, opt, data[1:])
+    assert planner is session.mover.planner
+    assert planner.divergences == 0 and planner.steps_followed == len(data) - 2
+    assert set(planner.trace) == {u.index for u in session.units}
     assert placer.state is PlacerState.PLACED and placer.plan.device_bytes == 0
     assert got == train(ref, ref_opt, data)
     assert_same_weights(model, ref)

@@ -28,10 +28,10 @@ def test_divergence_stops_prefetch_and_relearns():
         p.on_use(u)
     p.begin_step()
     p.on_use(0)
-    assert p.on_use(5) == [] and p.state is PlanState.DIVERGED
-    assert p.on_use(2) == []
-    assert p.begin_step() == [0, 5, 2]       # the new order is the new trace
-    assert p.trace == (0, 5, 2)
+    assert p.on_use(2) == [] and p.state is PlanState.DIVERGED
+    assert p.on_use(1) == []
+    assert p.begin_step() == [0, 2, 1]       # the new order is the new trace
+    assert p.trace == (0, 2, 1)
 
 
 def test_a_step_that_ends_early_counts_as_divergence():
@@ -68,3 +68,26 @@ def test_announcements_are_always_units_of_the_trace_ahead(first, second, depth)
     trace = list(first)
     assert len(announced) <= len(trace)
     assert announced == trace[:len(announced)]   # in order, each position once
+
+
+def test_a_unit_new_to_the_trace_joins_it_without_a_divergence():
+    # [Note: units new to the trace]: a unit placement streams again after
+    # the trace was learned without it
+    p = PrefetchPlanner(SIZES, depth_bytes=20, trace=(0, 2, 2, 0))
+    assert p.begin_step() == [0, 2]
+    assert p.on_use(0) == [2]
+    assert p.on_use(1) == [] and p.state is PlanState.FOLLOWING   # fetched on demand
+    assert p.on_use(2) == [0]
+    assert p.on_use(2) == [] and p.on_use(1) == [] and p.on_use(0) == []
+    assert p.divergences == 0
+    assert p.begin_step() == [0, 1] and p.steps_followed == 1
+    assert p.trace == (0, 1, 2, 2, 1, 0)
+
+
+def test_a_known_unit_out_of_order_still_diverges():
+    p = PrefetchPlanner(SIZES, depth_bytes=20, trace=(0, 2))
+    p.begin_step()
+    p.on_use(1)   # new: followed on
+    assert p.on_use(2) == [] and p.state is PlanState.DIVERGED
+    p.begin_step()
+    assert p.trace == (1, 2) and p.divergences == 1

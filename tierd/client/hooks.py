@@ -139,11 +139,12 @@ class ModuleHooks:
                 for tensor in (tp.param, tp.outside):
                     self._handles.append(tensor.register_hook(weak_hook(self._gradient_arrives)))
 
-    def sync(self) -> None:
+    def sync(self) -> set[int]:
         """Hooks on every unit that streams something, none on the others
         (placed whole on the device); code compiled before a change is traced
-        again ([Note: hooks under torch.compile])."""
-        changed = False
+        again ([Note: hooks under torch.compile]). Returns the units hooked
+        now."""
+        changed, hooked_now = False, set()
         for unit in self._registry.units:
             hooked = unit.index in self._unit_handles
             if unit.params and not hooked:
@@ -152,12 +153,14 @@ class ModuleHooks:
                     module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                     module.register_forward_hook(self._post_forward, always_call=True))
                 changed = True
+                hooked_now.add(unit.index)
             elif not unit.params and hooked:
                 for handle in self._unit_handles.pop(unit.index):
                     handle.remove()
                 changed = True
         if changed:
             forget_compiled_code()
+        return hooked_now
 
     def _drop_post_backward(self) -> None:
         """The last step's post-backward hooks off the tensors that outlive it
@@ -184,7 +187,12 @@ class ModuleHooks:
         if torch.compiler.is_compiling():   # the root traced: compiled whole
             self._begin_step_out(input_signature(args, kwargs), True)
         else:
-            self._begin_step_body(input_signature(args, kwargs), False)
+            hooked_now = self._begin_step_body(input_signature(args, kwargs), False)
+            unit = self._registry.unit_of.get(id(module))
+            if unit is not None and unit.index in hooked_now:
+                # streamed again (placement), the module that begins the step
+                # got its hooks after torch took this call's list: enter it here
+                self._pre_forward(module, args, kwargs)
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         self._root_calls += 1
@@ -213,13 +221,14 @@ class ModuleHooks:
             self._leave(module, output)
 
     # Every body adds its host time to counters.hook_seconds.
-    def _begin_step_body(self, signature: tuple, compiled: bool) -> None:
+    def _begin_step_body(self, signature: tuple, compiled: bool) -> set[int]:
         t0 = time.perf_counter()
         self.compiled_whole = compiled
         self._drop_post_backward()
         self._events.begin_step(signature)
-        self.sync()   # placement may have kept units whole, or streamed them again
+        hooked_now = self.sync()   # placement may have kept units whole, or streamed them again
         self._counters.hook_seconds += time.perf_counter() - t0
+        return hooked_now
 
     def _enter(self, module: nn.Module) -> None:
         t0 = time.perf_counter()

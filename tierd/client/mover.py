@@ -83,9 +83,11 @@ class Mover:
         again (units were folded) or, with ``keep_trace``, follows the one it
         learned (the units' bytes changed, not their order: placement). Units
         left with nothing to move (placed whole on the device) leave the
-        trace: their hooks no longer call in."""
+        trace: their hooks no longer call in; units streamed again join it
+        where they are used ([Note: units new to the trace] in
+        ``tierd.client.planner``)."""
         units = self.registry.units
-        trace = tuple(i for i in self.planner.trace if units[i].params) if keep_trace else ()
+        trace = tuple(i for i in self.planner.learned if units[i].params) if keep_trace else ()
         self.planner = self._new_planner(trace)
 
     # ------------------------------------------------------------- steps

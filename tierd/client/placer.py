@@ -617,14 +617,13 @@ class Placer:
         session.settle(write_resident=not grow)
         units = session.units   # a unit's params are its streamed ones
         kept = [i for i, p in plan.places.items() if p in (Place.WEIGHTS, Place.RESIDENT)]
-        demoted = False
         if not grow:
             keep = {tp for i in kept for tp in session.registry.members(units[i])}
-            demoted = self._demote([tp for tp in self._placed if tp not in keep])
+            self._demote([tp for tp in self._placed if tp not in keep])
             units = session.units
         self._make_resident([units[i].params for i in kept])
         if weights_only:
-            session.mover.replan(keep_trace=not demoted)
+            session.mover.replan(keep_trace=True)   # [Note: units new to the trace]
             return
         resident = [tp for i in plan.units_at(Place.RESIDENT)
                     for tp in session.registry.members(units[i])]
@@ -635,7 +634,7 @@ class Placer:
         on_host = [tp for i in plan.units_at(Place.CPU)
                    for tp in session.registry.members(units[i])]
         self._updates.place(resident, on_host)
-        session.mover.replan(keep_trace=not demoted)
+        session.mover.replan(keep_trace=True)   # [Note: units new to the trace]
 
     def _make_resident(self, by_unit: list) -> None:
         """Copy the kept units' parameters (``by_unit``: a list per unit)
@@ -663,17 +662,16 @@ class Placer:
             raise
         self._placed += made
 
-    def _demote(self, tps: list) -> bool:
+    def _demote(self, tps: list) -> None:
         """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
-        ([Note: frozen weights kept only on the device]); whether any moved."""
+        ([Note: frozen weights kept only on the device])."""
         if not tps:
-            return False
+            return
         self.store_kept(tps)   # raises before anything moved
         self._updates.unplace(tps)
         self._session.registry.set_resident(tps, False)
         gone = set(tps)
         self._placed = [tp for tp in self._placed if tp not in gone]
-        return True
 
     def store_kept(self, tps: list | None = None) -> None:
         """Write the RESIDENT_ONLY parameters of ``tps`` (every one: None) into
