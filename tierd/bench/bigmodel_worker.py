@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
     logging.basicConfig(stream=sys.stdout, format="[%(name)s] %(message)s")
-    logging.getLogger("tierd.placement").setLevel(logging.INFO)   # the plan, in the log
+    # each plan and each step reading it came from, in the log (L64 at a2b664c
+    # counted 74.9 GB besides the plan at its first step, 17.2 at its third)
+    logging.getLogger("tierd.placement").setLevel(logging.DEBUG)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
