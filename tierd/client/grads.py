@@ -54,6 +54,10 @@ class GradBucket:
         if not self._entries:
             return
         entries, self._entries, self._bytes = self._entries, [], 0
+        # the earlier buckets' copies out that landed give back their leases
+        # and sources: with every unit kept on the device nothing else drains
+        # in backward, and a first step held every fp32 gradient to its end
+        self._releases.drain()
         keys = list(dict.fromkeys(tp.grad_key for tp, _ in entries))
         self._create([tp for tp, _ in entries])
         self._leases.acquire(keys)
