@@ -50,7 +50,7 @@ class _Store:
         self.leased: set[str] = set()
 
     def put_zeros(self, specs) -> None:
-        self.values.update({k: torch.zeros(v.shape) for k, v in specs.items()})
+        self.values.update({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in specs.items()})
 
     def acquire(self, keys) -> None:
         self.leased.update(keys)
@@ -64,12 +64,14 @@ class _Store:
 
 
 class _Param:
-    def __init__(self, i: int) -> None:
+    def __init__(self, i: int, grad_dtype: torch.dtype = torch.float32) -> None:
         self.grad_key, self.grad_created, self.grad_in_pool = f"g{i}", False, False
         self.param = torch.empty(4)
+        self.grad_dtype, self.grad_nbytes = grad_dtype, 4 * grad_dtype.itemsize
+        self.norm = None
 
     def to_gradient_in_pool(self, norm) -> None:
-        self.grad_in_pool = True
+        self.grad_in_pool, self.norm = True, norm
 
 
 def test_copies_out_that_landed_are_released_at_the_next_bucket():
@@ -98,3 +100,27 @@ def test_a_copy_still_in_flight_keeps_its_lease_and_those_after_it():
     stream.events[0].landed = True
     bucket.add(_Param(3), torch.ones(4))
     assert store.leased == {"g1", "g2", "g3"}
+
+
+def test_a_bf16_key_sums_deliveries_as_torch_sums_a_bf16_grad():
+    """Under a bf16 master the gradient key is bf16 ([Note: the stored
+    gradient's dtype]): each delivery is added into it and rounded, as
+    torch's AccumulateGrad adds into a bf16 parameter's ``.grad``; the norm
+    kept for clipping is fp32."""
+    store, stream = _Store(), _Stream()
+    releases = PendingReleases(store)
+    bucket = GradBucket(store, store, stream, releases, bucket_bytes=8)   # one delivery a bucket
+    tp = _Param(0, torch.bfloat16)
+    deliveries = [torch.tensor([1.0, 3.0, -2.0, 0.5]).bfloat16(),
+                  torch.tensor([2.0 ** -9, 1.0e-3, 7.0, 1.0 / 3]).bfloat16()]
+    for g in deliveries:
+        bucket.add(tp, g)
+        stream.events[-1].landed = True
+    releases.drain(block=True)
+    torch_grad = deliveries[0].clone()
+    torch_grad += deliveries[1]
+    stored = store.values["g0"]
+    assert stored.dtype == torch.bfloat16 and torch.equal(stored, torch_grad)
+    assert not torch.equal(stored.float(), deliveries[0].float() + deliveries[1].float())
+    assert tp.norm.dtype == torch.float32
+    assert tp.norm == torch.linalg.vector_norm(torch_grad.float())

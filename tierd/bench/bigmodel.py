@@ -39,8 +39,8 @@ several, comma-separated, are rows of their own, recorded with the setting
 
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models 13B --batch 4 \
         --optimizer-state fp32,8bit-bf16 --timeout 260 --budget-s 540
-    python -m tierd.bench.bigmodel --out DIR --systems tierd --models L156,L96 --batch 1 \
-        --optimizer-state 8bit-bf16 --warmup 1 --steps 2 --timeout 265 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models L156 --batch 1 \
+        --optimizer-state 8bit-bf16 --warmup 1 --steps 2 --timeout 520 --budget-s 540
 
 The first is the speed pair at 13B, side by side (the fp32 row at commit
 dc858ac: 2.52 s steps at B=4, 3,249 tokens/s, 185 s for the attempt, with
@@ -51,19 +51,18 @@ copy is the master) + 2 x 1.016 B (8-bit moments and their block scales) =
 4.03 B per parameter at rest, so the GPU's ~115 GB left after B=1
 activations, the update window and the margin hold ~28B parameters and the
 store the rest: L156 (35.1B, 141 GB at rest) fits at rest. Its first step
-does not: that step streams everything and sums every fp32 gradient in
-the store before the first update ([Note: placing before the first update]
-in tierd.client.placer; ``StoreNeed.first_step`` in tierd.client.capacity):
-2 + 4 = 6 B per parameter, 210 GB at L156, more than the pool (~70 GiB
-page-lockable) and the NVMe file (the 64 GiB disk, less what else is on it)
-hold together: ~145-150 GB, what exact AdamW's L80 kept in the store (259 GB
-at 14 B/param, ~115 GB of it on the GPU). The same first step bounds exact
-AdamW. So expect L156 to be refused (CapacityError at attach, within a
-minute or two) for as long as the first step stores every gradient in
-fp32, and L96 (22.0B, 132 GB in the first step) to complete: the first
-step's bound, not the optimizer state's (L104, 142 GB, is the next rung up;
-L88, 121 GB, the next down). The call runs both, L156 first; each attempt
-gets 265 s, so L96 still starts after L156 used all of its own.
+streams everything and sums every gradient in the store before the first
+update ([Note: placing before the first update] in tierd.client.placer;
+``StoreNeed.first_step`` in tierd.client.capacity), in the master's dtype
+([Note: the stored gradient's dtype] in tierd.client.tiered_param): 2 + 2 =
+4 B per parameter, 140 GB at L156, against the pool (113 GB on the H200)
+and the NVMe file (the 64 GiB disk, less what else is on it) together.
+With fp32 gradients that step needed 6 B per parameter, 210 GB, and L96
+(22.0B) was the largest rung expected. Expected time: the build and attach
+~1.5 minutes (70 GB made on the GPU, then copied to the store), the first
+step 1.5-3 minutes (70 GB read in each direction of the model, checkpointed,
+70 GB of gradients written, ~30 GB of it past the pool), then steps of
+~10-30 s with ~28B parameters resident.
 
 Each tierd row says its floor ([Note: a row's floor] in
 ``tierd.bench.bigmodel_floor``): ``floor_s``, ``binding`` (compute, pcie or

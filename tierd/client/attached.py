@@ -511,7 +511,8 @@ class AttachSession:
                 tp.stale_in_store = False
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The accumulated fp32 gradients by parameter name (for inspection)."""
+        """The accumulated gradients by parameter name (for inspection; fp32, or bf16
+        under a bf16 master: [Note: the stored gradient's dtype] in tierd.client.tiered_param)."""
         self.grads.flush()
         with_grad = [tp for tp in self.params.values() if tp.grad_in_pool]
         got = self.read([tp.grad_key for tp in with_grad])

@@ -96,7 +96,7 @@ MiB = 1 << 20
 PAGE = 4096
 #: AdamW's two fp32 moments per trainable parameter: what attach assumes.
 ADAMW_STATE_BYTES = 8
-GRAD_BYTES = 4   # the fp32 gradient the first step sums in the pool
+GRAD_BYTES = 4   # the fp32 gradient the first step sums in the pool (but under a bf16 master)
 #: kept for the training process (CUDA context, torch, copy buffers: an 8B model's
 #: first step used ~20 GB besides the pool), the daemon and the page cache
 RAM_HEADROOM = (16 * GiB, 0.15)
@@ -137,7 +137,7 @@ class StoreNeed:
     params: int = 0      # compute-dtype copies
     master: int = 0      # fp32 masters (compute dtype below fp32)
     optimizer: int = 0   # optimizer state
-    gradients: int = 0   # fp32 gradients summed in the pool
+    gradients: int = 0   # gradients summed in the pool (fp32, or a bf16 master's)
     buffers: int = 0     # on the compute device: reported, not in ``total``
     largest: int = 0     # the largest single record
     assumed_optimizer: bool = False   # optimizer counted as AdamW (no optimizer yet)
@@ -211,7 +211,7 @@ class StoreNeed:
             how = " (AdamW's two moments assumed)" if self.assumed_optimizer else ""
             parts.append(f"optimizer state {size_text(self.optimizer)}{how}")
         if self.gradients:
-            parts.append(f"fp32 gradients {size_text(self.gradients)}")
+            parts.append(f"gradients {size_text(self.gradients)}")
         text = " + ".join(parts)
         if self.total == self.state:
             return text + f" = {size_text(self.total)}"
@@ -376,7 +376,9 @@ def model_need(model, compute_dtype, keys, *, job: str | None = None,
             items.append(("master", keys.master(name), n * 4))
             if lazy_masters and p.dtype == dtype:
                 later.append(keys.master(name))
-        items.append(("gradients", keys.grad(name), n * GRAD_BYTES))
+        # in the master's dtype ([Note: the stored gradient's dtype] in tierd.client.tiered_param)
+        items.append(("gradients", keys.grad(name), n * (dtype.itemsize if in_compute
+                                                         else GRAD_BYTES)))
         moment = (n * ADAMW_STATE_BYTES // 2 if optimizer_state is None
                   else optimizer_state.moment_nbytes(like))
         for state in ("exp_avg", "exp_avg_sq"):

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from tierd.client.grads import grad_norm
 from tierd.client.leases import LeaseTable
 from tierd.client.parts import PoolGradients
 from tierd.client.tiered_param import TieredParam
@@ -303,7 +304,7 @@ class GradViews:
         view = self._shown.get(tp)
         if view is not None:
             view.ops = []
-        tp.to_gradient_in_pool(torch.linalg.vector_norm(grad, 2.0))
+        tp.to_gradient_in_pool(grad_norm(grad))
 
     def any_ops(self) -> bool:
         return any(view.ops for view in self._shown.values())

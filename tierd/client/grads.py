@@ -1,7 +1,8 @@
 """Gradients leave the compute device as autograd produces them.
 
-Each parameter's gradient is summed, in fp32, into its ``grad`` key in the
-pool, in the order autograd delivers it: the first delivery after a
+Each parameter's gradient is summed into its ``grad`` key in the pool, in
+the key's dtype (fp32, or the bf16 master's: [Note: the stored gradient's
+dtype] in tierd.client.tiered_param), in the order autograd delivers it: the first delivery after a
 ``zero_grad`` overwrites, later ones add (``acc += g``), which is exactly what
 ``AccumulateGrad`` does to ``param.grad``, so accumulated values are bitwise
 those torch would hold. Deliveries are buffered and written in buckets of
@@ -45,7 +46,7 @@ class GradBucket:
 
     def add(self, tp: TieredParam, grad: torch.Tensor) -> None:
         self._entries.append((tp, grad))
-        self._bytes += grad.numel() * 4
+        self._bytes += tp.grad_nbytes
         if self._bytes >= self._bucket_bytes:
             self.flush()
 
@@ -71,7 +72,7 @@ class GradBucket:
         accumulated: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for tp, grad in entries:
-                g = grad.detach().to(torch.float32)
+                g = grad.detach().to(views[tp.grad_key].dtype)
                 if tp.grad_key in accumulated:      # delivered twice in one bucket
                     accumulated[tp.grad_key].add_(g)
                 elif tp.grad_in_pool:
@@ -83,13 +84,13 @@ class GradBucket:
                     # torch steals the first gradient as is; copy keeps the bits
                     accumulated[tp.grad_key] = g if on_device else views[tp.grad_key].copy_(g)
             for tp, _ in entries:
-                tp.to_gradient_in_pool(torch.linalg.vector_norm(accumulated[tp.grad_key], 2.0))
+                tp.to_gradient_in_pool(grad_norm(accumulated[tp.grad_key]))
         self._write_back(keys, views, accumulated, on_device)
 
     def _create(self, tps: list[TieredParam]) -> None:
         """Gradient keys are made on first use: a model trained with a fused
         optimizer never needs them."""
-        missing = {tp.grad_key: torch.empty(tp.param.shape, dtype=torch.float32, device="meta")
+        missing = {tp.grad_key: torch.empty(tp.param.shape, dtype=tp.grad_dtype, device="meta")
                    for tp in tps if not tp.grad_created}
         if missing:   # zeroed slots: no zeros made here and copied in
             self._client.put_zeros(missing)
@@ -104,6 +105,12 @@ class GradBucket:
         copy = self._stream.copy_out_many([(views[k], accumulated[k]) for k in keys],
                                           tuple(keys))
         self._releases.add(copy, written=True)
+
+
+def grad_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The 0-dim L2 norm kept for global clipping, in fp32 (a bf16
+    gradient's norm too: [Note: global clipping])."""
+    return torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
 
 
 def unused_grads(session, tps: list[TieredParam]) -> list[TieredParam]:
@@ -123,7 +130,7 @@ def free_grads(session, tps: list[TieredParam]) -> None:
     """Delete the gradient keys of ``tps`` (no lease on them, no write in
     flight); their ``p.grad`` shows a consumed view until ``zero_grad``."""
     session.drop_keys([tp.grad_key for tp in tps],
-                      {tp.grad_key: tp.param.numel() * 4 for tp in tps})
+                      {tp.grad_key: tp.grad_nbytes for tp in tps})
     for tp in tps:
         tp.grad_created = False
         tp.to_no_gradient()

@@ -38,7 +38,7 @@ class UnitState:
     state_bytes: int
     #: of which the moments (the store holds the masters with the weights)
     moment_bytes: int
-    #: fp32 gradients (what a CPU update copies out)
+    #: stored gradients (what a CPU update copies out)
     grad_bytes: int
 
 

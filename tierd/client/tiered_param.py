@@ -171,8 +171,20 @@ class TieredParam:
     Its keys (``tierd.client.keys``): ``key`` the value in compute dtype
     (what is copied in), ``master_key`` the fp32 master weights when the
     compute dtype is lower precision (the optimizer updates it, then
-    refreshes ``key``; the same key in fp32), ``grad_key`` the fp32 gradient
-    accumulated across backwards (created when first written to the pool).
+    refreshes ``key``; the same key in fp32), ``grad_key`` the gradient
+    accumulated across backwards (created when first written to the pool) in
+    ``grad_dtype`` ([Note: the stored gradient's dtype]).
+
+    [Note: the stored gradient's dtype]
+    A gradient is stored in its master's dtype, as torch keeps ``p.grad`` in
+    ``p``'s: fp32, or bf16 where the bf16 compute copy is the master
+    (``tierd.optim.AdamW(..., master="bf16")``, which sets ``grad_dtype`` when
+    it is built). The first (measuring) step sums every trainable gradient in
+    the store ([Note: placing before the first update] in
+    tierd.client.placer), so this halves the largest thing a compact model
+    stores: 2 + 2 B per parameter there instead of 2 + 4. The form is chosen
+    while no gradient key exists and kept while one does; readers take the
+    dtype from the stored key.
     """
 
     def __init__(self, *, name: str, keys: ModelKeys, param: DeviceParameter,
@@ -198,6 +210,7 @@ class TieredParam:
         self.grad_state = GradState.NONE
         # The grad key exists in the daemon (made on first use, see grads.py).
         self.grad_created = False
+        self.grad_dtype = torch.float32   # [Note: the stored gradient's dtype]
         # Resident: the store's compute copy is older than the device's until
         # written back ([Note: kept weights are written when the store is read]
         # in tierd.updates.resident).
@@ -215,6 +228,11 @@ class TieredParam:
         self.outside = TieredParameter(self, parameter=True)
         # param's version counter when tierd last knew its values were stored
         self.seen_version = param._version
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of the stored gradient ([Note: the stored gradient's dtype])."""
+        return self.param.numel() * self.grad_dtype.itemsize
 
     # ------------------------------------------------------------- training
     def set_requires_grad(self, requires_grad: bool) -> None:

@@ -56,7 +56,8 @@ from tierd.updates.cpu_update import overlapped
 from tierd.updates.fused import FusedUpdates
 from tierd.optim import state_dict as optim_state_dict
 from tierd.optim.compact import CompactState
-from tierd.optim.state import UnmadeState, check_capacity, check_compact, format_key
+from tierd.optim.state import (UnmadeState, check_capacity, check_compact, format_key,
+                               set_grad_forms)
 
 
 def _nbytes(like: torch.Tensor) -> int:
@@ -189,6 +190,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         check_compact(self)    # before anything is read as this setting's format
         check_capacity(self)   # before an earlier optimizer is retired or a state written
         self._retire_earlier()
+        set_grad_forms(self)
         self.unmade.create(self._owned())
         for session, tps in self._by_session(self._owned()).items():
             # "cpu" fuses too (on host threads) where they overlap backward
@@ -396,6 +398,11 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         dtype = tp.param.dtype if self.master_in_compute(tp) else torch.float32
         return torch.empty(tp.param.shape, dtype=dtype, device="meta")
 
+    def grad_dtype(self, tp: TieredParam) -> torch.dtype:
+        """The dtype ``tp``'s gradient is stored in: its master's ([Note: the
+        stored gradient's dtype] in tierd.client.tiered_param)."""
+        return self.master_like(tp).dtype
+
     def state_like(self, tp: TieredParam, name: str) -> torch.Tensor:
         """A meta tensor with the dtype and shape of ``tp``'s stored state ``name``."""
         return self.compact.moment_like(tp.param)
@@ -476,8 +483,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             limit = min(self.block_bytes, session.lease_cap)
             block: list[TieredParam] = []
             size = 0
-            for tp in session_tps:   # master, moments, fp32 gradient, compute copy
-                leased = self.state_nbytes(tp) + tp.param.numel() * 4 + tp.nbytes
+            for tp in session_tps:   # master, moments, gradient, compute copy
+                leased = self.state_nbytes(tp) + tp.grad_nbytes + tp.nbytes
                 if block and size + leased > limit:
                     blocks.append(block)
                     block, size = [], 0

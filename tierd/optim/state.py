@@ -26,6 +26,7 @@ import torch
 
 from tierd.client.capacity import StoreNeed, device_room
 from tierd.client.embedded import room_problem
+from tierd.client.grads import grad_norm
 from tierd.client.tiered_param import TieredParam
 from tierd.errors import CapacityError, StateError
 from tierd.optim.compact import CompactState
@@ -217,7 +218,7 @@ class UnmadeState:
 
 def check_capacity(opt) -> None:
     """CapacityError, before any state is written, when a daemon cannot hold
-    what ``opt`` adds: its state and the fp32 gradients of the trainable
+    what ``opt`` adds: its state and the gradients of the trainable
     parameters not stored yet ([Note: what the store holds for a model] in
     tierd.client.capacity). Under torch.distributed the node holds one copy
     of every rank's share: the leader checks it all and every rank raises."""
@@ -228,7 +229,8 @@ def check_capacity(opt) -> None:
         if ranks is None or ranks.leader:
             items = [("optimizer", opt.state_key(tp, n), _nbytes(opt.state_like(tp, n)))
                      for tp in tps for n in opt.state_names]
-            items += [("gradients", tp.grad_key, tp.param.numel() * 4) for tp in tps]
+            items += [("gradients", tp.grad_key, tp.param.numel() * opt.grad_dtype(tp).itemsize)
+                      for tp in tps]
             # made by the first update (none where the compute copy is the master)
             unmade = [tp for tp in tps if not tp.master_made and opt.separate_master(tp)]
             later = [tp.master_key for tp in unmade]
@@ -263,6 +265,36 @@ def _drop_masters(opt, owned: list[TieredParam]) -> None:
             session.drop_keys(keys, {tp.master_key: tp.param.numel() * 4 for tp in stale})
         for tp in stale:
             tp.master_made = False   # values are read from the compute copy
+
+
+def set_grad_forms(opt) -> None:
+    """Each of ``opt``'s parameters stores its gradient in its master's dtype
+    ([Note: the stored gradient's dtype] in tierd.client.tiered_param). A key
+    an earlier optimizer made in another form is deleted (the next backward
+    makes it again), or, holding a gradient not used yet, stored again in
+    this form (the same values, rounded where it is bf16 now)."""
+    for session, tps in opt._by_session(opt._owned()).items():
+        other = [tp for tp in tps if tp.grad_dtype != opt.grad_dtype(tp)]
+        for tp in other:
+            if not tp.grad_created:
+                tp.grad_dtype = opt.grad_dtype(tp)
+        stale = [tp for tp in other if tp.grad_created]
+        if not stale:
+            continue
+        session.settle()
+        pending = session.read([tp.grad_key for tp in stale if tp.grad_in_pool])
+        session.drop_keys([tp.grad_key for tp in stale],
+                          {tp.grad_key: tp.grad_nbytes for tp in stale})
+        for tp in stale:
+            tp.grad_dtype = opt.grad_dtype(tp)
+            tp.grad_created = tp.grad_key in pending
+        if pending:
+            values = {tp.grad_key: pending[tp.grad_key].to(tp.grad_dtype)
+                      for tp in stale if tp.grad_key in pending}
+            session.client.put_many(values)
+            for tp in stale:
+                if tp.grad_key in values:
+                    tp.to_gradient_in_pool(grad_norm(values[tp.grad_key]))
 
 
 def check_compact(opt) -> None:

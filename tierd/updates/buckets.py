@@ -71,8 +71,8 @@ class Bucket:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes of its fp32 gradients (what a CPU update copies out)."""
-        return sum(tp.param.numel() * 4 for tp in self.tps)
+        """Bytes of its stored gradients (what a CPU update copies out)."""
+        return sum(tp.grad_nbytes for tp in self.tps)
 
     def _expect(self, *accepted: BucketState, action: str) -> None:
         if self.state not in accepted:

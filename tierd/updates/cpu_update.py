@@ -201,12 +201,12 @@ class HostUpdates:
         if not missing:
             return
         session = self._fused.session
-        session.client.put_many({tp.grad_key: torch.zeros(tp.param.shape, dtype=torch.float32)
+        session.client.put_many({tp.grad_key: torch.zeros(tp.param.shape, dtype=tp.grad_dtype)
                                  for tp in missing})
         for tp in missing:
             tp.grad_created = True
         session.try_hold([tp.grad_key for tp in missing],
-                         sum(tp.param.numel() * 4 for tp in missing))
+                         sum(tp.grad_nbytes for tp in missing))
 
     def choice(self) -> tuple[str, Costs | None]:
         """What the planner may do with CPU updates ([Note: choosing CPU
@@ -290,12 +290,12 @@ class HostUpdates:
             view = views[tp.grad_key]
             if not copy_stream.on_device:   # the device is the host: no copy
                 grads_in.append((view, g, tp.grad_in_pool))
-            elif tp.grad_in_pool:
-                staged = torch.empty(g.shape, dtype=torch.float32, pin_memory=True)
+            elif tp.grad_in_pool:   # added on the host, rounded there to the key's dtype
+                staged = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
                 pairs.append((staged, g))
                 grads_in.append((view, staged, True))
-            else:
-                pairs.append((view, g))
+            else:   # cast on the device: the copy out moves the key's bytes
+                pairs.append((view, g.to(view.dtype)))
         copy = None
         if pairs:
             copy = copy_stream.copy_out_many(pairs, tuple(tp.grad_key for tp, g in items

@@ -566,7 +566,7 @@ class FusedUpdates:
             if tp in self._updated:
                 continue
             grad = self._grads.pop(tp, None)
-            if tp.grad_in_pool:
+            if tp.grad_in_pool:   # summed in the stored dtype, as torch sums p.grad
                 pooled = b.work[tp.grad_key]
                 grad = pooled if grad is None else pooled.add_(grad)
             if grad is None:
