@@ -16,7 +16,7 @@ from tierd.client.attach import attach, session_of
 from tierd.client.placement import Place
 from tierd.client.store import LocalStore
 from tierd.errors import StateError
-from tierd.optim import compact
+from tierd.optim import compact, compact_compiled
 from tierd.optim.compact import CompactState
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 
@@ -590,6 +590,7 @@ def test_on_cuda_streamed_and_resident_compact_updates_agree_bitwise(daemon, sta
     from tierd.client.placer import Placer, PlacerState
     monkeypatch.setattr(Placer, "_memory", lambda self: None)   # place from the cap alone
     monkeypatch.setattr(compact, "stochastic_round_bf16", lambda x: x.bfloat16())
+    monkeypatch.setattr(compact_compiled, "_round_bf16", lambda x: x.bfloat16())
     dtype = torch.bfloat16 if master == "bf16" else torch.float32
     data = [ids.cuda() for ids in batches(PLACED_WITHIN + 3, batch=2, seq=16)]
 

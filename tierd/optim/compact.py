@@ -62,9 +62,10 @@ buffers change no value (the ops are elementwise, and quantization is per
 block: pieces are cut at block boundaries and a quantized tensor is whole
 blocks); the stochastic rounding of a run is one draw of the CPU generator,
 the same bits as one draw per tensor in order (tests/optim/test_compact.py
-checks it all against torchao). No op is left per tensor. On CUDA, torch's
-foreach kernels and one Philox draw per run are not claimed bitwise
-torchao's; every update path runs this same function.
+checks it all against torchao). No op is left per tensor. On CUDA the same
+ops run compiled, piece by piece ([Note: the compact update compiled on
+CUDA] in tierd.optim.compact_compiled), not claimed bitwise torchao's;
+every update path runs this same function.
 """
 
 from __future__ import annotations
@@ -459,8 +460,15 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
             tables[signed] = qmap(signed, params[0].device)
     scalars = dict(_scalars(float(lr), float(step), beta1, beta2, weight_decay),
                    beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
+    from tierd.optim import compact_compiled   # it builds on this module
+    compiled = compact_compiled.usable(params[0].device)
     for run in _runs([piece[0].numel() for piece in pieces], RUN_NUMEL):
-        _adamw_run(pieces[run], tables.get(True), tables.get(False), **scalars)
+        run_pieces = pieces[run]
+        if compiled:   # [Note: the compact update compiled on CUDA]
+            run_pieces = run_pieces[compact_compiled.adamw_pieces(
+                run_pieces, tables.get(True), tables.get(False), **scalars):]
+        if run_pieces:
+            _adamw_run(run_pieces, tables.get(True), tables.get(False), **scalars)
 
 
 def _adamw_run(pieces: list[tuple], m_table: torch.Tensor | None,
