@@ -74,10 +74,10 @@ def test_a_failed_compile_leaves_the_rest_to_the_eager_ops_and_says_so(monkeypat
     eager, fallback = _tensors("8bit", torch.float32), _tensors("8bit", torch.float32)
     compact.adamw_step(*[[t] for t in eager], **KW)   # the CPU: eager ops
     monkeypatch.setattr(compact_compiled, "_compiled_piece", broken)
-    monkeypatch.setattr(compact_compiled, "usable", lambda device: True)
     with caplog.at_level(logging.WARNING, logger="tierd.optim.compact_compiled"):
         monkeypatch.setattr(compact_compiled, "_broken", [])
-        compact.adamw_step(*[[t] for t in fallback], **KW)
+        compact.adamw_step(*[[t] for t in fallback], **KW,
+                           compiled=compact_compiled.adamw_pieces)
     assert all(torch.equal(a, b) for a, b in zip(fallback, eager))
     assert "could not be compiled (RuntimeError: no compiler for this device)" in caplog.text
     assert compact_compiled._broken   # and never tried again

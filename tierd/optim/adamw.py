@@ -7,6 +7,7 @@ import torch
 
 from tierd.client.torch_internals import foreach_adamw, fused_adamw
 from tierd.optim.base import StreamedOptimizer
+from tierd.optim import compact_compiled
 from tierd.optim.compact import CompactState, adamw_step
 
 
@@ -127,4 +128,6 @@ class AdamW(StreamedOptimizer):
         adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step=step,
                    lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                    eps=group["eps"], maximize=group["maximize"],
-                   tables=self._tables.setdefault(params[0].device, {}))
+                   tables=self._tables.setdefault(params[0].device, {}),
+                   compiled=(compact_compiled.adamw_pieces
+                             if compact_compiled.usable(params[0].device) else None))

@@ -71,6 +71,7 @@ every update path runs this same function.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -435,7 +436,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
                step: float, lr: float, beta1: float, beta2: float, weight_decay: float,
                eps: float, maximize: bool,
-               tables: dict[bool, torch.Tensor] | None = None) -> None:
+               tables: dict[bool, torch.Tensor] | None = None,
+               compiled: Callable[..., int] | None = None) -> None:
     """One AdamW step of several tensors on compact state, in place: for each
     tensor, torchao's ``single_param_adam`` (AdamW, no amsgrad) op for op,
     bitwise on the CPU, run as multi-tensor ops over runs of up to
@@ -445,7 +447,9 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     ``params`` entry is its master: fp32, or a bf16 compute copy rounded
     stochastically. Tensors are updated in place and must be contiguous.
     ``tables`` keeps the quantization maps on the parameters' device between
-    calls (by signedness; made here when missing)."""
+    calls (by signedness; made here when missing). ``compiled``, where given
+    (:func:`tierd.optim.compact_compiled.adamw_pieces`), updates each run's
+    pieces first and returns how many it did; the eager ops do the rest."""
     odd = [p.dtype for p in params if p.dtype not in (torch.float32, torch.bfloat16)]
     if odd:
         raise ValueError(f"compact AdamW updates fp32 masters or bf16 compute copies; got "
@@ -460,13 +464,11 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
             tables[signed] = qmap(signed, params[0].device)
     scalars = dict(_scalars(float(lr), float(step), beta1, beta2, weight_decay),
                    beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
-    from tierd.optim import compact_compiled   # it builds on this module
-    compiled = compact_compiled.usable(params[0].device)
     for run in _runs([piece[0].numel() for piece in pieces], RUN_NUMEL):
         run_pieces = pieces[run]
-        if compiled:   # [Note: the compact update compiled on CUDA]
-            run_pieces = run_pieces[compact_compiled.adamw_pieces(
-                run_pieces, tables.get(True), tables.get(False), **scalars):]
+        if compiled is not None:   # [Note: the compact update compiled on CUDA]
+            run_pieces = run_pieces[compiled(run_pieces, tables.get(True), tables.get(False),
+                                             **scalars):]
         if run_pieces:
             _adamw_run(run_pieces, tables.get(True), tables.get(False), **scalars)
 
