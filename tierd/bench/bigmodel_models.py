@@ -60,7 +60,7 @@ BASES = {
     "13B": Shape(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000),
     "tiny": Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256),
 }
-_LADDER = re.compile(r"^(?:(tiny)-)?L([1-9][0-9]*)$")
+_LADDER = re.compile(r"^(?:(tiny|13B)-)?L([1-9][0-9]*)$")
 
 
 def shape_of(name: str) -> Shape:
@@ -68,13 +68,15 @@ def shape_of(name: str) -> Shape:
 
     >>> shape_of("L80").layers, shape_of("L80").hidden
     (80, 4096)
+    >>> shape_of("13B-L8").layers, shape_of("13B-L8").hidden   # a 13B's compute reference
+    (8, 5120)
     """
     if name in BASES:
         return BASES[name]
     m = _LADDER.match(name)
     if m is None:
         raise ValueError(f"unknown model {name!r}; use one of {sorted(BASES)}, L<layers> "
-                         "(the 8B shape with that many layers) or tiny-L<layers>")
+                         "(the 8B shape with that many layers), 13B-L<layers> or tiny-L<layers>")
     return replace(BASES[m.group(1) or "8B"], layers=int(m.group(2)))
 
 
