@@ -426,6 +426,27 @@ def test_merge_keys_rows_by_model_system_and_optimizer_state():
                                        "8bit-bf16": shape_of("L156").params, "8bit": None}
 
 
+def test_compute_references_at_two_batches_both_stay_and_give_each_row_its_floor():
+    """An all-GPU reference at B=1 after one at B=4 (an L156 row at B=1 beside
+    an L80 row at B=4) keeps both: each tierd row's compute is its batch's."""
+    def ref(batch, step_s):
+        return {"model": "L8", "system": "allgpu", "error": None, "step_s": step_s,
+                "batch": batch, **bigmodel_results._base("L8", "allgpu", 2048, "fp32")}
+    def tierd(model, batch):
+        return {"model": model, "system": "tierd", "error": None, "step_s": 9.0,
+                "batch": batch, **bigmodel_results._base(model, "tierd", 2048, "8bit-bf16")}
+    old = {"commit": "a", "device": "H200", "rows": [ref(4, 0.33), tierd("L80", 4)]}
+    merged = bigmodel_results.merge(old, [ref(1, 0.11), tierd("L156", 1)], "b")
+    assert [(x["model"], x["batch"]) for x in merged["rows"]] == [
+        ("L8", 4), ("L80", 4), ("L8", 1), ("L156", 1)]
+    rows = {x["model"]: x for x in merged["rows"]}
+    for model, step_s in (("L80", 0.33), ("L156", 0.11)):
+        per_token = rows[model]["flops_per_token"] / rows["L8"]["flops_per_token"]
+        assert rows[model]["compute_s"] == pytest.approx(step_s * per_token)
+    again = bigmodel_results.merge(merged, [ref(4, 0.30)], "c")   # the same batch replaces
+    assert [x["step_s"] for x in again["rows"] if x["system"] == "allgpu"] == [0.30, 0.11]
+
+
 def test_the_optimizer_state_is_tierds_and_one_of_the_compact_settings(tmp_path, capsys):
     for flags, says in ((["--optimizer-state", "int4"], "unknown ['int4']"),
                         (["--systems", "fsdp2", "--optimizer-state", "8bit"], "tierd's")):

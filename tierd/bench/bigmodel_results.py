@@ -25,11 +25,15 @@ def _base(model: str, system: str, seq: int, optimizer_state: str) -> dict:
             "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
 
 
-def key(r: dict) -> tuple[str, str, str]:
-    """What a row is of: model, system and optimizer state (rows written
-    before the setting was recorded were fp32). A new row replaces only the
-    row with the same key, so settings of one model sit side by side."""
-    return r["model"], r["system"], r.get("optimizer_state") or "fp32"
+def key(r: dict) -> tuple[str, str, str, int | None]:
+    """What a row is of: model, system, optimizer state (rows written before
+    the setting was recorded were fp32) and, for the all-GPU compute
+    references only, the batch (a reference is per batch:
+    ``bigmodel_floor.compute_reference``; a system's row is its best batch).
+    A new row replaces only the row with the same key, so settings of one
+    model, and references at several batches, sit side by side."""
+    batch = r.get("batch") if r["system"] == "allgpu" else None
+    return r["model"], r["system"], r.get("optimizer_state") or "fp32", batch
 
 
 def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
@@ -142,7 +146,7 @@ def _largest(rows: list[dict]) -> int | None:
 def largest(rows: list[dict]) -> dict:
     """Per system compared, the parameters of the largest model it completed
     with fp32 AdamW state (like for like; None if none)."""
-    return {system: _largest([r for r in rows if key(r)[1:] == (system, "fp32")])
+    return {system: _largest([r for r in rows if key(r)[1:3] == (system, "fp32")])
             for system in PEERS}
 
 
@@ -150,7 +154,7 @@ def largest_tierd(rows: list[dict]) -> dict:
     """Per optimizer state tierd ran, the parameters of the largest model it
     completed (None if none)."""
     states = dict.fromkeys(key(r)[2] for r in rows if r["system"] == "tierd")
-    return {s: _largest([r for r in rows if key(r)[1:] == ("tierd", s)]) for s in states}
+    return {s: _largest([r for r in rows if key(r)[1:3] == ("tierd", s)]) for s in states}
 
 
 def save(path: Path, result: dict) -> None:
