@@ -49,7 +49,7 @@ def test_block_quantization_is_torchaos_bitwise(signed):
     # scaled as they are), where a search and its rounding are on a boundary
     mids = torch.cat([(table[1:] + table[:-1]) / 2, torch.ones(1)])
     x = torch.cat([x.reshape(-1), table, mids, torch.nextafter(mids, -mids)]).reshape(-1, 96)
-    codes, scale = compact.quantize_blockwise(x, table)
+    codes, scale = compact.quantize_blockwise(x, compact.codebook(signed))
     scaled, want_scale = scale_tensor(x, compact.BLOCK)
     want_codes = quantize_8bit_with_qmap(scaled, table)
     assert codes.shape == x.shape and codes.dtype == torch.uint8
@@ -59,10 +59,32 @@ def test_block_quantization_is_torchaos_bitwise(signed):
     assert (back - x).abs().max() <= 0.1 * x.abs().max()   # 8 bits of a dynamic map
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_codebook_gives_every_fp32_value_its_searched_code(signed):
+    """[Note: 8-bit codes by a value's top bits]: within a key the code is a
+    step function of the value with one step at most, so a key's two ends
+    and the values either side of its threshold cover every fp32 value the
+    key holds; plus infinities, NaNs, zeros, subnormals and random values."""
+    book, values = compact.codebook(signed), compact.qmap(signed)
+    keys = torch.arange(compact.KEYS, dtype=torch.int64) << compact.KEY_SHIFT
+    span = (1 << compact.KEY_SHIFT) - 1
+    ends = torch.cat([keys, keys | span]).to(torch.int32).view(torch.float32)
+    finite = book.threshold[torch.isfinite(book.threshold)]
+    near = torch.cat([finite, torch.nextafter(finite, torch.full_like(finite, -torch.inf)),
+                      torch.nextafter(finite, torch.full_like(finite, torch.inf))])
+    odd = torch.tensor([torch.inf, -torch.inf, torch.nan, -torch.nan, 0.0, -0.0, 1e-45,
+                        -1e-45, 1.0, -1.0, 0.5, 1e-38])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.cat([torch.rand(1 << 20, generator=g) * 2 - 1,
+                      torch.randn(1 << 18, generator=g) * torch.logspace(-12, 1, 1 << 18)])
+    x = torch.cat([ends, near, odd, values, rand])
+    assert torch.equal(compact.nearest_codes(x, book), compact._searched_codes(x, values)
+                       .to(torch.uint8))
+
+
 def test_packed_moment_round_trips_codes_and_scales():
     x = torch.randn(4096)
-    table = compact.qmap(True)
-    codes, scale = compact.quantize_blockwise(x, table)
+    codes, scale = compact.quantize_blockwise(x, compact.codebook(True))
     packed = torch.empty(compact.packed_numel(x.numel()), dtype=torch.uint8)
     assert packed.numel() == 4096 + 4 * 16
     compact.pack_into(packed, codes, scale)
@@ -552,7 +574,7 @@ def test_bf16_master_needs_bf16_parameters():
 
 def test_tensors_smaller_than_a_block_keep_fp32_moments_and_the_kernel_refuses_them():
     with pytest.raises(ValueError, match="whole blocks of 256"):
-        compact.quantize_blockwise(torch.randn(100), compact.qmap(True))
+        compact.quantize_blockwise(torch.randn(100), compact.codebook(True))
     with pytest.raises(ValueError, match="whole blocks of 256"):
         compact.packed_numel(4096 + 1)
     model = attach(gpt2(), client=LocalStore(), device="cpu")

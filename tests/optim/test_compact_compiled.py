@@ -32,7 +32,7 @@ def _compiled_step(p, g, m, v, monkeypatch, *, run_numel: int = 4096) -> int:
     scalars = dict(compact._scalars(KW["lr"], KW["step"], KW["beta1"], KW["beta2"],
                                     KW["weight_decay"]),
                    beta1=KW["beta1"], beta2=KW["beta2"], eps=KW["eps"], maximize=False)
-    return compact_compiled.adamw_pieces(pieces, compact.qmap(True), compact.qmap(False),
+    return compact_compiled.adamw_pieces(pieces, compact.codebook(True), compact.codebook(False),
                                          **scalars)
 
 

@@ -8,7 +8,7 @@ import torch
 from tierd.client.torch_internals import foreach_adamw, fused_adamw
 from tierd.optim.base import StreamedOptimizer
 from tierd.optim import compact_compiled
-from tierd.optim.compact import CompactState, adamw_step
+from tierd.optim.compact import Codebook, CompactState, adamw_step
 
 
 class AdamW(StreamedOptimizer):
@@ -47,7 +47,7 @@ class AdamW(StreamedOptimizer):
         self.compact = CompactState(state=state, master=master)
         #: the 8-bit quantization maps by device, then signedness (made once:
         #: a new device tensor per update would copy, and on CUDA wait)
-        self._tables: dict[torch.device, dict[bool, torch.Tensor]] = {}
+        self._books: dict[torch.device, dict[bool, Codebook]] = {}
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
         if eps < 0:
@@ -128,6 +128,6 @@ class AdamW(StreamedOptimizer):
         adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step=step,
                    lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                    eps=group["eps"], maximize=group["maximize"],
-                   tables=self._tables.setdefault(params[0].device, {}),
+                   books=self._books.setdefault(params[0].device, {}),
                    compiled=(compact_compiled.adamw_pieces
                              if compact_compiled.usable(params[0].device) else None))

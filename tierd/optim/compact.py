@@ -66,6 +66,27 @@ checks it all against torchao). No op is left per tensor. On CUDA the same
 ops run compiled, piece by piece ([Note: the compact update compiled on
 CUDA] in tierd.optim.compact_compiled), not claimed bitwise torchao's;
 every update path runs this same function.
+
+[Note: 8-bit codes by a value's top bits]
+torchao finds a scaled value's code by a binary search over the map's 256
+values and then rounds it to the nearer neighbour (:func:`_searched_codes`,
+the definition): eight dependent gathers and four more per element, which
+made quantizing most of an 8-bit update's time. That code is a
+non-decreasing step function of the value: inside one searched interval the
+rounding test ``x - low >= (high - low) * 0.5`` is monotone in ``x``, and at
+a map value both intervals give the same code. Its steps lie further apart
+than the span of the fp32 values that share their top 16 bits (sign,
+exponent and 7 mantissa bits: a span of 2^-7 of the power of two below
+them; the closest steps are 1.35 such spans apart, in the unsigned map just
+below 1), so within such a key at most one step falls: a value's code is ``above[key]`` if it is at least
+``threshold[key]``, else ``below[key]`` (:class:`Codebook`,
+:func:`nearest_codes`: three gathers from tables of 65536 entries). The
+tables come from the definition itself (:func:`_lookup`: each key's two
+ends, and its threshold by a binary search over its 65536 values, checking
+that no key holds two steps), so every fp32 value gets torchao's code,
+NaN and the infinities too (their keys keep their codes).
+tests/optim/test_compact.py checks every key's ends and both sides of each
+threshold against the definition, and the quantizer against torchao.
 """
 
 from __future__ import annotations
@@ -73,6 +94,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -115,6 +137,86 @@ def qmap(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(_QMAPS[signed], dtype=torch.float32, device=device)
 
 
+class Codebook(NamedTuple):
+    """An 8-bit map on one device: its 256 sorted fp32 ``values``, and by
+    each fp32 value's top 16 bits (its key) the code of the key's values
+    below ``threshold`` and of those at or above it ([Note: 8-bit codes by
+    a value's top bits])."""
+    values: torch.Tensor
+    threshold: torch.Tensor   # (65536,) fp32
+    below: torch.Tensor       # (65536,) uint8
+    above: torch.Tensor       # (65536,) uint8
+
+
+def codebook(signed: bool, device: torch.device | str = "cpu") -> Codebook:
+    """The signed (``exp_avg``) or unsigned (``exp_avg_sq``) map's :class:`Codebook`
+    on ``device``."""
+    return Codebook(*(t.to(device) for t in _lookup(signed)))
+
+
+def nearest_codes(scaled: torch.Tensor, book: Codebook) -> torch.Tensor:
+    """uint8 codes of the nearest map values to fp32 ``scaled`` (round half
+    up): :func:`_searched_codes` exactly, by three gathers."""
+    key = (scaled.view(torch.int32) >> KEY_SHIFT) & (KEYS - 1)
+    return torch.where(scaled >= book.threshold[key], book.above[key], book.below[key])
+
+
+def _searched_codes(scaled: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The definition of a value's code, torchao's ``quantize_8bit_with_qmap``:
+    the largest code whose value is at most it (one ``searchsorted``: what
+    torchao's eight-step binary search finds), then the code above it where
+    the value is at least halfway there, with torchao's own ops (int32)."""
+    codes = (torch.searchsorted(values, scaled, right=True, out_int32=True) - 1).clip(min=0)
+    up = (codes + 1).clip(max=255)
+    low, high = values[codes], values[up]
+    return torch.where(scaled - low >= (high - low) * 0.5, up, codes)
+
+
+KEY_SHIFT = 16
+KEYS = 1 << (32 - KEY_SHIFT)
+
+
+@functools.lru_cache(maxsize=2)
+def _lookup(signed: bool) -> tuple[torch.Tensor, ...]:
+    """(values, threshold, below, above) of :class:`Codebook` on the CPU, from
+    :func:`_searched_codes` itself ([Note: 8-bit codes by a value's top bits])."""
+    values = qmap(signed)
+    keys = torch.arange(KEYS, dtype=torch.int64)
+    negative = keys >= KEYS // 2
+    last = (1 << KEY_SHIFT) - 1
+
+    def nth(i: torch.Tensor) -> torch.Tensor:
+        """The ``i``-th smallest fp32 value of each key (bits of a negative
+        value grow as it falls)."""
+        bits = (keys << KEY_SHIFT) | torch.where(negative, last - i, i)
+        return bits.to(torch.int32).view(torch.float32)   # two's complement wrap: the bits
+
+    def code(x: torch.Tensor) -> torch.Tensor:
+        return _searched_codes(x, values)
+
+    first, final = torch.zeros_like(keys), torch.full_like(keys, last)
+    below, above = code(nth(first)), code(nth(final))
+    special = (keys & 0x7F80) == 0x7F80   # infinity and NaN
+    steps = torch.where(special, 0, above - below)
+    if not bool(((steps == 0) | (steps == 1)).all()):
+        raise RuntimeError("two steps of the 8-bit map share a key: shift by fewer bits")
+    lo, hi = first.clone(), final.clone()   # the least index coded `above`: in (lo, hi]
+    for _ in range(KEY_SHIFT):
+        mid = (lo + hi) // 2
+        right = code(nth(mid)) < above
+        lo, hi = torch.where(right, mid + 1, lo), torch.where(right, hi, mid)
+    threshold = torch.where(steps == 1, nth(hi), torch.inf)
+    # a key of infinity and NaNs: its infinity (the only value >= +-inf there)
+    # gets infinity's code, the NaNs (never >= anything) NaN's
+    nan = code(torch.tensor([torch.nan]))
+    inf = torch.where(negative, -torch.inf, torch.inf)
+    threshold = torch.where(special, torch.where((keys & 0x7FFF) == 0x7F80, inf, torch.inf),
+                            threshold)
+    below = torch.where(special, nan, below)
+    above = torch.where(special, code(inf), torch.where(steps == 1, above, below))
+    return values, threshold, below.to(torch.uint8), above.to(torch.uint8)
+
+
 def quantizable(numel: int) -> bool:
     """Whether a tensor of ``numel`` elements gets 8-bit moments."""
     return numel >= MIN_QUANTIZED and numel % BLOCK == 0
@@ -133,30 +235,24 @@ def _check_blocks(numel: int) -> None:
                          "not whole blocks keep fp32 moments)")
 
 
-def quantize_blockwise(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, book: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 codes shaped as ``x``, fp32 scale per block): each block of
     :data:`BLOCK` scaled by its absolute maximum, then rounded to the nearest
-    value of ``table`` (round half up), as torchao's ``scale_tensor`` and
-    ``quantize_8bit_with_qmap``. The code below a value is found by one
-    ``searchsorted`` (the largest code whose value is at most it: what
-    torchao's eight-step binary search finds, in one pass over int32 codes
-    instead of eight over int64), then rounded with torchao's own ops."""
+    value of ``book`` (round half up: :func:`nearest_codes`), as torchao's
+    ``scale_tensor`` and ``quantize_8bit_with_qmap``."""
     _check_blocks(x.numel())
     x = x.float()
     blocks = x.reshape(-1, BLOCK)
     scale = blocks.abs().amax(-1).clip(1e-12)
     scaled = (blocks / scale.view(-1, 1)).view(x.shape)
-    codes = (torch.searchsorted(table, scaled, right=True, out_int32=True) - 1).clip(min=0)
-    up = (codes + 1).clip(max=255)
-    low, high = table[codes], table[up]
-    codes = torch.where(scaled - low >= (high - low) * 0.5, up, codes)
-    return codes.to(torch.uint8), scale
+    return nearest_codes(scaled, book), scale
 
 
 def dequantize_blockwise(codes: torch.Tensor, scale: torch.Tensor,
-                         table: torch.Tensor) -> torch.Tensor:
-    """fp32 values of ``codes`` (any shape) with their block ``scale``."""
-    out = table[codes.int()].view(scale.shape[0], -1) * scale.view(-1, 1)
+                         values: torch.Tensor) -> torch.Tensor:
+    """fp32 values of ``codes`` (any shape) with their block ``scale``, from
+    the map's 256 ``values``."""
+    out = values[codes.int()].view(scale.shape[0], -1) * scale.view(-1, 1)
     return out.view(codes.shape)
 
 
@@ -281,7 +377,7 @@ class CompactState:
     def encode(self, value: torch.Tensor, like: torch.Tensor, signed: bool) -> torch.Tensor:
         """``value`` (fp32 moment, param-shaped) in the stored form of ``like``."""
         if like.dtype == torch.uint8:
-            codes, scale = quantize_blockwise(value, qmap(signed, value.device))
+            codes, scale = quantize_blockwise(value, codebook(signed, value.device))
             out = torch.empty(like.shape, dtype=torch.uint8, device=value.device)
             pack_into(out, codes, scale)
             return out
@@ -320,8 +416,8 @@ class _Moments:
     whole blocks, cut at block boundaries), so the 8-bit ones are
     (de)quantized as one flat tensor: per block, the values of tensor by tensor."""
 
-    def __init__(self, stored: list[Moment], table: torch.Tensor | None):
-        self.stored, self.table = stored, table
+    def __init__(self, stored: list[Moment], book: Codebook | None):
+        self.stored, self.book = stored, book
         # fp32: the stored pieces themselves, changed in place
         self.values = [s if isinstance(s, torch.Tensor) and s.dtype == torch.float32 else None
                        for s in stored]
@@ -335,7 +431,7 @@ class _Moments:
         if self.packed:
             codes = _flat([stored[i][0] for i in self.packed])
             scale = _float32(_flat([stored[i][1] for i in self.packed]))
-            self._packed_flat = dequantize_blockwise(codes, scale, table)
+            self._packed_flat = dequantize_blockwise(codes, scale, book.values)
             self._fill(self.packed, self._packed_flat)
 
     def _sizes(self, where: list[int]) -> list[int]:
@@ -354,7 +450,7 @@ class _Moments:
             torch._foreach_copy_([self.stored[i] for i in self.bf16],
                                  list(rounded.split(self._sizes(self.bf16))))
         if self.packed:
-            codes, scale = quantize_blockwise(self._packed_flat, self.table)
+            codes, scale = quantize_blockwise(self._packed_flat, self.book)
             n = self._sizes(self.packed)
             parts = [self.stored[i] for i in self.packed]
             torch._foreach_copy_(
@@ -436,7 +532,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
                step: float, lr: float, beta1: float, beta2: float, weight_decay: float,
                eps: float, maximize: bool,
-               tables: dict[bool, torch.Tensor] | None = None,
+               books: dict[bool, Codebook] | None = None,
                compiled: Callable[..., int] | None = None) -> None:
     """One AdamW step of several tensors on compact state, in place: for each
     tensor, torchao's ``single_param_adam`` (AdamW, no amsgrad) op for op,
@@ -446,8 +542,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     bf16, or packed 8-bit uint8: see [Note: compact optimizer state]); each
     ``params`` entry is its master: fp32, or a bf16 compute copy rounded
     stochastically. Tensors are updated in place and must be contiguous.
-    ``tables`` keeps the quantization maps on the parameters' device between
-    calls (by signedness; made here when missing). ``compiled``, where given
+    ``books`` keeps the 8-bit maps' :class:`Codebook` on the parameters'
+    device between calls (by signedness; made here when missing). ``compiled``, where given
     (:func:`tierd.optim.compact_compiled.adamw_pieces`), updates each run's
     pieces first and returns how many it did; the eager ops do the rest."""
     odd = [p.dtype for p in params if p.dtype not in (torch.float32, torch.bfloat16)]
@@ -458,23 +554,23 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     pieces = _pieces(params, grads, exp_avgs, exp_avg_sqs, RUN_NUMEL)
     if not pieces:
         return
-    tables = {} if tables is None else tables
+    books = {} if books is None else books
     for signed, stored in ((True, exp_avgs), (False, exp_avg_sqs)):
-        if signed not in tables and any(s.dtype == torch.uint8 for s in stored):
-            tables[signed] = qmap(signed, params[0].device)
+        if signed not in books and any(s.dtype == torch.uint8 for s in stored):
+            books[signed] = codebook(signed, params[0].device)
     scalars = dict(_scalars(float(lr), float(step), beta1, beta2, weight_decay),
                    beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
     for run in _runs([piece[0].numel() for piece in pieces], RUN_NUMEL):
         run_pieces = pieces[run]
         if compiled is not None:   # [Note: the compact update compiled on CUDA]
-            run_pieces = run_pieces[compiled(run_pieces, tables.get(True), tables.get(False),
+            run_pieces = run_pieces[compiled(run_pieces, books.get(True), books.get(False),
                                              **scalars):]
         if run_pieces:
-            _adamw_run(run_pieces, tables.get(True), tables.get(False), **scalars)
+            _adamw_run(run_pieces, books.get(True), books.get(False), **scalars)
 
 
-def _adamw_run(pieces: list[tuple], m_table: torch.Tensor | None,
-               v_table: torch.Tensor | None, *, lr: float, decay: float,
+def _adamw_run(pieces: list[tuple], m_book: Codebook | None,
+               v_book: Codebook | None, *, lr: float, decay: float,
                bias_correction1: float, bias_correction2_sqrt: float, beta1: float,
                beta2: float, eps: float, maximize: bool) -> None:
     """:func:`adamw_step` of one run of pieces: torchao's ops, each over the run."""
@@ -483,8 +579,8 @@ def _adamw_run(pieces: list[tuple], m_table: torch.Tensor | None,
     g32, _, _ = _fp32(grads)               # gradients are not changed
     if maximize:
         g32 = torch._foreach_neg(g32)
-    m = _Moments(exp_avgs, m_table)
-    v = _Moments(exp_avg_sqs, v_table)
+    m = _Moments(exp_avgs, m_book)
+    v = _Moments(exp_avg_sqs, v_book)
     # p = p - lr * weight_decay * p
     torch._foreach_sub_(p32, torch._foreach_mul(p32, decay))
     torch._foreach_lerp_(m.values, g32, 1 - beta1)

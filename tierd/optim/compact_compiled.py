@@ -3,26 +3,24 @@
 [Note: the compact update compiled on CUDA]
 Eager, the compact update is some 35 elementwise ops per run of pieces
 ([Note: a compact update is a few dozen launches] in tierd.optim.compact),
-each reading and writing fp32 temporaries of the whole run, and 8-bit
-quantization adds a binary search per element. That is memory traffic of
-~300 B per parameter: on the H200 a 13B Llama kept whole on the GPU with
-``state="8bit", master="bf16"`` stepped in 4.1 s against 2.0 s for exact
-AdamW streaming part of its state (bigmodel at 00b24c9), ~2 s of it the
-update. torchao runs its ``single_param_adam`` under ``torch.compile``
-for this reason; here each piece's update (dequantize, the AdamW math,
-quantize or round, in the same order as the eager ops) is one
-``torch.compile``d function over 1-D pieces with dynamic sizes, so a
-model compiles a handful of graphs (one per combination of stored forms)
-and each piece reads its stored bytes once and writes them once. The
-per-step scalars travel as one small tensor on the device (a Python float
-would be a constant of the graph, and a new ``lr`` or step count a
-recompile). Results are the eager ops' values up to the fusion's rounding
-(inductor may fuse and reorder fp32 arithmetic), which tests/optim checks
-within a few ulps on the CPU's inductor; the stochastic rounding draws from
-inductor's Philox stream, not the eager generator's. Where compiling fails
-(no compiler backend) the eager update runs, with one warning; it also
-runs inside a graph being compiled, and on the CPU, where the eager ops
-are torchao's bit for bit.
+each reading and writing fp32 temporaries of the whole run: memory traffic
+of hundreds of bytes per parameter, where the stored state is 10 to 28.
+torchao runs its ``single_param_adam`` under ``torch.compile`` for this
+reason; here each piece's update (dequantize, the AdamW math, quantize or
+round, in the same order as the eager ops) is one ``torch.compile``d
+function over 1-D pieces with dynamic sizes, so a model compiles a handful
+of graphs (one per combination of stored forms) and each piece reads its
+stored bytes once and writes them once, in place from inside the graph
+(only an 8-bit moment's block scales come back, 1/256 of its elements,
+since their bytes need not be fp32-aligned). The per-step scalars travel as
+one small tensor on the device (a Python float would be a constant of the
+graph, and a new ``lr`` or step count a recompile). Results are the eager
+ops' values up to the fusion's rounding (inductor may fuse and reorder fp32
+arithmetic), which tests/optim checks within a few ulps on the CPU's
+inductor; the stochastic rounding draws from inductor's Philox stream, not
+the eager generator's. Where compiling fails (no compiler backend) the
+eager update runs, with one warning; it also runs inside a graph being
+compiled, and on the CPU, where the eager ops are torchao's bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import logging
 
 import torch
 
-from tierd.optim.compact import BLOCK, Moment, _float32
+from tierd.optim.compact import BLOCK, Codebook, Moment, nearest_codes
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +51,35 @@ def scalars_on(device: torch.device, lr: float, decay: float, bias_correction1: 
                         dtype=torch.float32, device=device)
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return (table[codes.int()].view(-1, BLOCK) * scale.view(-1, 1)).view(-1)
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return (values[codes.int()].view(-1, BLOCK) * scale.view(-1, 1)).view(-1)
 
 
-def _quantize(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, book: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
     """tierd.optim.compact.quantize_blockwise's ops, on a 1-D ``x``."""
     blocks = x.view(-1, BLOCK)
     scale = blocks.abs().amax(-1).clip(1e-12)
     scaled = (blocks / scale.view(-1, 1)).view(-1)
-    codes = (torch.searchsorted(table, scaled, right=True, out_int32=True) - 1).clip(min=0)
-    up = (codes + 1).clip(max=255)
-    low, high = table[codes], table[up]
-    codes = torch.where(scaled - low >= (high - low) * 0.5, up, codes)
-    return codes.to(torch.uint8), scale
+    return nearest_codes(scaled, book), scale
 
 
-def _load(moment, table):
+def _load(moment, book: Codebook | None):
     if isinstance(moment, tuple):
-        return _dequantize(moment[0], moment[1], table)
+        return _dequantize(moment[0], moment[1], book.values)
     return moment.float()
 
 
-def _stored(value: torch.Tensor, moment, table):
-    """``value`` in ``moment``'s stored form: (codes, scale) or a tensor."""
+def _store(value: torch.Tensor, moment, book: Codebook | None):
+    """Write ``value`` into ``moment`` in its stored form, in place: a
+    tensor, or the codes of (codes, scales); returns the new block scales of
+    an 8-bit moment (the caller writes their bytes, which need not be
+    fp32-aligned), else None."""
     if isinstance(moment, tuple):
-        return _quantize(value, table)
-    return value.to(moment.dtype)
+        codes, scale = _quantize(value, book)
+        moment[0].copy_(codes)
+        return scale
+    moment.copy_(value)
+    return None
 
 
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -91,40 +91,35 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32).bfloat16()
 
 
-def _piece(param, grad, exp_avg, exp_avg_sq, m_table, v_table, scalars, *, beta1: float,
+def _piece(param, grad, exp_avg, exp_avg_sq, m_book, v_book, scalars, *, beta1: float,
            beta2: float, eps: float, maximize: bool):
-    """One piece's update (tierd.optim.compact._adamw_run's ops, in order):
-    the new param, exp_avg and exp_avg_sq in their stored forms."""
+    """One piece's update (tierd.optim.compact._adamw_run's ops, in order),
+    written in place: ``param``, and ``exp_avg`` and ``exp_avg_sq`` in their
+    stored forms; returns the moments' new block scales (None for a moment
+    that has none). Writing inside the graph lets inductor store each result
+    from the kernel that makes it, where returning new tensors cost a copy
+    kernel of each (three more reads and writes of the piece)."""
     lr, decay, bias_correction1, bias_correction2_sqrt = scalars.unbind()
     p = param.float()
     g = grad.float()
     if maximize:
         g = -g
-    m = _load(exp_avg, m_table)
-    v = _load(exp_avg_sq, v_table)
+    m = _load(exp_avg, m_book)
+    v = _load(exp_avg_sq, v_book)
     p = p - p * decay
     m = m.lerp(g, 1 - beta1)
     v = v.lerp(g * g, 1 - beta2)
     denom = v.sqrt() / bias_correction2_sqrt + eps
     p = p - m / bias_correction1 * lr / denom
-    new_p = _round_bf16(p) if param.dtype == torch.bfloat16 else p
-    return new_p, _stored(m, exp_avg, m_table), _stored(v, exp_avg_sq, v_table)
+    param.copy_(_round_bf16(p) if param.dtype == torch.bfloat16 else p)
+    return _store(m, exp_avg, m_book), _store(v, exp_avg_sq, v_book)
 
 
 _compiled_piece = torch.compile(_piece, dynamic=True)
 
 
-def _write(stored: Moment, new) -> None:
-    if isinstance(stored, tuple):
-        codes, raw = stored
-        codes.copy_(new[0])
-        raw.copy_(new[1].view(torch.uint8))
-    else:
-        stored.copy_(new)
-
-
-def adamw_pieces(pieces: list[tuple], m_table: torch.Tensor | None,
-                 v_table: torch.Tensor | None, *, lr: float, decay: float,
+def adamw_pieces(pieces: list[tuple], m_book: Codebook | None,
+                 v_book: Codebook | None, *, lr: float, decay: float,
                  bias_correction1: float, bias_correction2_sqrt: float, beta1: float,
                  beta2: float, eps: float, maximize: bool) -> int:
     """Update ``pieces`` ((param, grad, exp_avg, exp_avg_sq) 1-D views, an
@@ -134,31 +129,30 @@ def adamw_pieces(pieces: list[tuple], m_table: torch.Tensor | None,
     ([Note: the compact update compiled on CUDA])."""
     device = pieces[0][0].device
     scalars = scalars_on(device, lr, decay, bias_correction1, bias_correction2_sqrt)
-    empty = torch.empty(0, dtype=torch.float32, device=device)
-    tables = (m_table if m_table is not None else empty, v_table if v_table is not None else empty)
     for done, (param, grad, exp_avg, exp_avg_sq) in enumerate(pieces):
         if _broken:
             return done
         try:
-            new = _compiled_piece(param, grad, _as_float_scales(exp_avg),
-                                  _as_float_scales(exp_avg_sq), *tables, scalars,
-                                  beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
+            scales = _compiled_piece(param, grad, _as_float_scales(exp_avg),
+                                     _as_float_scales(exp_avg_sq), m_book, v_book, scalars,
+                                     beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
         except Exception as exc:   # noqa: BLE001 - a backend's failure: eager from here on
             _broken.append(f"{type(exc).__name__}: {exc}")
             log.warning("tierd: the compact AdamW update could not be compiled (%s); it "
                         "runs as eager ops from now on, slower", _broken[0].splitlines()[0])
             return done
-        param.copy_(new[0])
-        _write(exp_avg, new[1])
-        _write(exp_avg_sq, new[2])
+        for moment, scale in zip((exp_avg, exp_avg_sq), scales):
+            if scale is not None:
+                moment[1].copy_(scale.view(torch.uint8))
     return len(pieces)
 
 
 def _as_float_scales(moment: Moment):
-    """An 8-bit moment's (codes, fp32 scales), the scales' bytes read as fp32
-    (a view where aligned; :func:`_write` writes the raw bytes either way);
-    other moments as they are."""
+    """An 8-bit moment's (codes, fp32 scales): the scales' bytes copied out
+    as fp32 (1/256 of the moment's elements). Never a view: the codes are
+    written in the graph, and aot_autograd refuses a mutated input whose
+    storage another input views as another dtype. Other moments as they are."""
     if not isinstance(moment, tuple):
         return moment
     codes, raw = moment
-    return codes, _float32(raw)
+    return codes, raw.clone().view(torch.float32)
