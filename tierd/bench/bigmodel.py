@@ -41,6 +41,10 @@ several, comma-separated, are rows of their own, recorded with the setting
         --optimizer-state fp32,8bit-bf16 --timeout 260 --budget-s 540
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models L156 --batch 1 \
         --optimizer-state 8bit-bf16 --warmup 1 --steps 2 --timeout 520 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --systems allgpu --models 13B-L8 --batch 4 \
+        --disk-probe-gib 0 --timeout 90     # the 13B rows' compute floor (~40 s)
+    python -m tierd.bench.bigmodel --out DIR --systems allgpu --models L8 --batch 1 \
+        --disk-probe-gib 0 --timeout 60     # and L156's (~20 s)
 
 The first is the speed pair at 13B, side by side (the fp32 row at commit
 dc858ac: 2.52 s steps at B=4, 3,249 tokens/s, 185 s for the attempt, with
