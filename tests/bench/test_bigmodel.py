@@ -466,9 +466,13 @@ def test_the_compact_device_commands_fit_one_call_each():
     doc = bigmodel.__doc__
     text = doc[doc.index("Compact optimizer state"):doc.index("Each tierd row says")]
     lines = text.replace("\\\n", " ").splitlines()
-    commands = [line.split("python -m tierd.bench.bigmodel ")[1].split() for line in lines
-                if "python -m tierd.bench.bigmodel " in line]
-    speed, largest = (bigmodel.parse_args(c) for c in commands)
+    commands = [line.split("python -m tierd.bench.bigmodel ")[1].split("#")[0].split()
+                for line in lines if "python -m tierd.bench.bigmodel " in line]
+    speed, largest, *refs = (bigmodel.parse_args(c) for c in commands)
+    # each row's compute floor: an all-GPU model of its width at its batch
+    assert [(shape_of(r.models[0]).hidden, r.batches["allgpu"]) for r in refs] == [
+        (shape_of(row.models[0]).hidden, row.batches["tierd"]) for row in (speed, largest)]
+    assert all(r.systems == ["allgpu"] and r.timeout <= 90 for r in refs)
     assert speed.models == ["13B"] and speed.optimizer_states == ["fp32", "8bit-bf16"]
     assert largest.optimizer_states == ["8bit-bf16"]
     assert shape_of(largest.models[0]).params >= 35e9
