@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, subprocess_env
 from tierd.bench import bigmodel, bigmodel_results
@@ -406,6 +407,27 @@ def test_tierd_rows_of_each_optimizer_state_sit_side_by_side(tmp_path):
     assert result["largest_tierd"] == {"fp32": tiny.params, "8bit-bf16": tiny.params}
 
 
+def test_rows_without_checkpointing_sit_beside_the_checkpointed_ones(tmp_path):
+    """``--checkpointing off`` (compact state's freed memory can hold the
+    activations instead of recomputing them): its rows are their own, each
+    with its own log, and take a compute floor only from an all-GPU row
+    that did not checkpoint either."""
+    from tierd.bench import bigmodel_floor
+    from tierd.bench.bigmodel_models import build
+    assert build(shape_of("tiny"), 32, "cpu", torch.float32).is_gradient_checkpointing
+    assert not build(shape_of("tiny"), 32, "cpu", torch.float32, False).is_gradient_checkpointing
+    bench(tmp_path, "--tiny", "--systems", "tierd,allgpu")
+    bench(tmp_path, "--tiny", "--systems", "tierd,allgpu", "--checkpointing", "off")
+    rows = json.loads((tmp_path / "bigmodel.json").read_text())["rows"]
+    assert [(r["system"], r["checkpointing"], r["error"]) for r in rows] == [
+        ("tierd", True, None), ("allgpu", True, None), ("tierd", False, None),
+        ("allgpu", False, None)]
+    assert len({r["log"] for r in rows}) == 4
+    for r in rows[::2]:
+        ref = bigmodel_floor.compute_reference(r, rows)
+        assert ref["checkpointing"] == r["checkpointing"]
+
+
 def test_merge_keys_rows_by_model_system_and_optimizer_state():
     def r(state, error=None, **extra):
         row = {"model": "13B", "system": "tierd", "params": shape_of("13B").params,
@@ -468,15 +490,22 @@ def test_the_compact_device_commands_fit_one_call_each():
     lines = text.replace("\\\n", " ").splitlines()
     commands = [line.split("python -m tierd.bench.bigmodel ")[1].split("#")[0].split()
                 for line in lines if "python -m tierd.bench.bigmodel " in line]
-    speed, largest, *refs = (bigmodel.parse_args(c) for c in commands)
-    # each row's compute floor: an all-GPU model of its width at its batch
-    assert [(shape_of(r.models[0]).hidden, r.batches["allgpu"]) for r in refs] == [
-        (shape_of(row.models[0]).hidden, row.batches["tierd"]) for row in (speed, largest)]
-    assert all(r.systems == ["allgpu"] and r.timeout <= 90 for r in refs)
+    calls = [bigmodel.parse_args(c) for c in commands]
+    rows = [c for c in calls if c.systems == ["tierd"]]
+    refs = [c for c in calls if c.systems == ["allgpu"]]
+    speed, largest, unrecomputed = rows
+    assert not unrecomputed.checkpointing and unrecomputed.models == speed.models
+    assert set(unrecomputed.optimizer_states) == set(speed.optimizer_states)
+    # each row's compute floor: an all-GPU model of its width at its batch, checkpointed
+    # as it is
+    assert [(shape_of(r.models[0]).hidden, r.batches["allgpu"], r.checkpointing)
+            for r in refs] == [(shape_of(row.models[0]).hidden, row.batches["tierd"],
+                                row.checkpointing) for row in (speed, largest, unrecomputed)]
+    assert all(r.timeout <= 90 for r in refs)
     assert speed.models == ["13B"] and speed.optimizer_states == ["fp32", "8bit-bf16"]
     assert largest.optimizer_states == ["8bit-bf16"]
     assert shape_of(largest.models[0]).params >= 35e9
-    for args in (speed, largest):
-        assert args.systems == ["tierd"] and args.budget_s <= 540   # under 9 minutes
+    for args in rows:
+        assert args.budget_s <= 540   # under 9 minutes
         # every attempt of the call starts within the budget
         assert len(args.models) * len(args.optimizer_states) * args.timeout <= args.budget_s

@@ -35,7 +35,8 @@ Compact optimizer state (issue 34): ``--optimizer-state`` gives tierd's rows
 with the settings of ``tierd.bench.compact`` (fp32, bf16, 8bit, 8bit-bf16);
 several, comma-separated, are rows of their own, recorded with the setting
 (``optimizer_state``) and the bytes it keeps at rest per trained parameter
-(``bytes_per_param``). Two calls, each under 9 minutes:
+(``bytes_per_param``). Calls of under 9 minutes each (the compute references
+under 2):
 
     python -m tierd.bench.bigmodel --out DIR --systems tierd --models 13B --batch 4 \
         --optimizer-state fp32,8bit-bf16 --timeout 260 --budget-s 540
@@ -67,6 +68,17 @@ With fp32 gradients that step needed 6 B per parameter, 210 GB, and L96
 step 1.5-3 minutes (70 GB read in each direction of the model, checkpointed,
 70 GB of gradients written, ~30 GB of it past the pool), then steps of
 ~10-30 s with ~28B parameters resident.
+
+Exact AdamW at 13B already steps near its compute floor (the state it
+streams hides under the backward), so what compact state frees is memory:
+enough, at 13B, for the activations of every layer (``--checkpointing
+off``: no recompute, a quarter less compute), which exact state cannot
+also keep on the GPU. Each setting at each choice is a row of its own:
+
+    python -m tierd.bench.bigmodel --out DIR --systems tierd --models 13B --batch 4 \
+        --optimizer-state 8bit-bf16,fp32 --checkpointing off --timeout 260 --budget-s 540
+    python -m tierd.bench.bigmodel --out DIR --systems allgpu --models 13B-L8 --batch 4 \
+        --checkpointing off --disk-probe-gib 0 --timeout 90   # their compute floor
 
 Each tierd row says its floor ([Note: a row's floor] in
 ``tierd.bench.bigmodel_floor``): ``floor_s``, ``binding`` (compute, pcie or
@@ -108,7 +120,7 @@ buffer included).
 
 ``DIR/bigmodel.json``: ``{"commit", "device", "rows": [{"model", "system",
 "params", "batch", "tokens_per_s", "tflops", "peak_gpu_gb", "peak_host_gb",
-"error", "optimizer_state", ...}], "largest": {"tierd", "deepspeed", "fsdp2"},
+"error", "optimizer_state", "checkpointing", ...}], "largest": {"tierd", "deepspeed", "fsdp2"},
 "largest_tierd": {setting: params}}`` (``largest``: the parameters of the
 largest model each system completed with fp32 AdamW, None if none;
 ``largest_tierd``: tierd's per optimizer state). An existing file is merged
@@ -163,11 +175,11 @@ def best_batch(system: str, model: str, args, attempt, optimizer_state: str = "f
         if timeout is None:
             notes.append(f"B={batch}: not run, the call's --budget-s was spent")
             return results.not_run(model, system, args.seq, "not run: the call's --budget-s "
-                                   "was spent", notes, optimizer_state)
+                                   "was spent", notes, optimizer_state, args.checkpointing)
         spec = RunSpec(system=system, model=model, batch=batch, seq=args.seq,
                        warmup=args.warmup, steps=args.steps, device=args.device,
                        tierd_pool_bytes=args.tierd_pool, tierd_nvme_bytes=args.tierd_nvme,
-                       optimizer_state=optimizer_state)
+                       optimizer_state=optimizer_state, checkpointing=args.checkpointing)
         raw = attempt(spec, timeout)
         row = results.row(spec, raw, args.commit, notes, args.disk)
         print(results.line(row), flush=True)
@@ -290,6 +302,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"comma-separated, each a row of its own: {', '.join(OPTIMIZER_STATES)} "
                     "(as tierd.bench.compact; default fp32, exact AdamW). The other systems "
                     "keep their fp32 AdamW")
+    ap.add_argument("--checkpointing", choices=("on", "off"), default="on",
+                    help="activation checkpointing of every layer, for every system of the "
+                    "call (default on; off keeps activations for backward: no recompute, "
+                    "more memory); rows of each sit side by side")
     ap.add_argument("--compute-ref", default=None, metavar="MODEL", help="first run the "
                     "all-GPU reference (system allgpu) on MODEL at each of tierd's batches: "
                     "its row gives the compute part of tierd rows' floors at that width "
@@ -362,6 +378,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.tierd_nvme is not None and args.tierd_pool is None:
         raise ValueError("--tierd-nvme-gib needs --tierd-pool-gib (the daemon is started "
                          "with both, or with neither by tierd itself)")
+    args.checkpointing = args.checkpointing == "on"
     args.budget = Budget(args.budget_s)
     args.disk = None   # the probe's figures, once main has run it
     args.commit = args.commit or _git_commit()

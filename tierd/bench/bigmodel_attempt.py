@@ -71,7 +71,9 @@ def run_attempt(spec: RunSpec, watch: Watch, timeout_s: float | None = None) -> 
     plus ``peak_host_gb``, ``wall_s``, ``log`` and ``killed`` (why the parent
     ended it, or None)."""
     watch.log_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{spec.model}-{spec.system}-B{spec.batch}"
+    setting = "" if spec.optimizer_state == "fp32" else f"-{spec.optimizer_state}"
+    recompute = "" if spec.checkpointing else "-no-ckpt"
+    stem = f"{spec.model}-{spec.system}{setting}{recompute}-B{spec.batch}"
     log = watch.log_dir / f"{stem}.log"
     scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{stem}-",
                                     dir=_mkdir(watch.cache_root)))

@@ -97,11 +97,13 @@ def must_cross(store_bytes: int, pool_bytes: int) -> int:
 
 
 def compute_reference(row: dict, rows: list[dict]) -> dict | None:
-    """The ``allgpu`` row that gives ``row``'s compute: same width, sequence
-    and batch, completed; the one with the most layers."""
+    """The ``allgpu`` row that gives ``row``'s compute: same width, sequence,
+    batch and checkpointing (a layer's recompute is a third more work),
+    completed; the one with the most layers."""
     refs = [r for r in rows if r["system"] == "allgpu" and r["error"] is None
             and r.get("step_s") and (r["hidden"], r["seq"], r["batch"])
-            == (row["hidden"], row["seq"], row["batch"])]
+            == (row["hidden"], row["seq"], row["batch"])
+            and r.get("checkpointing", True) == row.get("checkpointing", True)]
     return max(refs, key=lambda r: r["layers"], default=None)
 
 

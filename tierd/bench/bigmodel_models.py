@@ -106,8 +106,11 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def checkpointed(model):
-    """Activation checkpointing on, as every system of the benchmark runs it."""
+def checkpointed(model, on: bool = True):
+    """Activation checkpointing on, as every system of the benchmark runs it
+    by default (``on=False``: off, ``--checkpointing off``); the model in train mode."""
+    if not on:
+        return model.train()
     kwargs = {"use_reentrant": False}
     enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.x
     if enable is not None:
@@ -117,21 +120,22 @@ def checkpointed(model):
     return model.train()
 
 
-def build(shape: Shape, seq: int, device: torch.device | str, dtype: torch.dtype):
+def build(shape: Shape, seq: int, device: torch.device | str, dtype: torch.dtype,
+          checkpointing: bool = True):
     """A randomly initialised ``LlamaForCausalLM`` of ``shape``, built on ``device``."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(llama_config(shape, seq))
-    return checkpointed(model)
+    return checkpointed(model, checkpointing)
 
 
-def build_meta(shape: Shape, seq: int):
+def build_meta(shape: Shape, seq: int, checkpointing: bool = True):
     """The model on the meta device (no memory), fp32: FSDP2's starting point."""
     from transformers import LlamaForCausalLM
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(shape, seq))
-    return checkpointed(model)
+    return checkpointed(model, checkpointing)
 
 
 @torch.no_grad()

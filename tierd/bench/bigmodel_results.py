@@ -18,22 +18,25 @@ ROW_KEYS = ("model", "system", "params", "batch", "tokens_per_s", "tflops", "pea
             "peak_host_gb", "error")
 
 
-def _base(model: str, system: str, seq: int, optimizer_state: str) -> dict:
+def _base(model: str, system: str, seq: int, optimizer_state: str,
+          checkpointing: bool = True) -> dict:
     shape = shape_of(model)
     return {"model": model, "system": system, "optimizer_state": optimizer_state,
-            "params": shape.params, "layers": shape.layers, "hidden": shape.hidden,
+            "checkpointing": checkpointing, "params": shape.params, "layers": shape.layers, "hidden": shape.hidden,
             "seq": seq, "flops_per_token": shape.flops_per_token(seq)}
 
 
-def key(r: dict) -> tuple[str, str, str, int | None]:
+def key(r: dict) -> tuple[str, str, str, int | None, bool]:
     """What a row is of: model, system, optimizer state (rows written before
-    the setting was recorded were fp32) and, for the all-GPU compute
-    references only, the batch (a reference is per batch:
-    ``bigmodel_floor.compute_reference``; a system's row is its best batch).
+    the setting was recorded were fp32), for the all-GPU compute references
+    only the batch (a reference is per batch:
+    ``bigmodel_floor.compute_reference``; a system's row is its best batch),
+    and whether layers were checkpointed (rows before it was recorded were).
     A new row replaces only the row with the same key, so settings of one
     model, and references at several batches, sit side by side."""
     batch = r.get("batch") if r["system"] == "allgpu" else None
-    return r["model"], r["system"], r.get("optimizer_state") or "fp32", batch
+    return (r["model"], r["system"], r.get("optimizer_state") or "fp32", batch,
+            r.get("checkpointing", True))
 
 
 def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
@@ -41,7 +44,7 @@ def row(spec: RunSpec, raw: dict, commit: str | None, notes: list[str],
     """The row of one attempt from what its worker wrote and its parent saw;
     ``disk``: the call's probe of the NVMe disk (``tierd.bench.nvme.mixed_probe``),
     for tierd's floor ([Note: a row's floor] in tierd.bench.bigmodel_floor)."""
-    base = _base(spec.model, spec.system, spec.seq, spec.optimizer_state)
+    base = _base(spec.model, spec.system, spec.seq, spec.optimizer_state, spec.checkpointing)
     times = raw.get("step_s") or []
     measured = times[spec.warmup:]
     ok = bool(raw.get("done")) and raw.get("error") is None and raw.get("killed") is None \
@@ -100,11 +103,12 @@ def _error(raw: dict, spec: RunSpec) -> str:
 
 
 def not_run(model: str, system: str, seq: int, why: str, notes: list[str],
-            optimizer_state: str = "fp32") -> dict:
+            optimizer_state: str = "fp32", checkpointing: bool = True) -> dict:
     """A row for an attempt that never started; it does not replace a measured row."""
     return {"model": model, "system": system, "params": shape_of(model).params, "batch": None,
             "tokens_per_s": None, "tflops": None, "peak_gpu_gb": None, "peak_host_gb": None,
-            "error": why, **_base(model, system, seq, optimizer_state), "notes": list(notes),
+            "error": why, **_base(model, system, seq, optimizer_state, checkpointing),
+            "notes": list(notes),
             "not_run": True}
 
 
@@ -171,10 +175,12 @@ def _fmt(value, spec: str) -> str:
 
 
 def _what(r: dict) -> str:
-    """Model, system (with its optimizer state unless fp32) and batch."""
+    """Model, system (with its optimizer state unless fp32, and no-ckpt where
+    layers were not checkpointed) and batch."""
     state = key(r)[2]
     system = r["system"] if state == "fp32" else f"{r['system']}/{state}"
-    return f"{r['model']:>6} {system:>9} B={r['batch']}"
+    recompute = "" if key(r)[4] else " no-ckpt"
+    return f"{r['model']:>6} {system:>9}{recompute} B={r['batch']}"
 
 
 def line(r: dict) -> str:
@@ -211,7 +217,8 @@ def table(rows: list[dict], this_call: list[dict]) -> str:
            f"{'binding':>7} {'x floor':>7} {'NVMe r GB':>9} {'w GB':>6}  error"]
     for r in rows:
         mark = "*" if key(r) in keys else " "
-        out.append(f"{mark} {r['model']:>6} {r['system']:>9} {key(r)[2]:>9} "
+        state = key(r)[2] if key(r)[4] else f"{key(r)[2]} no-ckpt"
+        out.append(f"{mark} {r['model']:>6} {r['system']:>9} {state:>9} "
                    f"{r['params'] / 1e9:6.2f}B "
                    f"{_fmt(r['batch'], '3d')} {_fmt(r['tokens_per_s'], '9.0f')} "
                    f"{_fmt(r['tflops'], '7.1f')} {_fmt(r['peak_gpu_gb'], '7.1f')} "

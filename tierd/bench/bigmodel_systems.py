@@ -66,6 +66,9 @@ class RunSpec:
     #: tierd's AdamW state, a name of ``tierd.bench.compact.SETTINGS`` (the
     #: others keep their own fp32 AdamW)
     optimizer_state: str = "fp32"
+    #: activation checkpointing of every layer (off: activations kept for
+    #: backward, no recompute)
+    checkpointing: bool = True
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -111,7 +114,7 @@ def setup_tierd(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
     setting = tierd.optim.CompactState(state=state, master=master)
     notes: list[str] = []
     mark("build")
-    model = build(shape, spec.seq, device, BF16)
+    model = build(shape, spec.seq, device, BF16, spec.checkpointing)
     options = {}
     if spec.tierd_pool_bytes is not None:
         mark("daemon")
@@ -206,7 +209,7 @@ def setup_deepspeed(spec: RunSpec, shape: Shape, device: torch.device, mark: Mar
     mark("build in zero.Init")
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = LlamaForCausalLM(llama_config(shape, spec.seq))
-    model = checkpointed(model)
+    model = checkpointed(model, spec.checkpointing)
     mark("deepspeed.initialize")
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=cfg)
@@ -236,7 +239,7 @@ def setup_fsdp2(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) -
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (1,))
     mark("fully_shard on meta")
-    model = build_meta(shape, spec.seq)
+    model = build_meta(shape, spec.seq, spec.checkpointing)
     policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=BF16,
                                                             reduce_dtype=torch.float32),
                   offload_policy=CPUOffloadPolicy(pin_memory=cuda))
@@ -298,7 +301,7 @@ def setup_allgpu(spec: RunSpec, shape: Shape, device: torch.device, mark: Mark) 
     """The floor's compute reference: fp32 on the compute device, bf16
     autocast, torch AdamW (fused on CUDA), checkpointing as every system."""
     mark("build")
-    model = build(shape, spec.seq, device, torch.float32)
+    model = build(shape, spec.seq, device, torch.float32, spec.checkpointing)
     mark("optimizer")
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, **fused)
