@@ -62,6 +62,12 @@ class AttachConfig:
     #: in ``tierd.updates.fused``). 0 (the default): none; None: on CUDA the
     #: fused optimizer's fetch window (twice its ``prefetch_bytes``), on the CPU 0.
     deferred_write_bytes: int | None = 0
+    #: The share (in [0, 1)) of the optimizer state that streams through the
+    #: device for its update whose update waits for the next forward, which
+    #: moves it while the forward computes instead of in the backward
+    #: ([Note: updates before the next forward] in ``tierd.updates.forward``).
+    #: None: a quarter on CUDA, none on the CPU; 0: every update in backward.
+    forward_update_share: float | None = None
     #: When the model's values exceed the daemon's pool, tell the daemon the
     #: step's order of use so it reads the units it cannot keep from NVMe
     #: ahead of their use and evicts the one used farthest ahead ([Note: the
@@ -128,6 +134,11 @@ class AttachConfig:
         if self.deferred_write_bytes is not None:
             object.__setattr__(self, "deferred_write_bytes",
                                _bytes("deferred_write_bytes", self.deferred_write_bytes))
+        share = self.forward_update_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 <= share < 1):
+            raise ValueError(f"forward_update_share={share!r} must be a number in [0, 1) "
+                             "(or None: a quarter on CUDA, none on the CPU)")
         if isinstance(self.gpu_memory_bytes, str):
             object.__setattr__(self, "gpu_memory_bytes",
                                _bytes("gpu_memory_bytes", self.gpu_memory_bytes))

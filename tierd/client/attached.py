@@ -266,6 +266,17 @@ class AttachSession:
     def post_forward(self, unit: Unit) -> None:
         self.mover.release_after_forward(unit, current_graph_task())
 
+    def forward_waits(self) -> set[int]:
+        """[Note: updates before the next forward] in tierd.updates.forward."""
+        return set().union(*(opt.in_forward.units() for opt in self.optimizers))
+
+    def waits_for_update(self, unit: Unit) -> bool:
+        return any(opt.in_forward.waits(unit.index) for opt in self.optimizers)
+
+    def update_before_forward(self, unit: Unit) -> None:
+        for opt in self.optimizers:
+            opt.in_forward.before_unit(unit.index)
+
     def gradient_arrives(self) -> None:
         """Before autograd accumulates a gradient: the views come off
         ([Note: gradients users touch] in tierd.client.grad_view)."""

@@ -228,6 +228,15 @@ class CopyStream:
         with torch.cuda.stream(self._update):
             yield
 
+    def record_update(self) -> InflightCopy:
+        """The updates queued so far, as a hand-off the compute stream can
+        :meth:`wait` for (no event on the CPU, where they ran already)."""
+        if self._update is None:
+            return InflightCopy((), (), (), None)
+        event = torch.cuda.Event()
+        event.record(self._update)
+        return InflightCopy((), (), (), event)
+
     def join_updates(self) -> None:
         """The compute stream waits for every update queued (no host blocking)."""
         if self._update is not None:

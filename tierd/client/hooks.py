@@ -11,7 +11,10 @@ blocks] in ``tierd.client.registry``): the root module's pre-hook begins a
 step; a unit's pre-hook fetches it and puts its compute tensors into its
 modules, its post-hook puts the tensors for between uses back and registers
 its pre-backward. A unit placed whole on the device has no hook at all
-(:meth:`ModuleHooks.sync`): its modules hold plain parameters for good.
+(:meth:`ModuleHooks.sync`): its modules hold plain parameters for good,
+unless an optimizer update of it waits for its forward ([Note: updates
+before the next forward] in ``tierd.updates.forward``): its pre-hook then waits
+for that update and puts the parameters back.
 
 [Note: hooks under torch.compile]
 Hook bodies move storage, take leases and read clocks: dynamo cannot trace
@@ -145,16 +148,20 @@ class ModuleHooks:
         again ([Note: hooks under torch.compile]). Returns the units hooked
         now."""
         changed, hooked_now = False, set()
+        # a unit kept whole whose optimizer update waits for its forward
+        # ([Note: updates before the next forward] in tierd.updates.forward)
+        waits = self._events.forward_waits()
         for unit in self._registry.units:
             hooked = unit.index in self._unit_handles
-            if unit.params and not hooked:
+            wanted = bool(unit.params) or unit.index in waits
+            if wanted and not hooked:
                 module = self._registry.unit_modules[unit.index]
                 self._unit_handles[unit.index] = (
                     module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                     module.register_forward_hook(self._post_forward, always_call=True))
                 changed = True
                 hooked_now.add(unit.index)
-            elif not unit.params and hooked:
+            elif not wanted and hooked:
                 for handle in self._unit_handles.pop(unit.index):
                     handle.remove()
                 changed = True
@@ -233,7 +240,10 @@ class ModuleHooks:
     def _enter(self, module: nn.Module) -> None:
         t0 = time.perf_counter()
         unit = self._registry.unit_of[id(module)]
+        if self._events.waits_for_update(unit):
+            self._events.update_before_forward(unit)
         if not unit.params:   # placed whole by this step's placement, its hook still called
+            self._counters.hook_seconds += time.perf_counter() - t0
             return
         self._events.pre_forward(unit)
         depth = self._depth.get(unit.index, 0)

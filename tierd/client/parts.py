@@ -30,6 +30,16 @@ class StepEvents(Protocol):
     def post_forward(self, unit: Any) -> None:
         """A forward of ``unit`` ended."""
 
+    def forward_waits(self) -> set[int]:
+        """Units (indices) whose forward may have to wait for an optimizer
+        update first: they need a pre-forward hook even when kept whole."""
+
+    def waits_for_update(self, unit: Any) -> bool:
+        """An optimizer update of ``unit`` waits for its forward, beginning now."""
+
+    def update_before_forward(self, unit: Any) -> None:
+        """Run (or wait for) the updates :meth:`waits_for_update` found."""
+
     def pre_backward(self, unit: Any) -> None:
         """The first gradient of ``unit``'s outputs arrived."""
 

@@ -404,6 +404,15 @@ class ParamRegistry:
             if not tp.resident:
                 module._parameters[attr] = tp.param if running else tp.outside
 
+    def reinstall(self, tps: list[TieredParam]) -> None:
+        """Put into every module holding one of ``tps`` its tensor for between
+        uses (``TieredParam.between_uses``: it changed)."""
+        changed = set(tps)
+        for holders in self._unit_holders:
+            for module, attr, tp in holders:
+                if tp in changed:
+                    module._parameters[attr] = tp.between_uses
+
     def members(self, unit: Unit) -> tuple[TieredParam, ...]:
         """Every parameter of ``unit``, resident ones included."""
         return self._members[unit.index]
@@ -418,11 +427,8 @@ class ParamRegistry:
                 tp.make_resident(values[tp.key])
             else:
                 tp.make_streamed()
+        self.reinstall(tps)
         changed = set(tps)
-        for holders in self._unit_holders:
-            for module, attr, tp in holders:
-                if tp in changed:
-                    module._parameters[attr] = tp.between_uses
         for unit in list(self.units):
             if changed.intersection(self._members[unit.index]):
                 self._rebuild(unit.index)

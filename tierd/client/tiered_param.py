@@ -218,6 +218,10 @@ class TieredParam:
         # False: resident, and its device copy is its only copy ([Note: frozen
         # weights kept only on the device] in tierd.client.placer)
         self.in_store = True
+        # resident, and an optimizer update of it waits for its unit's next
+        # forward: its modules hold ``outside`` meanwhile ([Note: updates
+        # before the next forward] in tierd.updates.forward)
+        self.update_waits = False
         # IN_POOL: the 0-dim L2 norm of the gradient there (global clipping)
         self.grad_norm: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Mover.free_task).
@@ -295,9 +299,11 @@ class TieredParam:
 
     @property
     def between_uses(self) -> torch.Tensor:
-        """The tensor the modules hold between uses: ``param`` when resident,
-        else ``outside`` ([Note: the two tensors of a parameter])."""
-        return self.param if self.resident else self.outside
+        """The tensor the modules hold between uses: ``param`` when resident
+        and no update of it waits for the next forward ([Note: updates before
+        the next forward] in tierd.updates.forward), else ``outside`` ([Note:
+        the two tensors of a parameter])."""
+        return self.param if self.resident and not self.update_waits else self.outside
 
     @property
     def value_key(self) -> str:

@@ -37,6 +37,13 @@ class BucketState(enum.Enum):
     UPDATING: a CPU bucket (``cpu``) whose update runs on a host thread, in
         place in the pool: its keys are leased until the thread is done, and
         nothing may read its master, moments or compute copy before that.
+    PENDING: every gradient the updating backward gave its parameters is
+        final and held on the device by the fused updater; the update waits
+        for the next forward of the bucket's unit, or for anything that reads
+        its values first ([Note: updates before the next forward] in
+        ``tierd.updates.forward``). Master and moments only in tierd, no lease
+        held; its parameters' modules hold their tensors for between uses.
+        Its fetch makes it FETCHED, and the update then runs as any other.
     """
 
     HOST = "host"
@@ -45,6 +52,7 @@ class BucketState(enum.Enum):
     DEFERRED = "deferred"
     RESIDENT = "resident"
     UPDATING = "updating"
+    PENDING = "pending"
 
 
 @dataclass(eq=False)
@@ -68,6 +76,10 @@ class Bucket:
     update: object = None          # UPDATING: the Future of its CPU update
     # DEFERRED: (key, device tensor) of its new values, to copy into its leased keys
     pending: list = field(default_factory=list)
+    unit: int | None = None        # the unit whose modules hold its parameters
+    # PENDING until its update: the param group's hyper-parameters when its
+    # gradients became final (what an update in that backward would have used)
+    hyper: dict | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -82,16 +94,28 @@ class Bucket:
                 f"{'/'.join(s.name for s in accepted)}")
 
     def to_fetched(self, work: dict[str, torch.Tensor], copy) -> None:
-        """HOST -> FETCHED: leased, ``work`` being filled by ``copy`` (CUDA) or in place."""
-        self._expect(BucketState.HOST, action="be fetched")
+        """HOST or PENDING -> FETCHED: leased, ``work`` being filled by ``copy``
+        (CUDA) or in place."""
+        self._expect(BucketState.HOST, BucketState.PENDING, action="be fetched")
         self.work, self.copy, self.state = work, copy, BucketState.FETCHED
 
     def to_updated(self, *, all_params: bool) -> None:
         """FETCHED -> DONE (every parameter updated) or HOST (one may still get a
         gradient: fetched again then); the copies out hold what it needs."""
         self._expect(BucketState.FETCHED, action="finish its update")
-        self.work, self.copy, self.readers = {}, None, []
+        self.work, self.copy, self.readers, self.hyper = {}, None, [], None
         self.state = BucketState.DONE if all_params else BucketState.HOST
+
+    def to_pending(self, hyper: dict) -> None:
+        """HOST -> PENDING: its gradients are final and held; ``hyper`` (the
+        group's hyper-parameters now) is what its update will use."""
+        self._expect(BucketState.HOST, action="wait for the next forward")
+        self.hyper, self.state = hyper, BucketState.PENDING
+
+    @property
+    def hyper_parameters(self) -> dict:
+        """What its update uses: ``hyper`` while one is kept, else its group's."""
+        return self.group if self.hyper is None else self.hyper
 
     def to_deferred(self, values: list[tuple[str, torch.Tensor]]) -> None:
         """FETCHED -> DEFERRED: every parameter updated; ``values`` (key,
@@ -155,7 +179,7 @@ class Bucket:
         if self.state is BucketState.RESIDENT and self.dirty:
             raise StateError(f"optimizer bucket {self.index} ({self.tps[0].name!r}...) holds "
                              "values the pool does not have; write them back first")
-        self.work, self.copy, self.readers = {}, None, []
+        self.work, self.copy, self.readers, self.hyper = {}, None, [], None
         self.state = BucketState.HOST
 
 

@@ -100,9 +100,9 @@ from tierd.client.copy_stream import InflightCopy
 from tierd.client.tiered_param import TieredParam
 from tierd.updates.buckets import Bucket, BucketState
 from tierd.updates.cpu_update import HostUpdates
+from tierd.updates.forward import ForwardUpdates
 from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import StateError
-
 
 class FusedUpdates:
     """Runs one optimizer's updates inside the backwards of one session.
@@ -150,6 +150,9 @@ class FusedUpdates:
         self._ahead_bytes = min(prefetch_bytes, session.lease_cap) // 4
         # buckets updated on the host ([Note: CPU updates overlapped with backward])
         self.host = HostUpdates(self)
+        # updates that wait for the next forward ([Note: updates before the
+        # next forward] in tierd.updates.forward)
+        self.in_forward = ForwardUpdates(self)
 
     def _build(self, groups: list[tuple[dict, list[TieredParam]]]) -> None:
         group_of = {tp: gi for gi, (_, tps) in enumerate(groups) for tp in tps}
@@ -157,10 +160,11 @@ class FusedUpdates:
         # a bucket per module of a unit (a unit is a whole block: its state at
         # once would be a large bubble), split further to a lease's worth
         registry = self.session.registry
-        units = [group for u in self.session.units for group in registry.module_groups(u)]
-        units.append(tuple(tp for tp in group_of if tp.resident))
+        units = [(u.index, group) for u in self.session.units
+                 for group in registry.module_groups(u)]
+        units.append((None, tuple(tp for tp in group_of if tp.resident)))
         most = self.session.lease_cap
-        for params in units:
+        for unit, params in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
                 tps = [tp for tp in params
                        if group_of.get(tp) == gi and tp not in self.bucket_of]
@@ -169,7 +173,7 @@ class FusedUpdates:
                     while tps and (not piece or nbytes + size(tps[0]) <= most):
                         nbytes += size(tps[0])
                         piece.append(tps.pop(0))
-                    b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes)
+                    b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes, unit=unit)
                     self.buckets.append(b)
                     for tp in piece:
                         self.bucket_of[tp] = b
@@ -183,10 +187,10 @@ class FusedUpdates:
             return given
         return 2 * self.prefetch_bytes if session.copy.on_device else 0
 
-    # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
         """The outermost backward starts: decide whether it updates."""
         self.write_deferred()   # (queued at the forward's start already, as a rule)
+        self.in_forward.run_all()   # (run in the forward, as a rule)
         if self.updated:
             raise StateError(
                 f"backward ran again after a fused optimizer update but before opt.step(): "
@@ -207,9 +211,15 @@ class FusedUpdates:
         self._seen.clear()
         self._updated.clear()
         self._cursor = 0
+        if self.active:
+            self.in_forward.choose()
         self._deferring = self._choose_deferred() if self.active else set()
         if self.active:
             self.prefetch()
+
+    def streams(self, b: Bucket) -> bool:
+        """``b``'s state crosses PCIe for its update in an updating backward."""
+        return not (b.pinned or b.cpu or not any(self.expected.get(tp, 0) for tp in b.tps))
 
     def _choose_deferred(self) -> set[int]:
         """The streamed buckets last in the learned order whose state fits
@@ -217,7 +227,7 @@ class FusedUpdates:
         chosen, total = set(), 0
         for i in reversed(self.order):
             b = self.buckets[i]
-            if b.pinned or b.cpu or not any(self.expected.get(tp, 0) for tp in b.tps):
+            if not self.streams(b) or self.in_forward.takes(b):
                 continue   # updated elsewhere, or no gradient in the learned backward
             if total + b.nbytes > self.defer_bytes:
                 break
@@ -250,14 +260,22 @@ class FusedUpdates:
             raise StateError(
                 f"parameter {tp.name!r} got a gradient after its fused update (more "
                 "deliveries than in the learned backward); pass fused=False")
-        g = grad.detach().to(torch.float32)
+        g = grad.detach()
         prev = self._grads.get(tp)
-        self._grads[tp] = g if prev is None else prev.add_(g)
+        if prev is not None:
+            self._grads[tp] = prev.to(torch.float32).add_(g)
+        elif self.in_forward.takes(bucket) and self.expected.get(tp, 0) == 1:
+            self._grads[tp] = g   # made fp32 at its update (tierd.updates.forward)
+        else:
+            self._grads[tp] = g.to(torch.float32)
         # final when every parameter still waited for has all its deliveries
         # (a parameter unused in the learned backward is not waited for)
         if all(self._got.get(p, 0) >= self.expected.get(p, 1) for p in bucket.tps
                if p not in self._updated and (self.expected.get(p, 0) > 0 or p in self._grads)):
-            self._update(bucket)
+            if self.in_forward.takes(bucket):
+                self.in_forward.hold(bucket)
+            else:
+                self._update(bucket)
         return True
 
     def end_backward(self) -> None:
@@ -267,7 +285,10 @@ class FusedUpdates:
             for b in self.buckets:
                 if any(tp not in self._updated and (tp in self._grads or tp.grad_in_pool)
                        for tp in b.tps):
-                    self._update(b)
+                    if self.in_forward.takes(b) and b.state is BucketState.HOST:
+                        self.in_forward.hold(b)
+                    else:
+                        self._update(b)
             self.session.copy.join_updates()   # [Note: the update stream]
             self._release_fetched()   # copies out go on landing into the next step
             self.updated, self.active = True, False
@@ -276,18 +297,20 @@ class FusedUpdates:
             self.expected[tp] = max(self.expected.get(tp, 0), n)
         if self._seen:
             self.order = self._seen + [i for i in self.order if i not in self._seen]
+        self.in_forward.queue()
         self.learned = True
 
     def consumed(self) -> set[TieredParam]:
-        """The parameters whose gradient the last backward's update used up."""
+        """The parameters whose gradient the last backward's update used up
+        (or holds for an update before the next forward)."""
         return self._updated if self.updated else set()
 
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        for b in self.buckets:   # DEFERRED ones are written at the next forward
-            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,
-                               BucketState.DEFERRED):
+        for b in self.buckets:   # DEFERRED ones are written, PENDING ones updated,
+            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,   # at the next forward
+                               BucketState.DEFERRED, BucketState.PENDING):
                 b.to_host()
         self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
@@ -295,6 +318,7 @@ class FusedUpdates:
     def settle(self, *, write_resident: bool = True) -> None:
         """Nothing fetched, every copy out landed, resident state written to
         the pool (before the host reads the pool; not with ``write_resident=False``)."""
+        self.in_forward.run_all()
         self.session.copy.join_updates()
         self.host.wait_all()
         if not self.active:
@@ -307,6 +331,24 @@ class FusedUpdates:
             for b in self.buckets:
                 if b.dirty and write_resident:
                     write_back(self.session, self.opt, b)
+
+    # ---------------------------------------- for the updates in the next forward
+    def consumed_now(self, tps: list[TieredParam]) -> None:
+        """``tps``' gradients are taken for an update (held: tierd.updates.forward)."""
+        self._updated.update(tps)
+
+    def window_fits(self, b: Bucket) -> bool:
+        """``b``'s fetch fits ``prefetch_bytes`` beside what is fetched and not landed."""
+        self._reclaim()
+        return not self._fetched_bytes or self._fetched_bytes + b.nbytes <= self.prefetch_bytes
+
+    def update_held(self, b: Bucket) -> None:
+        """PENDING -> HOST: fetch ``b`` and queue its update on its held
+        gradients ([Note: updates before the next forward] in tierd.updates.forward)."""
+        self._updated.difference_update(b.tps)
+        self._update(b)
+        if b.state is BucketState.DONE:
+            b.to_host()
 
     # ------------------------------------------------------------ residency
     def pin(self, tps: list[TieredParam]) -> int:
@@ -454,7 +496,7 @@ class FusedUpdates:
         self._reclaim()
         while self._cursor < len(self.order):
             b = self.buckets[self.order[self._cursor]]
-            if b.state is BucketState.HOST and not b.cpu:
+            if b.state is BucketState.HOST and not b.cpu and not self.in_forward.takes(b):
                 if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
                     self._lease_ahead()
                     return
@@ -468,7 +510,8 @@ class FusedUpdates:
         leased = sum(self.buckets[i].nbytes for i in self._ahead)
         for i in self.order[self._cursor:]:
             b = self.buckets[i]
-            if b.state is not BucketState.HOST or b.cpu or b.pinned or i in self._ahead:
+            if b.state is not BucketState.HOST or b.cpu or b.pinned or i in self._ahead \
+                    or self.in_forward.takes(b):
                 continue
             if leased + b.nbytes > self._ahead_bytes:
                 return
@@ -526,7 +569,7 @@ class FusedUpdates:
             self.host.start(b, self._grads, self._updated)
             self.session.counters.optimizer_seconds += time.perf_counter() - t0
             return
-        if b.state is BucketState.HOST:
+        if b.state in (BucketState.HOST, BucketState.PENDING):
             self._fetch(b)
         elif b.state is BucketState.RESIDENT:
             fetch_pooled_grads(self.session, b)
@@ -566,6 +609,8 @@ class FusedUpdates:
             if tp in self._updated:
                 continue
             grad = self._grads.pop(tp, None)
+            if grad is not None:   # one held as delivered (tierd.updates.forward)
+                grad = grad.to(torch.float32)
             if tp.grad_in_pool:   # summed in the stored dtype, as torch sums p.grad
                 pooled = b.work[tp.grad_key]
                 grad = pooled if grad is None else pooled.add_(grad)
@@ -577,7 +622,7 @@ class FusedUpdates:
             tps = [tp for tp, _ in items]
             keys = [opt.state_keys(tp) for tp in tps]
             params = [b.work[k[0]] for k in keys]
-            opt.update_params(b.group, tps, params, [g for _, g in items],
+            opt.update_params(b.hyper_parameters, tps, params, [g for _, g in items],
                               {n: [b.work[k[i + 1]] for k in keys]
                                for i, n in enumerate(opt.state_names)})
             for tp, k, param in zip(tps, keys, params):

@@ -1,0 +1,288 @@
+"""[Note: updates before the next forward] in tierd.updates.forward: a share of
+the streamed buckets of units that keep their weights on the device hold
+their gradients at the end of the updating backward and update as the next
+forward reaches their unit. Training is bitwise the same as updating in the
+backward; anything that reads the values first runs the updates.
+
+On the CPU placement runs against an explicit ``gpu_memory_bytes`` (nothing
+is measured), so a cap a little above the model's weights keeps every unit's
+weights and streams its state, as a capped GPU does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierd
+import tierd.optim
+from tierd.client.attach import attach, detach, session_of
+from tierd.client.store import LocalStore
+from tierd.client.values import TieredParameter
+from tierd.updates.buckets import BucketState
+from tests.client.models import assert_same_weights, batches, gpt2, llama, train
+from tests.faults import harness
+
+SHARE = 0.5
+
+
+def _cap(model, dtype: str) -> int:
+    """Room for every weight at ``dtype`` and (what attach checks) for the
+    largest block with its fp32 state, not for any block's state besides."""
+    size = 2 if dtype == "bf16" else 4
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    largest = max(sum(p.numel() * (size + 12) for p in b.parameters()) for b in blocks)
+    return max(sum(p.numel() * size for p in model.parameters()), largest) + (64 << 10)
+
+
+def _attach(make, share, *, dtype="fp32", client=None, name=None, **options):
+    model = make()
+    return attach(model, client=client or LocalStore(), device="cpu", compute_dtype=dtype,
+                  gpu_memory_bytes=_cap(model, dtype), forward_update_share=share,
+                  name=name, **options)
+
+
+def _pending(opt) -> list:
+    return [b for f in opt._fused for b in f.buckets if b.state is BucketState.PENDING]
+
+
+def _waiting(opt) -> set[int]:
+    return {unit for f in opt._fused for unit in f.in_forward._waiting}
+
+
+def _same_state(opt, ref_opt) -> None:
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for name in want[i]:
+            assert torch.equal(torch.as_tensor(got[i][name]),
+                               torch.as_tensor(want[i][name])), (i, name)
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*")
+@pytest.mark.parametrize("make,dtype,checkpointing", [
+    (gpt2, "fp32", False),
+    (gpt2, "bf16", False),
+    (llama, "bf16", False),
+    (gpt2, "bf16", True),     # reentrant: a gradient delivered twice is summed in fp32
+])
+def test_updates_before_the_next_forward_train_bitwise_like_updates_in_backward(
+        make, dtype, checkpointing):
+    data = batches(5)
+    runs = []
+    for share in (SHARE, 0.0):
+        def build():
+            m = make()
+            if checkpointing:
+                m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": True})
+            return m
+        model = _attach(build, share, dtype=dtype)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        losses = train(model, opt, data)
+        runs.append((model, opt, losses, bool(_pending(opt))))
+    (model, opt, losses, pending), (plain, plain_opt, plain_losses, plain_pending) = runs
+    assert pending and not plain_pending   # the last step's were still waiting
+    assert losses == plain_losses
+    assert_same_weights(model, plain)      # the read ran them
+    assert not _pending(opt)
+    _same_state(opt, plain_opt)
+
+
+def test_only_blocks_that_keep_their_weights_wait_spread_through_the_forward():
+    model = _attach(lambda: gpt2(n_layer=4), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    fused, registry = opt._fused[0], session_of(model).registry
+    pending = _pending(opt)
+    assert pending
+    assert all(registry.unit_modules[b.unit] is not model for b in pending)   # not the rest
+    assert all(tp.resident for b in pending for tp in b.tps)
+    blocks = [b for b in fused.buckets if not b.pinned and b.unit is not None
+              and registry.unit_modules[b.unit] is not model]
+    assert sum(b.nbytes for b in pending) <= SHARE * sum(b.nbytes for b in blocks)
+    # the forward reaches the first block before any copy could land
+    units = {b.unit for b in pending}
+    assert registry.unit_of[id(model.transformer.h[0])].index not in units
+    assert len(units) == 3   # spread over the others
+
+
+def test_between_step_and_forward_the_modules_hold_tensors_that_read_the_new_values():
+    data = batches(3)
+    model, plain = _attach(gpt2, SHARE), _attach(gpt2, 0.0)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
+    train(model, opt, data[:2])
+    train(plain, plain_opt, data[:2])
+    pending = _pending(opt)
+    tp = pending[0].tps[0]
+    holder = dict(model.named_parameters())[tp.name]
+    assert isinstance(holder, TieredParameter)   # a read must run the update first
+    want = dict(plain.named_parameters())[tp.name].detach().clone()
+    assert torch.equal(holder.detach().clone(), want)   # an EMA, a logged norm
+    assert not _pending(opt) and not _waiting(opt)
+    assert not isinstance(dict(model.named_parameters())[tp.name], TieredParameter)
+    assert train(model, opt, data[2:]) == train(plain, plain_opt, data[2:])
+    assert_same_weights(model, plain)
+
+
+def test_each_unit_runs_its_forward_on_its_updated_weights():
+    model = _attach(lambda: gpt2(n_layer=4), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(3)
+    train(model, opt, data[:2])
+    registry = session_of(model).registry
+    waiting = _waiting(opt)
+    assert waiting
+    seen = {}
+
+    def looker(block):
+        def look(module, args):   # inside the block's forward: after its pre-hooks
+            unit = registry.unit_of[id(block)].index
+            seen[unit] = (unit in _waiting(opt), [type(p) for p in block.parameters()])
+        return look
+
+    handles = [block.ln_1.register_forward_pre_hook(looker(block))
+               for block in model.transformer.h]
+    train(model, opt, data[2:])
+    for h in handles:
+        h.remove()
+    for unit in waiting:
+        still, types = seen[unit]
+        assert not still and TieredParameter not in types
+
+
+def test_the_update_uses_the_hyper_parameters_of_its_backward():
+    # a scheduler changes lr after step(), before the next forward runs the
+    # update: the update uses the lr the backward's update would have used
+    data = batches(4)
+    runs = []
+    for share in (SHARE, 0.0):
+        model = _attach(gpt2, share)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        losses = []
+        for ids in data:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        runs.append((model, losses))
+    (model, losses), (plain, plain_losses) = runs
+    assert losses == plain_losses
+    assert_same_weights(model, plain)
+
+
+def test_a_forward_without_autograd_runs_the_updates_it_reaches():
+    data = batches(3)
+    model, plain = _attach(gpt2, SHARE), _attach(gpt2, 0.0)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
+    train(model, opt, data[:2])
+    train(plain, plain_opt, data[:2])
+    assert _pending(opt)
+    with torch.no_grad():
+        got = model(input_ids=data[2]).logits
+        want = plain(input_ids=data[2]).logits
+    assert torch.equal(got, want)
+    assert train(model, opt, data[2:]) == train(plain, plain_opt, data[2:])
+
+
+def test_no_update_waits_in_a_window_of_several_backwards_or_when_the_step_clips():
+    data = batches(6)
+    model = _attach(llama, SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, accumulation_steps=2)
+    train(model, opt, data, accumulate=2)
+    assert opt._fused[0].learned and not _pending(opt)
+    model = _attach(gpt2, SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    train(model, opt, data)
+    assert not _pending(opt)
+
+
+@pytest.mark.parametrize("reader", ["optimizer_state_dict", "detach"])
+def test_reading_right_after_a_step_sees_the_updates(reader):
+    data = batches(3)
+    model, plain = _attach(gpt2, SHARE, dtype="bf16"), _attach(gpt2, 0.0, dtype="bf16")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = tierd.optim.AdamW(plain.parameters(), lr=1e-3)
+    train(model, opt, data)
+    train(plain, plain_opt, data)
+    assert _pending(opt)
+    if reader == "optimizer_state_dict":
+        _same_state(opt, plain_opt)
+    else:
+        detach(model)
+        detach(plain)
+        assert_same_weights(model, plain)
+    assert not _pending(opt)
+
+
+def test_a_commit_right_after_a_step_holds_the_updates(tmp_path):
+    data = batches(4)
+    ref = gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    want = train(ref, ref_opt, data)
+    d = harness.start(tmp_path)
+    try:
+        model = _attach(gpt2, SHARE, client=d.connect(job="run"), name="m")
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        assert train(model, opt, data[:2]) == want[:2]
+        assert _pending(opt)
+        tierd.commit(model, opt, 2)
+        assert not _pending(opt)
+        session_of(model).client.close()   # the process ends without detaching
+        again = _attach(lambda: gpt2(seed=7), SHARE, client=d.connect(job="run"), name="m",
+                        resume=True)
+        opt = tierd.optim.AdamW(again.parameters(), lr=1e-3)
+        assert train(again, opt, data[2:]) == want[2:]
+        assert_same_weights(again, ref)
+    finally:
+        d.stop()
+
+
+def test_the_share_is_a_quarter_on_cuda_none_on_the_cpu_and_checked():
+    model = attach(gpt2(), client=LocalStore(), device="cpu")
+    assert tierd.optim.AdamW(model.parameters(), lr=1e-3)._fused[0].in_forward.share == 0.0
+    model = _attach(gpt2, 0.3)
+    assert tierd.optim.AdamW(model.parameters(), lr=1e-3)._fused[0].in_forward.share == 0.3
+    for bad in (-0.1, 1.0, 1.5, "half", True):
+        with pytest.raises(ValueError, match="forward_update_share"):
+            attach(gpt2(), client=LocalStore(), device="cpu", forward_update_share=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_on_cuda_updates_in_the_next_forward_train_bitwise_like_updates_in_backward(
+        daemon, dtype, monkeypatch):
+    # the updates run on the update stream as the forward reaches them, the
+    # compute stream waits per unit; the plan from the cap alone (as in
+    # test_cpu_update_gpu), so both runs place alike
+    from tierd.client.placer import Placer
+    monkeypatch.setattr(Placer, "_memory", lambda self: None)
+    data = batches(6, batch=2, seq=16)
+    runs = []
+    for name, share in (("ahead", None), ("plain", 0.0)):
+        made = gpt2(n_layer=4, n_embd=128)
+        model = attach(made, client=tierd.connect(daemon), name=name, compute_dtype=dtype,
+                       gpu_memory_bytes=_cap(made, dtype), forward_update_share=share)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for ids in data:
+            loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        pending = bool(_pending(opt))   # (before the reads below run them)
+        runs.append((losses, model.state_dict(), opt.state_dict()["state"], pending,
+                     opt._fused[0]))
+    (losses, sd, state, pending, fused), (plain, sd1, state1, _, _) = runs
+    assert fused.in_forward.share == 0.25 and pending
+    assert losses == plain
+    assert all(torch.equal(sd[k], v) for k, v in sd1.items())
+    for i in state1:
+        for n in state1[i]:
+            assert torch.equal(torch.as_tensor(state[i][n]), torch.as_tensor(state1[i][n]))

@@ -1,0 +1,201 @@
+"""Optimizer updates that wait for the next forward.
+
+[Note: updates before the next forward]
+Each streamed bucket's state crosses PCIe in the updating backward only (in
+for the update, out after it), so where state streams the backward is bound
+by the copy engines and the forward leaves them idle. A bucket's update may
+run at any time before its parameters are next used: the next forward of its
+unit. So a share of the streamed state (``AttachConfig.forward_update_share``
+of its bytes) is updated there instead. In the updating backward those
+buckets' gradients are held on the device once final (as delivered where one
+delivery is expected: 2 B/param at bf16 compute; else their fp32 sum),
+with the param group's hyper-parameters of that moment, and the bucket is
+PENDING. The next forward fetches them in its order from its start, within
+``prefetch_bytes``, queues each update on the update stream ([Note: the
+update stream] in tierd.client.copy_stream) as soon as its fetch is queued,
+and a unit's pre-forward makes the compute stream wait for its own buckets'
+updates only. The same bytes cross PCIe, both ways during the forward too.
+The gradients held take device memory from their backward to their unit's
+forward, freed as that forward goes on: neither at the forward's end nor at
+the backward's start, the step's peaks.
+
+Buckets are taken along the forward order where the taken ones stay within
+that share of the blocks' streamed bytes up to and at them, so they are
+spread through the forward; none of the first block, which the forward
+reaches before any copy could land, nor of the rest of the model (its
+forward encloses the step). Only buckets whose parameters all keep their
+weights on the device (``WEIGHTS``: the update refreshes them in place) are
+taken; none under torch.distributed (the other ranks read the new
+values at the step's end), under a model compiled whole (its backward hands
+every gradient over at its end: [Note: a model compiled whole] in
+tierd.client.placer), or with a window of several backwards (the window's
+sum in the pool is the user's to zero after ``step()``).
+
+Until its update runs a parameter's modules hold its tensor for between uses
+(``TieredParameter``, [Note: the two tensors of a parameter] in
+tierd.client.tiered_param): a read between ``step()`` and the next forward
+(an EMA, a logged norm, ``state_dict``) goes through the values path, which
+settles the session, and settling runs every pending update first (as do the
+next backward, a new plan, a commit and detach); the unit's pre-forward puts
+the compute tensors back. Training is bitwise the same as updating in the
+backward: the same math on the same gradients with the same
+hyper-parameters, on other streams at another time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierd.client.copy_stream import InflightCopy
+from tierd.updates.buckets import Bucket, BucketState
+
+#: the share of the streamed state updated in the next forward on CUDA: a
+#: checkpointed step's forward is about a quarter of its compute
+FORWARD_SHARE = 0.25
+
+
+class ForwardUpdates:
+    """The updates of one :class:`~tierd.updates.fused.FusedUpdates` that
+    wait for the next forward (see the Note above): which buckets, their
+    held gradients' order, and the hand-offs each unit's forward waits for.
+
+    Example:
+        >>> fused.in_forward.choose()            # an updating backward begins  # doctest: +SKIP
+        >>> fused.in_forward.before_unit(3)      # unit 3's forward begins      # doctest: +SKIP
+        >>> fused.in_forward.run_all()           # before the host reads values # doctest: +SKIP
+    """
+
+    def __init__(self, fused) -> None:
+        self._fused = fused
+        self.share = self._share()
+        self.chosen: set[int] = set()                 # bucket indices, last updating backward
+        self._queue: list[Bucket] = []                # PENDING, not fetched, forward order
+        self._waiting: dict[int, list[Bucket]] = {}   # unit -> the buckets its forward waits for
+        self._ready: dict[int, InflightCopy] = {}     # bucket index -> its queued update
+
+    def _share(self) -> float:
+        session = self._fused.session
+        if session.share is not None:   # other ranks read the new values at the step's end
+            return 0.0
+        given = session.config.forward_update_share
+        if given is not None:
+            return given
+        return FORWARD_SHARE if session.copy.on_device else 0.0
+
+    # ------------------------------------------------------------ backward
+    def choose(self) -> None:
+        """An updating backward begins: the buckets whose update will wait."""
+        fused = self._fused
+        session, registry = fused.session, fused.session.registry
+        self.chosen = set()
+        if not self.share or fused.window != 1 or session.hooks.compiled_whole:
+            return
+        taken, streamed, first = 0, 0, None
+        for i in reversed(fused.order):   # forward order
+            b = fused.buckets[i]
+            if not fused.streams(b) or b.unit is None \
+                    or registry.unit_modules[b.unit] is registry.model:
+                continue
+            streamed += b.nbytes
+            first = b.unit if first is None else first
+            if b.unit == first or not all(tp.resident for tp in b.tps):
+                continue
+            if taken + b.nbytes <= self.share * streamed:
+                self.chosen.add(i)
+                taken += b.nbytes
+
+    def takes(self, b: Bucket) -> bool:
+        """``b``'s update waits for the next forward (in the updating backward)."""
+        return b.index in self.chosen
+
+    def hold(self, b: Bucket) -> None:
+        """HOST -> PENDING: its gradients stay held by the fused updater; its
+        modules hold its parameters' tensors for between uses until its
+        update is queued and waited for."""
+        b.to_pending({k: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in b.group.items() if k != "params"})
+        self._fused.consumed_now(b.tps)
+        self._waiting.setdefault(b.unit, []).append(b)
+        for tp in b.tps:
+            tp.update_waits = True
+        self._fused.session.registry.reinstall(b.tps)
+
+    def queue(self) -> None:
+        """The updating backward ended: the pending buckets in forward order."""
+        fused = self._fused
+        self._queue = [fused.buckets[i] for i in reversed(fused.order)
+                       if fused.buckets[i].state is BucketState.PENDING]
+
+    # ------------------------------------------------------------ forward
+    def units(self) -> set[int]:
+        """Units whose forward may wait for an update: those of the buckets
+        chosen in the last updating backward, and any still waiting."""
+        return {self._fused.buckets[i].unit for i in self.chosen} | set(self._waiting)
+
+    def waits(self, unit: int) -> bool:
+        """The forward of unit ``unit`` must first wait for an update."""
+        return unit in self._waiting
+
+    def begin(self) -> None:
+        """A forward begins: fetch and update the pending buckets it reaches first."""
+        self._launch_ahead()
+
+    def before_unit(self, unit: int) -> None:
+        """Unit ``unit``'s forward begins: the compute stream waits for its
+        buckets' updates (queued now if not yet); its compute tensors go back
+        into its modules; the next pending buckets are fetched."""
+        waiting = self._waiting.pop(unit, None)
+        if not waiting:
+            return
+        for b in waiting:
+            if b.state is BucketState.PENDING:
+                self._launch(b)
+        copy = self._fused.session.copy
+        for b in waiting:
+            ready = self._ready.pop(b.index, None)
+            if ready is not None:
+                copy.wait(ready)
+        self._show(waiting)
+        self._launch_ahead()
+
+    def run_all(self) -> None:
+        """Run every pending update now; the compute stream waits for them all."""
+        if not self._waiting:
+            return
+        for waiting in self._waiting.values():
+            for b in waiting:
+                if b.state is BucketState.PENDING:
+                    self._launch(b)
+        self._queue.clear()
+        self._fused.session.copy.join_updates()
+        self._ready.clear()
+        for waiting in self._waiting.values():
+            self._show(waiting)
+        self._waiting.clear()
+
+    def _launch_ahead(self) -> None:
+        """Fetch and update pending buckets in forward order within the
+        fused updater's ``prefetch_bytes``."""
+        fused = self._fused
+        while self._queue:
+            b = self._queue[0]
+            if b.state is not BucketState.PENDING:
+                self._queue.pop(0)
+                continue
+            if not fused.window_fits(b):
+                return
+            self._queue.pop(0)
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        """PENDING -> (fetched, updated) HOST: the update queued on the update
+        stream, its hand-off kept for the unit's forward."""
+        self._fused.update_held(b)
+        self._ready[b.index] = self._fused.session.copy.record_update()
+
+    def _show(self, waiting: list[Bucket]) -> None:
+        """The parameters' compute tensors back into their modules."""
+        tps = [tp for b in waiting for tp in b.tps]
+        for tp in tps:
+            tp.update_waits = False
+        self._fused.session.registry.reinstall(tps)
