@@ -286,3 +286,63 @@ def test_on_cuda_updates_in_the_next_forward_train_bitwise_like_updates_in_backw
     for i in state1:
         for n in state1[i]:
             assert torch.equal(torch.as_tensor(state[i][n]), torch.as_tensor(state1[i][n]))
+
+
+@pytest.mark.parametrize("mode", ["regional", "whole"])
+def test_compiled_per_block_updates_wait_for_the_forward_and_nothing_recompiles_once_warm(
+        mode):
+    # regional: a block whose update waits gets a pre-forward hook, a graph
+    # break at its start, as a streamed block has; whole: the compiled
+    # backward hands every gradient over at its end, so nothing waits
+    from torch._dynamo.utils import counters
+    runs = []
+    for share in (SHARE, 0.0):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _attach(llama, share)
+        if mode == "whole":
+            run = torch.compile(model, backend="aot_eager")
+        else:
+            for block in model.model.layers:
+                block.compile(backend="aot_eager")
+            run = model
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, graphs, pending = [], [], []
+        for ids in batches(7, seq=12):
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            graphs.append(counters["stats"]["unique_graphs"])
+            pending.append(bool(_pending(opt)))
+        runs.append((losses, graphs, pending))
+    (losses, graphs, pending), (plain, _, _) = runs
+    assert losses == plain
+    assert any(pending) == (mode == "regional")
+    assert graphs[4:] == [graphs[4]] * len(graphs[4:])
+
+
+def test_two_optimizers_each_update_their_own_blocks_in_the_forward():
+    data = batches(4)
+    runs = []
+    for share in (SHARE, 0.0):
+        model = _attach(lambda: gpt2(n_layer=4), share)
+        blocks = [p for n, p in model.named_parameters() if ".h." in n]
+        rest = [p for n, p in model.named_parameters() if ".h." not in n]
+        first = tierd.optim.AdamW(blocks[:len(blocks) // 2], lr=1e-3)
+        second = tierd.optim.SGD(blocks[len(blocks) // 2:] + rest, lr=1e-2, momentum=0.9)
+        losses = []
+        for ids in data:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+        runs.append((model, losses, [bool(_pending(first)), bool(_pending(second))]))
+    (model, losses, pending), (plain, plain_losses, _) = runs
+    assert pending == [True, True]
+    assert losses == plain_losses
+    assert_same_weights(model, plain)
