@@ -104,6 +104,10 @@ def test_only_blocks_that_keep_their_weights_wait_spread_through_the_forward():
     units = {b.unit for b in pending}
     assert registry.unit_of[id(model.transformer.h[0])].index not in units
     assert len(units) == 3   # spread over the others
+    before = session_of(model).stats()["forward_update_bytes"]
+    train(model, opt, batches(1))
+    assert session_of(model).stats()["forward_update_bytes"] - before == sum(
+        b.nbytes for b in pending)   # counted as the forward updates them
 
 
 def test_between_step_and_forward_the_modules_hold_tensors_that_read_the_new_values():

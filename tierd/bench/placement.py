@@ -396,6 +396,10 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
                          for k in WAITS})
+            # the state updated in the forward, a step ([Note: updates before
+            # the next forward] in tierd.updates.forward)
+            diag["forward_update_gb"] = (after["forward_update_bytes"]
+                                         - before["forward_update_bytes"]) / n / GB
             diag["allocator"] = alloc
         at, changes = plan_changes(loop.observed + synced.observed, before_plan)
         return {"optimizer_build_s": optimizer_build_s,

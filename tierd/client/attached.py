@@ -108,6 +108,7 @@ class SessionStats:
     lease_wait_state_s: float = 0.0    # ... for a master or optimizer state
     requests: int = 0              # requests sent to the daemon
     master_copy_bytes: int = 0     # compute copies cast from fetched fp32 masters, not copied in
+    forward_update_bytes: int = 0  # optimizer state updated in a forward, not its backward
     steps: int = 0                 # root forwards that began a step
     backwards: int = 0             # outermost backward passes that ended
 

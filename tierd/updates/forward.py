@@ -190,8 +190,10 @@ class ForwardUpdates:
     def _launch(self, b: Bucket) -> None:
         """PENDING -> (fetched, updated) HOST: the update queued on the update
         stream, its hand-off kept for the unit's forward."""
+        session = self._fused.session
         self._fused.update_held(b)
-        self._ready[b.index] = self._fused.session.copy.record_update()
+        self._ready[b.index] = session.copy.record_update()
+        session.counters.forward_update_bytes += b.nbytes
 
     def _show(self, waiting: list[Bucket]) -> None:
         """The parameters' compute tensors back into their modules."""
