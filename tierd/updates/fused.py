@@ -104,6 +104,7 @@ from tierd.updates.forward import ForwardUpdates
 from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import StateError
 
+
 class FusedUpdates:
     """Runs one optimizer's updates inside the backwards of one session.
 
@@ -187,6 +188,7 @@ class FusedUpdates:
             return given
         return 2 * self.prefetch_bytes if session.copy.on_device else 0
 
+    # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
         """The outermost backward starts: decide whether it updates."""
         self.write_deferred()   # (queued at the forward's start already, as a rule)
