@@ -350,3 +350,27 @@ def test_two_optimizers_each_update_their_own_blocks_in_the_forward():
     assert pending == [True, True]
     assert losses == plain_losses
     assert_same_weights(model, plain)
+
+
+@pytest.mark.parametrize("state,master", [("bf16", "fp32"), ("8bit", "fp32"), ("8bit", "bf16")])
+def test_compact_state_updated_in_the_forward_trains_bitwise_like_in_backward(
+        state, master, monkeypatch):
+    # 8-bit moments with their block scales, and bf16 masters that are the
+    # weights themselves (updated in place on the device copy), follow the
+    # same path. Stochastic rounding (master="bf16") draws its random bits in
+    # the order the updates run, which differs, so here it rounds to nearest
+    if master == "bf16":
+        import tierd.optim.compact as compact
+        monkeypatch.setattr(compact, "stochastic_round_bf16", lambda x: x.to(torch.bfloat16))
+    data = batches(4)
+    runs = []
+    for share in (SHARE, 0.0):
+        model = _attach(lambda: gpt2(n_layer=4, n_embd=128), share, dtype="bf16")
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, state=state, master=master)
+        losses = train(model, opt, data)
+        runs.append((model, opt, losses, bool(_pending(opt))))
+    (model, opt, losses, pending), (plain, plain_opt, plain_losses, _) = runs
+    assert pending
+    assert losses == plain_losses
+    assert_same_weights(model, plain)
+    _same_state(opt, plain_opt)

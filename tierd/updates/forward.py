@@ -39,7 +39,9 @@ settles the session, and settling runs every pending update first (as do the
 next backward, a new plan, a commit and detach); the unit's pre-forward puts
 the compute tensors back. Training is bitwise the same as updating in the
 backward: the same math on the same gradients with the same
-hyper-parameters, on other streams at another time.
+hyper-parameters, on other streams at another time; only stochastic
+rounding (``master="bf16"``) draws its random bits in the order the updates
+run, so there the two agree in distribution.
 """
 
 from __future__ import annotations
