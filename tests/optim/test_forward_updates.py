@@ -374,3 +374,19 @@ def test_compact_state_updated_in_the_forward_trains_bitwise_like_in_backward(
     assert losses == plain_losses
     assert_same_weights(model, plain)
     _same_state(opt, plain_opt)
+
+
+def test_generation_right_after_a_step_runs_the_updates_its_first_token_reaches():
+    data = batches(2)
+    model, plain = _attach(gpt2, SHARE), _attach(gpt2, 0.0)
+    opts = [tierd.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
+    for m, opt in zip((model, plain), opts):
+        train(m, opt, data)
+    assert _pending(opts[0])
+    ids = data[0][:1, :6]
+    outs = [m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                       do_sample=False, use_cache=True, output_logits=True,
+                       return_dict_in_generate=True, pad_token_id=0) for m in (model, plain)]
+    assert not _pending(opts[0]) and not _waiting(opts[0])
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
