@@ -55,13 +55,6 @@ class AttachConfig:
     #: Bytes of upcoming parameters for which pool leases are requested
     #: ahead of use (brings NVMe-resident ones into the pool in time).
     prefetch_bytes: int = 512 << 20
-    #: Most optimizer state (fp32 master and moments) of the buckets a fused
-    #: update reaches last in backward that stays on the device after their
-    #: update, to be copied out at the next forward's start, when the copy
-    #: engine is idle, instead of during backward ([Note: deferred write-out]
-    #: in ``tierd.updates.fused``). 0 (the default): none; None: on CUDA the
-    #: fused optimizer's fetch window (twice its ``prefetch_bytes``), on the CPU 0.
-    deferred_write_bytes: int | None = 0
     #: The share (in [0, 1)) of the optimizer state that streams through the
     #: device for its update whose update waits for the next forward, which
     #: moves it while the forward computes instead of in the backward
@@ -131,9 +124,6 @@ class AttachConfig:
         for f in ("gpu_budget_bytes", "prefetch_bytes", "resident_below_bytes",
                   "grad_bucket_bytes"):
             object.__setattr__(self, f, _bytes(f, getattr(self, f)))
-        if self.deferred_write_bytes is not None:
-            object.__setattr__(self, "deferred_write_bytes",
-                               _bytes("deferred_write_bytes", self.deferred_write_bytes))
         share = self.forward_update_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 <= share < 1):

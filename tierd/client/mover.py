@@ -93,14 +93,11 @@ class Mover:
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:
         """A new step: kept values are in use from now on (freed after use like
-        the rest); the optimizers' deferred state is queued out; fetch the
-        first units of the learned order, then start the optimizers' first
-        updates waiting for this forward (behind those copies: the forward
-        needs the first units sooner)."""
+        the rest); fetch the first units of the learned order, then start the
+        optimizers' first updates waiting for this forward (behind those
+        copies: the forward needs the first units sooner)."""
         self._kept.clear()
         self._kept_bytes = 0
-        for opt in self.optimizers:   # before any swap-in reads the pool
-            opt.write_deferred()      # ([Note: deferred write-out] in tierd.updates.fused)
         first = self.planner.begin_step()
         if self.plans is not None:
             self.plans.begin_step(self.planner, self.registry.units)

@@ -23,12 +23,6 @@ class BucketState(enum.Enum):
     DONE: all its parameters updated this backward; copies out queued, leases
         released after them. A bucket updated while some parameter had no
         gradient yet goes back to HOST (it is fetched again if one comes).
-    DEFERRED: all its parameters updated this backward, and its new master,
-        moments and compute copies only on the device (``pending``), its
-        leases still held: the pool's copy is older until its copy out is
-        queued, at the next forward's start or before the host reads the
-        store ([Note: deferred write-out] in ``tierd.updates.fused``); then
-        it is HOST, as a DONE bucket after the step.
     RESIDENT: a pinned bucket ([Note: resident optimizer state]): master and
         moments stay on the device across steps and are updated there; no
         lease is held and the pool's copy is older while ``dirty``, or
@@ -49,7 +43,6 @@ class BucketState(enum.Enum):
     HOST = "host"
     FETCHED = "fetched"
     DONE = "done"
-    DEFERRED = "deferred"
     RESIDENT = "resident"
     UPDATING = "updating"
     PENDING = "pending"
@@ -74,8 +67,6 @@ class Bucket:
     stored: bool = True            # the store has (maybe older) copies of its values
     cpu: bool = False              # updated in the pool by host threads (placement)
     update: object = None          # UPDATING: the Future of its CPU update
-    # DEFERRED: (key, device tensor) of its new values, to copy into its leased keys
-    pending: list = field(default_factory=list)
     unit: int | None = None        # the unit whose modules hold its parameters
     # PENDING until its update: the param group's hyper-parameters when its
     # gradients became final (what an update in that backward would have used)
@@ -116,20 +107,6 @@ class Bucket:
     def hyper_parameters(self) -> dict:
         """What its update uses: ``hyper`` while one is kept, else its group's."""
         return self.group if self.hyper is None else self.hyper
-
-    def to_deferred(self, values: list[tuple[str, torch.Tensor]]) -> None:
-        """FETCHED -> DEFERRED: every parameter updated; ``values`` (key,
-        device tensor) wait to be copied into the bucket's leased keys."""
-        self._expect(BucketState.FETCHED, action="defer its write-out")
-        self.work, self.copy, self.readers = {}, None, []
-        self.pending, self.state = values, BucketState.DEFERRED
-
-    def to_written(self) -> None:
-        """DEFERRED -> HOST: the copy out of ``pending`` is queued (the copy
-        stream orders later reads of the keys after it; the leases go after
-        its event)."""
-        self._expect(BucketState.DEFERRED, action="be written out")
-        self.pending, self.state = [], BucketState.HOST
 
     def to_updating(self, keys: list[str], update) -> None:
         """HOST -> UPDATING: ``keys`` leased, ``update`` (a Future) runs the CPU update."""

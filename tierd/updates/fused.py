@@ -44,38 +44,6 @@ before them. On CUDA the session keeps those in its first prefetch window
 At the end of backward, buckets with a missing gradient are updated with what
 they have (a parameter with no gradient at all is skipped, as torch does).
 
-[Note: deferred write-out]
-Each streamed bucket's state crosses PCIe twice in the updating backward (in
-for the update, out after it) and not at all in the forward, so backward is
-bound by the copy engines while the forward leaves them idle. The buckets
-the learned order reaches last (the first blocks and the embedding, which the
-next forward uses first) therefore keep their new master, moments and
-compute copies on the device after their update (DEFERRED, within
-``defer_bytes``: ``AttachConfig.deferred_write_bytes``), their leases held,
-and their copy out is queued as the next forward begins
-(:meth:`FusedUpdates.write_deferred`, from the mover's ``begin_step``),
-while the device holds the fewest activations; the copy-in of the
-backward's last buckets then has the link to itself. Nothing reads the
-pool's older copy meanwhile: the copy out is queued before any swap-in of
-the next forward (a copy in of a key waits for the last copy out into it,
-[Note: two copy streams]), and before the host reads the store (``settle``:
-``state_dict``, ``commit``, ``detach``, a deferred ``step()``, placement)
-or the next backward begins. The state kept adds to the fetch window only
-at the end of backward, when most activations are freed; once queued, its
-bytes count in the fetch window until they land, so a copy out still
-running as the next backward begins holds back that backward's fetches
-instead of adding to them. It is off by default: on by default with the
-fetch window's worth (twice ``prefetch_bytes``), GPT-2 1.3B capped at 48 GB
-on the H200 peaked ~1 GB higher and placement shrank its plan (a run with
-other changes too: not measured on its own); the kept state is freed only
-once its copy lands, late in the forward, for ~0.01 s a step predicted
-saved. A bucket
-not all of whose parameters were updated, a pinned or CPU one, and any
-under torch.distributed (the other ranks read the new values from the
-store) is written out as before. On the CPU the deferred
-buckets are fetched as copies of the pool's views (the update would write
-the pool in place otherwise), so the same states and order run there.
-
 [Note: leases asked ahead]
 Unless the pool holds them ([Note: held leases] in tierd.client.leases), a
 bucket's keys are leased as it is fetched, and the host waits there for the
@@ -142,10 +110,6 @@ class FusedUpdates:
         # (event-only copy out, bytes): the sources were recorded on the copy
         # stream, so dropping them here cannot let their memory be reused early
         self._outstanding: list[tuple[InflightCopy, int]] = []
-        # [Note: deferred write-out]: most state bytes kept, and the buckets
-        # (indices) chosen for it in this backward
-        self.defer_bytes = self._defer_budget()
-        self._deferring: set[int] = set()
         # [Note: leases asked ahead]: bucket index -> its keys leased before its fetch
         self._ahead: dict[int, list[str]] = {}
         self._ahead_bytes = min(prefetch_bytes, session.lease_cap) // 4
@@ -179,19 +143,9 @@ class FusedUpdates:
                     for tp in piece:
                         self.bucket_of[tp] = b
 
-    def _defer_budget(self) -> int:
-        session = self.session
-        if session.share is not None:   # other ranks read the new values at the step's end
-            return 0
-        given = session.config.deferred_write_bytes
-        if given is not None:
-            return given
-        return 2 * self.prefetch_bytes if session.copy.on_device else 0
-
     # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
         """The outermost backward starts: decide whether it updates."""
-        self.write_deferred()   # (queued at the forward's start already, as a rule)
         self.in_forward.run_all()   # (run in the forward, as a rule)
         if self.updated:
             raise StateError(
@@ -215,36 +169,11 @@ class FusedUpdates:
         self._cursor = 0
         if self.active:
             self.in_forward.choose()
-        self._deferring = self._choose_deferred() if self.active else set()
-        if self.active:
             self.prefetch()
 
     def streams(self, b: Bucket) -> bool:
         """``b``'s state crosses PCIe for its update in an updating backward."""
         return not (b.pinned or b.cpu or not any(self.expected.get(tp, 0) for tp in b.tps))
-
-    def _choose_deferred(self) -> set[int]:
-        """The streamed buckets last in the learned order whose state fits
-        ``defer_bytes`` together ([Note: deferred write-out])."""
-        chosen, total = set(), 0
-        for i in reversed(self.order):
-            b = self.buckets[i]
-            if not self.streams(b) or self.in_forward.takes(b):
-                continue   # updated elsewhere, or no gradient in the learned backward
-            if total + b.nbytes > self.defer_bytes:
-                break
-            chosen.add(i)
-            total += b.nbytes
-        return chosen
-
-    def write_deferred(self) -> None:
-        """Queue the copy out of every DEFERRED bucket ([Note: deferred
-        write-out]); until they land their bytes count in the fetch window."""
-        for b in self.buckets:
-            if b.state is BucketState.DEFERRED:
-                self._fetched_bytes += b.nbytes
-                self._write_out(b, b.pending)
-                b.to_written()
 
     def on_grad(self, tp: TieredParam, grad: torch.Tensor) -> bool:
         """A gradient of ``tp`` arrived; True if consumed here (not sent to the pool)."""
@@ -310,9 +239,9 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        for b in self.buckets:   # DEFERRED ones are written, PENDING ones updated,
-            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,   # at the next forward
-                               BucketState.DEFERRED, BucketState.PENDING):
+        for b in self.buckets:   # PENDING ones are updated at the next forward
+            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,
+                               BucketState.PENDING):
                 b.to_host()
         self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
@@ -325,7 +254,6 @@ class FusedUpdates:
         self.host.wait_all()
         if not self.active:
             self._release_fetched()
-            self.write_deferred()
             for done, nbytes in self._outstanding:
                 done.synchronize()
                 self._fetched_bytes -= nbytes
@@ -554,11 +482,9 @@ class FusedUpdates:
             b.to_fetched({**{k: d for k, (d, _) in zip(read, pairs)}, **fresh},
                          copy.copy_in_many(pairs, tuple(read)))
         else:   # in place in the pool, but a shared key gets a new version instead,
-            # a pinned bucket's state leaves the pool (its leases go after the
-            # update), and a deferred one's is written at the next forward
+            # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
-            apart = b.pinned or b.index in self._deferring
-            b.to_fetched({**{k: v.clone() if apart or k in shared else v
+            b.to_fetched({**{k: v.clone() if b.pinned or k in shared else v
                              for k, v in views.items()}, **fresh}, None)
         if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
@@ -584,8 +510,7 @@ class FusedUpdates:
                 copy.wait(reader)
             written = self._run_math(b)
             all_params = all(tp in self._updated for tp in b.tps)   # else fetched again
-            defer = all_params and b.index in self._deferring   # [Note: deferred write-out]
-            if not b.pinned and not defer:
+            if not b.pinned:
                 self._write_out(b, written)
         if b.pinned:
             self._keep(b)
@@ -593,11 +518,7 @@ class FusedUpdates:
             # the state is next needed here in the next step ([Note: eviction by next use])
             session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
                                    if k != tp.key])
-            if defer:
-                b.to_deferred(written)
-                self._fetched_bytes -= b.nbytes   # out of the window until queued
-            else:
-                b.to_updated(all_params=all_params)
+            b.to_updated(all_params=all_params)
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 
