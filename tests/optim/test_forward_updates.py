@@ -390,3 +390,45 @@ def test_generation_right_after_a_step_runs_the_updates_its_first_token_reaches(
     assert not _pending(opts[0]) and not _waiting(opts[0])
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
+
+
+def test_a_loop_that_reads_the_weights_after_every_step_holds_updates_ever_more_rarely():
+    # [Note: updates read before their forward]: an EMA read after step()
+    # runs the waiting updates before their forward could overlap them
+    data = batches(24)
+    model, plain = _attach(gpt2, SHARE), _attach(gpt2, 0.0)
+    runs = []
+    for m in (model, plain):
+        opt = tierd.optim.AdamW(m.parameters(), lr=1e-3)
+        ema = [p.detach().clone() for p in m.parameters()]
+        losses, held = [], []
+        for ids in data:
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            held.append(bool(_pending(opt)))
+            torch._foreach_lerp_(ema, list(m.parameters()), 0.1)
+        runs.append((losses, ema, held))
+    (losses, ema, held), (plain_losses, plain_ema, _) = runs
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(ema, plain_ema))
+    # held at the first fused step, then after skipping 1, 2, 4, 8 backwards
+    assert [i for i, h in enumerate(held) if h] == [1, 3, 6, 11, 20]
+
+
+def test_a_loop_that_reads_now_and_then_keeps_holding_updates_between_reads():
+    data = batches(12)
+    model = _attach(gpt2, SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    held = []
+    for i, ids in enumerate(data):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held.append(bool(_pending(opt)))
+        if i == 4:   # a logged norm, once, of a weight whose update waits
+            name = _pending(opt)[0].tps[0].name
+            float(dict(model.named_parameters())[name].norm())
+    assert held == [False] + [True] * 4 + [False] + [True] * 6

@@ -42,6 +42,18 @@ backward: the same math on the same gradients with the same
 hyper-parameters, on other streams at another time; only stochastic
 rounding (``master="bf16"``) draws its random bits in the order the updates
 run, so there the two agree in distribution.
+
+[Note: updates read before their forward]
+A loop that reads parameters after every ``step()`` (an EMA of the weights)
+runs the waiting updates right there, after the backward and before the
+forward, where nothing overlaps their copies: slower than updating them in
+the backward. So once pending updates had to run before their forward, the
+next updating backward holds none; if it happens again, the next two hold
+none, then four, and so on up to ``MOST_SKIPPED``; a choice whose updates
+all ran in their forward starts over at one. A loop that reads every step
+then pays that cost on a few steps in a hundred, one that reads now and
+then (a logged norm) keeps the overlap on the others. The units chosen from
+keep their hooks meanwhile, so a compiled model is not traced again.
 """
 
 from __future__ import annotations
@@ -54,6 +66,9 @@ from tierd.updates.buckets import Bucket, BucketState
 #: the share of the streamed state updated in the next forward on CUDA: a
 #: checkpointed step's forward is about a quarter of its compute
 FORWARD_SHARE = 0.25
+#: most updating backwards that hold nothing after updates ran before their
+#: forward ([Note: updates read before their forward])
+MOST_SKIPPED = 64
 
 
 class ForwardUpdates:
@@ -74,6 +89,14 @@ class ForwardUpdates:
         self._queue: list[Bucket] = []                # PENDING, not fetched, forward order
         self._waiting: dict[int, list[Bucket]] = {}   # unit -> the buckets its forward waits for
         self._ready: dict[int, InflightCopy] = {}     # bucket index -> its queued update
+        self._units: set[int] = set()   # units the choice takes from (hooked: stable)
+        # [Note: updates read before their forward]: pending updates ran before
+        # their forward since the last choice; updating backwards left to hold
+        # nothing; how many the next early run makes hold nothing
+        self._ran_early = False
+        self._held = False   # the last choice held some
+        self._skip = 0
+        self._backoff = 1
 
     def _share(self) -> float:
         session = self._fused.session
@@ -91,8 +114,9 @@ class ForwardUpdates:
         session, registry = fused.session, fused.session.registry
         self.chosen = set()
         if not self.share or fused.window != 1 or session.hooks.compiled_whole:
+            self._units = set()
             return
-        taken, streamed, first = 0, 0, None
+        chosen, taken, streamed, first = set(), 0, 0, None
         for i in reversed(fused.order):   # forward order
             b = fused.buckets[i]
             if not fused.streams(b) or b.unit is None \
@@ -103,8 +127,19 @@ class ForwardUpdates:
             if b.unit == first or not all(tp.resident for tp in b.tps):
                 continue
             if taken + b.nbytes <= self.share * streamed:
-                self.chosen.add(i)
+                chosen.add(i)
                 taken += b.nbytes
+        self._units = {fused.buckets[i].unit for i in chosen}
+        if self._ran_early:   # [Note: updates read before their forward]
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MOST_SKIPPED)
+        elif self._held:      # the last ones all ran in their forward
+            self._backoff = 1
+        self._ran_early = self._held = False
+        if self._skip:
+            self._skip -= 1
+            return
+        self.chosen = chosen
+        self._held = bool(chosen)
 
     def takes(self, b: Bucket) -> bool:
         """``b``'s update waits for the next forward (in the updating backward)."""
@@ -130,9 +165,10 @@ class ForwardUpdates:
 
     # ------------------------------------------------------------ forward
     def units(self) -> set[int]:
-        """Units whose forward may wait for an update: those of the buckets
-        chosen in the last updating backward, and any still waiting."""
-        return {self._fused.buckets[i].unit for i in self.chosen} | set(self._waiting)
+        """Units whose forward may wait for an update: those the last updating
+        backward chose from (whether or not it held any: the hooks stay, and
+        compiled code is not traced again), and any still waiting."""
+        return self._units | set(self._waiting)
 
     def waits(self, unit: int) -> bool:
         """The forward of unit ``unit`` must first wait for an update."""
@@ -164,6 +200,7 @@ class ForwardUpdates:
         """Run every pending update now; the compute stream waits for them all."""
         if not self._waiting:
             return
+        self._ran_early = True
         for waiting in self._waiting.values():
             for b in waiting:
                 if b.state is BucketState.PENDING:
