@@ -432,3 +432,32 @@ def test_a_loop_that_reads_now_and_then_keeps_holding_updates_between_reads():
             name = _pending(opt)[0].tps[0].name
             float(dict(model.named_parameters())[name].norm())
     assert held == [False] + [True] * 4 + [False] + [True] * 6
+
+
+def test_a_plan_that_grows_while_updates_wait_runs_them_first(monkeypatch):
+    # the first plan keeps every unit's weights (an assumed update window
+    # takes the rest of the cap); the first fused step leaves room, and the
+    # plan grows to keep every unit whole while updates wait for the forward
+    import tierd.updates.engine as engine_mod
+    from tierd.client.placement import Place
+    from tierd.client.placer import Placer
+    from tests.client.test_placement_growth import _unit_bytes
+    extra = 1 << 20
+    weights, everything = _unit_bytes("bf16")
+    cap = everything + 2 * extra
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra, 1 << 40))
+    monkeypatch.setattr(engine_mod, "update_window",
+                        lambda buckets, prefetch: cap - extra - weights)
+    model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                   gpu_memory_bytes=cap, forward_update_share=SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    placer = session_of(model).placer
+    data = batches(5)
+    got = train(model, opt, data[:2])
+    assert set(placer.plan.places.values()) == {Place.WEIGHTS} and _pending(opt)
+    got += train(model, opt, data[2:])
+    assert set(placer.plan.places.values()) == {Place.RESIDENT} and not _pending(opt)
+    ref = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16")
+    ref_opt = tierd.optim.AdamW(ref.parameters(), lr=1e-3)
+    assert got == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
