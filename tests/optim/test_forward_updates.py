@@ -49,6 +49,17 @@ def _waiting(opt) -> set[int]:
     return {unit for f in opt._fused for unit in f.in_forward._waiting}
 
 
+def _loop(model, data, step) -> list[float]:
+    """A training loop whose optimizer work after each backward is ``step(i)``."""
+    losses = []
+    for i, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        step(i)
+    return losses
+
+
 def _same_state(opt, ref_opt) -> None:
     got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     assert got.keys() == want.keys()
@@ -164,15 +175,12 @@ def test_the_update_uses_the_hyper_parameters_of_its_backward():
         model = _attach(gpt2, share)
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
-        losses = []
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
+
+        def step(i, opt=opt, sched=sched):
             opt.step()
             sched.step()
             opt.zero_grad()
-        runs.append((model, losses))
+        runs.append((model, _loop(model, data, step)))
     (model, losses), (plain, plain_losses) = runs
     assert losses == plain_losses
     assert_same_weights(model, plain)
@@ -336,15 +344,12 @@ def test_two_optimizers_each_update_their_own_blocks_in_the_forward():
         rest = [p for n, p in model.named_parameters() if ".h." not in n]
         first = tierd.optim.AdamW(blocks[:len(blocks) // 2], lr=1e-3)
         second = tierd.optim.SGD(blocks[len(blocks) // 2:] + rest, lr=1e-2, momentum=0.9)
-        losses = []
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-            first.step()
-            second.step()
-            first.zero_grad()
-            second.zero_grad()
+
+        def step(i, opts=(first, second)):
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        losses = _loop(model, data, step)
         runs.append((model, losses, [bool(_pending(first)), bool(_pending(second))]))
     (model, losses, pending), (plain, plain_losses, _) = runs
     assert pending == [True, True]
@@ -400,17 +405,14 @@ def test_a_loop_that_reads_the_weights_after_every_step_holds_updates_ever_more_
     runs = []
     for m in (model, plain):
         opt = tierd.optim.AdamW(m.parameters(), lr=1e-3)
-        ema = [p.detach().clone() for p in m.parameters()]
-        losses, held = [], []
-        for ids in data:
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
+        ema, held = [p.detach().clone() for p in m.parameters()], []
+
+        def step(i, m=m, opt=opt, ema=ema, held=held):
             opt.step()
             opt.zero_grad()
             held.append(bool(_pending(opt)))
             torch._foreach_lerp_(ema, list(m.parameters()), 0.1)
-        runs.append((losses, ema, held))
+        runs.append((_loop(m, data, step), ema, held))
     (losses, ema, held), (plain_losses, plain_ema, _) = runs
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(ema, plain_ema))
@@ -423,14 +425,15 @@ def test_a_loop_that_reads_now_and_then_keeps_holding_updates_between_reads():
     model = _attach(gpt2, SHARE)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     held = []
-    for i, ids in enumerate(data):
-        model(input_ids=ids, labels=ids).loss.backward()
+
+    def step(i):
         opt.step()
         opt.zero_grad()
         held.append(bool(_pending(opt)))
         if i == 4:   # a logged norm, once, of a weight whose update waits
             name = _pending(opt)[0].tps[0].name
             float(dict(model.named_parameters())[name].norm())
+    _loop(model, data, step)
     assert held == [False] + [True] * 4 + [False] + [True] * 6
 
 
