@@ -82,6 +82,28 @@ def test_a_model_whose_state_cannot_fit_the_device_gets_a_row_without_the_refere
     assert row["floor_s"] is None   # no all-GPU step, and the CPU profiles no compute stream
 
 
+def test_a_setting_runs_beside_the_defaults_in_rows_of_its_own(tiny, tmp_path):
+    out, before = tiny
+    placement.main(["--out", str(out), "--tiny", "--case", "tiny GPT-2 B=2, cap",
+                    "--set", "prefetch_bytes=65536", "--commit", "2" * 40])
+    rows = {r["case"]: r for r in json.loads((out / "placement.json").read_text())["rows"]}
+    new = rows["tiny GPT-2 B=2, cap 6 MB, prefetch_bytes=65536"]
+    assert new["options"] == {"gpu_memory_bytes": 6_000_000, "prefetch_bytes": 65536}
+    assert new["error"] is None and new["tierd_s"] > 0
+    assert rows["tiny GPT-2 B=2, cap 6 MB"]["commit"] == "0" * 40   # the default row stays
+    # a case that names the key keeps its own value and name
+    [kept] = placement.with_settings([placement.Case("c", "m", 1, {"prefetch_bytes": 1})],
+                                     ["prefetch_bytes=2"])
+    assert kept.name == "c" and kept.options == {"prefetch_bytes": 1}
+
+
+@pytest.mark.parametrize("bad", ["forward_update_share", "=1", "x=not a literal"])
+def test_a_setting_that_is_not_key_equals_literal_is_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        placement.main(["--out", "unused", "--tiny", "--set", bad])
+    assert "--set" in capsys.readouterr().err
+
+
 def test_steps_must_exceed_the_warmup(capsys):
     with pytest.raises(SystemExit):
         placement.main(["--out", "unused", "--steps", "3", "--warmup", "3"])

@@ -121,6 +121,59 @@ def test_only_blocks_that_keep_their_weights_wait_spread_through_the_forward():
         b.nbytes for b in pending)   # counted as the forward updates them
 
 
+def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(monkeypatch):
+    """On the GPU the fetch window fills (copies out land later): a forward that
+    fetched only at the units that wait fetched each bucket where it was needed.
+    Here a window of one bucket a refill stands in for it."""
+    from tierd.updates.forward import ForwardUpdates
+    model = _attach(lambda: gpt2(n_layer=4), SHARE, hold_fraction=0.0)   # leased per use
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(2))
+    fused, registry = opt._fused[0], session_of(model).registry
+    pending = _pending(opt)
+    assert pending
+    # the keys of the first pending ones (forward order) were asked for as
+    # the backward ended
+    order = [i for i in reversed(fused.order) if fused.buckets[i] in pending]
+    assert set(fused._ahead) == set(order[:len(fused._ahead)]) and fused._ahead
+    first = registry.unit_of[id(model.transformer.h[0])].index
+    launched_in, unit_now, admitted = [], [None], [0]
+    launch, ahead, before = (ForwardUpdates._launch, ForwardUpdates._launch_ahead,
+                             ForwardUpdates.before_unit)
+
+    def fits(self, b, most):
+        admitted[0] += 1
+        return admitted[0] == 1
+
+    def launch_ahead(self):
+        admitted[0] = 0
+        ahead(self)
+
+    def before_unit(self, unit):
+        unit_now[0] = unit
+        before(self, unit)
+
+    def record(self, b):
+        launched_in.append((unit_now[0], b.unit))
+        launch(self, b)
+
+    monkeypatch.setattr(type(fused), "window_fits", fits)
+    monkeypatch.setattr(ForwardUpdates, "_launch_ahead", launch_ahead)
+    monkeypatch.setattr(ForwardUpdates, "before_unit", before_unit)
+    monkeypatch.setattr(ForwardUpdates, "_launch", record)
+    train(model, opt, batches(1))
+    assert len([u for u, _ in launched_in if u is not None]) >= 1
+    # the first block waits for none, yet its forward fetches the next ones
+    assert any(u == first for u, _ in launched_in)
+    assert sorted(b for _, b in launched_in) == sorted(b.unit for b in pending)
+    # nothing asked ahead is left leased once the next step's updates ran
+    monkeypatch.undo()
+    model(input_ids=batches(1)[0]).logits.sum().item()
+    opt.step()
+    assert not _pending(opt)
+    assert not fused._ahead
+
+
 def test_between_step_and_forward_the_modules_hold_tensors_that_read_the_new_values():
     data = batches(3)
     model, plain = _attach(gpt2, SHARE), _attach(gpt2, 0.0)

@@ -105,6 +105,7 @@ What was predicted before this benchmark first ran, and measured then:
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import logging
@@ -567,6 +568,7 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--sync-steps", str(args.sync_steps), "--ref-steps", str(args.ref_steps),
                "--case", args.case] + ["--trace"] * args.trace
+        cmd += [a for kv in args.set for a in ("--set", kv)]
         cmd += [] if args.commit is None else ["--commit", args.commit]
         cmd += [] if args.pool_gib is None else ["--pool-gib", str(args.pool_gib)]
         cmd += [] if args.nvme_gib is None else ["--nvme-gib", str(args.nvme_gib)]
@@ -579,12 +581,34 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
         if code != 0:
             rows += [{**{k: None for k in ROW_FIELDS}, "case": c.name, "commit": args.commit,
                       "error": f"its process ({name}) exited {code}; see {log}"}
-                     for c in CASES if c.model == name and args.case in c.name]
+                     for c in with_settings(CASES, args.set)
+                     if c.model == name and args.case in c.name]
             continue
         got = json.loads((out / "placement.json").read_text())
         rows += got["rows"]
         bandwidth = max(bandwidth, got["both_ways_bandwidth_gbps"] * GB)
     return rows, bandwidth
+
+
+def with_settings(cases: list[Case], settings: list[str]) -> list[Case]:
+    """``cases`` with attach arguments ``KEY=VALUE`` (a Python literal) set
+    where a case does not name KEY itself, each such row named for them
+    (``--set``: a setting tried beside the defaults, its rows kept apart)."""
+    given = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. forward_update_share=0.33")
+        try:
+            given[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {item!r}: {value!r} is not a Python literal") from None
+    out = []
+    for c in cases:
+        extra = {k: v for k, v in given.items() if k not in c.options}
+        name = c.name + "".join(f", {k}={v}" for k, v in extra.items())
+        out.append(Case(name, c.model, c.batch, {**c.options, **extra}))
+    return out
 
 
 def merged(path: Path, result: dict) -> dict:
@@ -637,8 +661,15 @@ def main(argv=None) -> None:
     ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
                     "step (host and device) as CASE.trace.json.gz")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an attach argument for the cases that do not name it, their "
+                    "rows named for it (repeatable; e.g. forward_update_share=0.33)")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
+    try:
+        with_settings([], args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.tiny:
         args.seq, args.steps, args.ref_steps, args.sync_steps, args.warmup = 16, 6, 4, 2, 2
         args.pool_gib, args.nvme_gib = 1, 1
@@ -655,9 +686,11 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        rows, bandwidth = measure(args, [c for c in TINY if args.case in c.name], device)
+        rows, bandwidth = measure(args, [c for c in with_settings(TINY, args.set)
+                                         if args.case in c.name], device)
     elif args.only:
-        rows, bandwidth = measure(args, [c for c in CASES if c.model in args.only.split(",")
+        rows, bandwidth = measure(args, [c for c in with_settings(CASES, args.set)
+                                         if c.model in args.only.split(",")
                                          and args.case in c.name], device)
     else:
         rows, bandwidth = measure_apart(args, list(dict.fromkeys(

@@ -61,6 +61,7 @@ updates its window. On the CPU the same code runs on the pool views in place.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -267,10 +268,10 @@ class FusedUpdates:
         """``tps``' gradients are taken for an update (held: tierd.updates.forward)."""
         self._updated.update(tps)
 
-    def window_fits(self, b: Bucket) -> bool:
-        """``b``'s fetch fits ``prefetch_bytes`` beside what is fetched and not landed."""
+    def window_fits(self, b: Bucket, most: int) -> bool:
+        """``b``'s fetch fits ``most`` bytes beside what is fetched and not landed."""
         self._reclaim()
-        return not self._fetched_bytes or self._fetched_bytes + b.nbytes <= self.prefetch_bytes
+        return not self._fetched_bytes or self._fetched_bytes + b.nbytes <= most
 
     def update_held(self, b: Bucket) -> None:
         """PENDING -> HOST: fetch ``b`` and queue its update on its held
@@ -428,27 +429,33 @@ class FusedUpdates:
             b = self.buckets[self.order[self._cursor]]
             if b.state is BucketState.HOST and not b.cpu and not self.in_forward.takes(b):
                 if self._fetched_bytes and self._fetched_bytes + b.nbytes > self.prefetch_bytes:
-                    self._lease_ahead()
+                    self.lease_ahead(self._next_streamed(), self._ahead_bytes)
                     return
                 self._fetch(b)
             self._cursor += 1
 
-    def _lease_ahead(self) -> None:
-        """Ask for the keys of the streamed buckets next in order beyond the
-        fetch window, within ``_ahead_bytes`` ([Note: leases asked ahead])."""
-        leases, opt = self.session.leases, self.opt
-        leased = sum(self.buckets[i].nbytes for i in self._ahead)
+    def _next_streamed(self) -> Iterator[Bucket]:
+        """The buckets this backward fetches after the cursor, in order."""
         for i in self.order[self._cursor:]:
             b = self.buckets[i]
-            if b.state is not BucketState.HOST or b.cpu or b.pinned or i in self._ahead \
-                    or self.in_forward.takes(b):
+            if b.state is BucketState.HOST and not self.in_forward.takes(b):
+                yield b
+
+    def lease_ahead(self, buckets: Iterable[Bucket], most: int) -> None:
+        """Ask for the keys of ``buckets`` (streamed, in the order they will be
+        fetched) while the keys asked ahead stay within ``most`` bytes
+        ([Note: leases asked ahead])."""
+        leases, opt = self.session.leases, self.opt
+        leased = sum(self.buckets[i].nbytes for i in self._ahead)
+        for b in buckets:
+            if b.cpu or b.pinned or b.index in self._ahead:
                 continue
-            if leased + b.nbytes > self._ahead_bytes:
+            if leased + b.nbytes > most:
                 return
             keys = [k for tp in b.tps for k in opt.state_keys(tp) if k not in opt.unmade]
             if keys and not all(leases.is_held(k) for k in keys):
                 leases.acquire(keys)
-                self._ahead[i] = keys
+                self._ahead[b.index] = keys
                 leased += b.nbytes
 
     def _fetch(self, b: Bucket) -> None:
