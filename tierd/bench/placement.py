@@ -694,7 +694,7 @@ def main(argv=None) -> None:
                                          and args.case in c.name], device)
     else:
         rows, bandwidth = measure_apart(args, list(dict.fromkeys(
-            c.model for c in CASES if args.case in c.name)))
+            c.model for c in with_settings(CASES, args.set) if args.case in c.name)))
     result = {"commit": args.commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "both_ways_bandwidth_gbps": bandwidth / GB,
               "rows": rows}
