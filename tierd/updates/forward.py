@@ -6,7 +6,7 @@ for the update, out after it), so where state streams the backward is bound
 by the copy engines and the forward leaves them idle. A bucket's update may
 run at any time before its parameters are next used: the next forward of its
 unit. So a share of the streamed state (``AttachConfig.forward_update_share``
-of its bytes) is updated there instead. In the updating backward those
+of its bytes; none unless given) is updated there instead. In the updating backward those
 buckets' gradients are held on the device once final (as delivered where one
 delivery is expected: 2 B/param at bf16 compute; else their fp32 sum),
 with the param group's hyper-parameters of that moment, and the bucket is
@@ -70,9 +70,6 @@ import torch
 from tierd.client.copy_stream import InflightCopy
 from tierd.updates.buckets import Bucket, BucketState
 
-#: the share of the streamed state updated in the next forward on CUDA: a
-#: checkpointed step's forward is about a quarter of its compute
-FORWARD_SHARE = 0.25
 #: most updating backwards that hold nothing after updates ran before their
 #: forward ([Note: updates read before their forward])
 MOST_SKIPPED = 64
@@ -109,10 +106,12 @@ class ForwardUpdates:
         session = self._fused.session
         if session.share is not None:   # other ranks read the new values at the step's end
             return 0.0
+        # default none, until a share is measured faster than updating in the
+        # backward (benchmarks/results/HISTORY.md, "Placement"); a quarter is
+        # the one to try: a checkpointed step's forward is about a quarter of
+        # its compute
         given = session.config.forward_update_share
-        if given is not None:
-            return given
-        return FORWARD_SHARE if session.copy.on_device else 0.0
+        return 0.0 if given is None else given
 
     # ------------------------------------------------------------ backward
     def choose(self) -> None:
