@@ -144,6 +144,29 @@ class CopyStream:
                 d.record_stream(self._in)
         return InflightCopy(dsts, srcs, keys, event)
 
+    def copy_in_new(self, srcs: list[torch.Tensor],
+                    keys: tuple[str, ...]) -> tuple[list[torch.Tensor], InflightCopy]:
+        """New device tensors filled from ``srcs`` (pool views), one event:
+        :meth:`empty_for_copy_in` and :meth:`copy_in_many` in one entry to the
+        copy-in stream (each entry costs the host more than a copy's launch,
+        and a bucket's update queues several: [Note: small state stays on the
+        device] in tierd.updates.fused)."""
+        if self._in is None:
+            dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+            return dsts, self.copy_in_many(list(zip(dsts, srcs)), keys)
+        self.h2d_bytes += sum(_nbytes(s) for s in srcs)
+        self._after_writes(keys)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._in):
+            dsts = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in srcs]
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._in)
+        for d in dsts:   # (see empty_for_copy_in)
+            d.record_stream(compute)
+        return dsts, InflightCopy(tuple(dsts), tuple(srcs), keys, event)
+
     def allocate_for_copy_in(self, tensor: torch.Tensor, nbytes: int) -> None:
         """Give ``tensor``'s (empty) storage ``nbytes`` from the copy-in stream's
         memory, so the copy that fills it waits for no compute kernel; the

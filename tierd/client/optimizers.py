@@ -40,6 +40,9 @@ class UnitState:
     moment_bytes: int
     #: stored gradients (what a CPU update copies out)
     grad_bytes: int
+    #: of ``state_bytes``: what stays on the device while the unit's weights
+    #: do ([Note: small state stays on the device] in tierd.updates.fused)
+    weights_state_bytes: int = 0
 
 
 class StateSizes(Protocol):

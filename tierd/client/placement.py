@@ -153,6 +153,10 @@ class UnitBytes:
     #: the unit is ``RESIDENT`` ([Note: one budget on every rank]); empty:
     #: every rank holds ``state_bytes``
     rank_state: tuple[int, ...] = ()
+    #: of ``state_bytes``: what stays on the device at ``WEIGHTS`` too (its
+    #: small parameters': [Note: small state stays on the device] in
+    #: ``tierd.updates.fused``)
+    weights_state_bytes: int = 0
 
     @property
     def store_bytes(self) -> int:
@@ -190,7 +194,7 @@ class UnitBytes:
         if place in (Place.STREAM, Place.CPU):
             return 0
         if place is Place.WEIGHTS:
-            return self.param_bytes
+            return self.param_bytes + self.weights_state_bytes
         if not self.rank_state:
             return self.param_bytes + self.state_bytes
         return self.param_bytes + (max(self.rank_state) if rank is None
@@ -201,7 +205,7 @@ class UnitBytes:
         if place is Place.STREAM:
             return 3 * self.param_bytes + 2 * self.state_bytes
         if place is Place.WEIGHTS:
-            return 2 * self.state_bytes
+            return 2 * (self.state_bytes - self.weights_state_bytes)
         if place is Place.CPU:
             return 2 * self.param_bytes + self.grad_bytes
         return 0
@@ -433,13 +437,14 @@ def _fit_store(units: list[UnitBytes], places: dict[int, Place], budget_bytes: i
         # (a unit with kept frozen weights would need store room to give them back)
         givers = [w for w in reversed(units) if w is not u and places[w.index] is Place.WEIGHTS
                   and not w.kept_bytes]
-        given = sum(w.param_bytes for w in givers)   # a unit's weights cost every rank alike
+        # (a unit's weights cost every rank alike)
+        given = sum(w.device_bytes(Place.WEIGHTS) for w in givers)
         if any(b + n > budget_bytes + given for b, n in zip(used, need)):
             continue   # too large even with every kept weight given back
         while any(b + n > budget_bytes for b, n in zip(used, need)):
             w = givers.pop(0)
             places[w.index] = Place.STREAM
-            used = [b - w.param_bytes for b in used]
+            used = [b - w.device_bytes(Place.WEIGHTS) for b in used]
         places[u.index] = Place.RESIDENT
         used = [b + n for b, n in zip(used, need)]
 

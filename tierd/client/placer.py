@@ -435,7 +435,8 @@ class Placer:
             out.append(UnitBytes(unit.index, sum(tp.nbytes for tp in members),
                                  state.state_bytes, state.grad_bytes,
                                  stored + state.moment_bytes,
-                                 sum(tp.nbytes for tp in members if not tp.in_store)))
+                                 sum(tp.nbytes for tp in members if not tp.in_store),
+                                 weights_state_bytes=state.weights_state_bytes))
         return out
 
     def sized_units(self) -> list[UnitBytes]:

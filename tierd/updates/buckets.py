@@ -63,6 +63,9 @@ class Bucket:
     readers: list = field(default_factory=list)   # compute copies made from work
     reserved: object = None        # new slots of its shared keys, asked at fetch
     pinned: bool = False           # its state stays on the device once fetched
+    # the unit's small parameters: pinned while their weights stay on the
+    # device ([Note: small state stays on the device] in tierd.updates.fused)
+    small: bool = False
     dirty: bool = False            # RESIDENT with values the pool does not have yet
     stored: bool = True            # the store has (maybe older) copies of its values
     cpu: bool = False              # updated in the pool by host threads (placement)

@@ -56,12 +56,16 @@ class SessionUpdates:
         members = set(members)
         mine = [(f, b) for f in self._updates for b in f.buckets
                 if all(tp in members for tp in b.tps)]
-        # (a master that is the compute copy adds nothing to what the unit keeps)
+
+        def state(f, b) -> int:   # (a master that is the compute copy adds nothing)
+            return sum(f.opt.state_nbytes(tp) - f.opt.master_in_compute(tp)
+                       * f.opt.master_nbytes(tp) for tp in b.tps)
+
         return UnitState(
-            state_bytes=sum(f.opt.state_nbytes(tp) - f.opt.master_in_compute(tp)
-                            * f.opt.master_nbytes(tp) for f, b in mine for tp in b.tps),
+            state_bytes=sum(state(f, b) for f, b in mine),
             moment_bytes=sum(f.opt.moment_nbytes(tp) for f, b in mine for tp in b.tps),
-            grad_bytes=sum(b.grad_bytes for _, b in mine))
+            grad_bytes=sum(b.grad_bytes for _, b in mine),
+            weights_state_bytes=sum(state(f, b) for f, b in mine if b.small))
 
     def stored_state_bytes(self) -> int:
         # each optimizer's moments of its parameters, less its state not made yet

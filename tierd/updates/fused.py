@@ -54,6 +54,24 @@ the keys of the next buckets in the learned order (within a quarter of
 is in by the fetch; the fetch takes its own reference on them and drops the
 early one, and what no fetch took is released as the backward ends.
 
+[Note: small state stays on the device]
+A bucket's update costs the host about the same per tensor whatever its
+size: a buffer, a copy in and out of each master and moment, a cast. The
+biases and norm weights of a block are most of its tensors (GPT-2: 8 of
+12) and a fraction of a percent of its bytes, yet with the state of a unit
+that keeps only its weights on the device they streamed like the rest: GPT-2
+1.3B capped at 48 GB spent 0.28 s a step of host time launching 147 bucket
+updates of 292 tensors (H100, 51fd7de), and the host, not PCIe, bounded the
+step. So on a device, a unit's parameters with at most 1/``SMALL_SHARE`` of
+its largest parameter's elements form one bucket of their own (``small``),
+and while their weights stay on the device, their state does too, as a
+resident unit's does ([Note: resident optimizer state] in
+tierd.updates.resident): only the large tensors' state crosses PCIe.
+Placement counts those bytes with the unit's weights
+(``UnitBytes.weights_state_bytes``). Not on the CPU, where no copy or launch
+is saved, nor under torch.distributed, where an owner's state is read by
+the other ranks from the store.
+
 The first backward only learns (delivery counts and order); ``step()``
 updates its window. On the CPU the same code runs on the pool views in place.
 """
@@ -74,6 +92,19 @@ from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, 
 from tierd.errors import StateError
 
 
+#: a unit's parameters with at most this fraction of its largest one's elements
+#: keep their state on the device while their weights are ([Note: small state
+#: stays on the device])
+SMALL_SHARE = 64
+#: updated keys gathered before their demotion is sent ([Note: eviction by next use])
+DEMOTE_KEYS = 64
+
+
+def keeps_small_state(session) -> bool:
+    """Small buckets of their own ([Note: small state stays on the device])."""
+    return session.copy.on_device and session.share is None
+
+
 class FusedUpdates:
     """Runs one optimizer's updates inside the backwards of one session.
 
@@ -85,6 +116,7 @@ class FusedUpdates:
     def __init__(self, opt, session, groups: list[tuple[dict, list[TieredParam]]],
                  prefetch_bytes: int, *, fusing: bool = True) -> None:
         self.opt, self.session = opt, session
+        self.keep_small = keeps_small_state(session)
         # False: updates run in step() (clipping); the buckets still hold the
         # state placement keeps on the device ([Note: resident optimizer state])
         self.fusing = fusing
@@ -114,6 +146,7 @@ class FusedUpdates:
         # [Note: leases asked ahead]: bucket index -> its keys leased before its fetch
         self._ahead: dict[int, list[str]] = {}
         self._ahead_bytes = min(prefetch_bytes, session.lease_cap) // 4
+        self._demoted: list[str] = []   # keys updated, their demotion not yet sent
         # buckets updated on the host ([Note: CPU updates overlapped with backward])
         self.host = HostUpdates(self)
         # updates that wait for the next forward ([Note: updates before the
@@ -126,11 +159,16 @@ class FusedUpdates:
         # a bucket per module of a unit (a unit is a whole block: its state at
         # once would be a large bubble), split further to a lease's worth
         registry = self.session.registry
-        units = [(u.index, group) for u in self.session.units
-                 for group in registry.module_groups(u)]
-        units.append((None, tuple(tp for tp in group_of if tp.resident)))
+        units: list[tuple[int | None, tuple[TieredParam, ...], bool]] = []
+        for u in self.session.units:
+            modules = registry.module_groups(u)
+            small = self._small([tp for g in modules for tp in g])
+            units += [(u.index, tuple(tp for tp in g if tp not in small), False)
+                      for g in modules]
+            units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
+        units.append((None, tuple(tp for tp in group_of if tp.resident), False))
         most = self.session.lease_cap
-        for unit, params in units:
+        for unit, params, small in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
                 tps = [tp for tp in params
                        if group_of.get(tp) == gi and tp not in self.bucket_of]
@@ -139,10 +177,19 @@ class FusedUpdates:
                     while tps and (not piece or nbytes + size(tps[0]) <= most):
                         nbytes += size(tps[0])
                         piece.append(tps.pop(0))
-                    b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes, unit=unit)
+                    b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes, unit=unit,
+                               small=small)
                     self.buckets.append(b)
                     for tp in piece:
                         self.bucket_of[tp] = b
+
+    def _small(self, tps: list[TieredParam]) -> set[TieredParam]:
+        """The parameters of a unit (``tps``) whose state stays on the device
+        while their weights do ([Note: small state stays on the device])."""
+        if not self.keep_small or not tps:
+            return set()
+        largest = max(tp.param.numel() for tp in tps)
+        return {tp for tp in tps if tp.param.numel() * SMALL_SHARE <= largest}
 
     # ------------------------------------------------------------ window
     def begin_backward(self) -> None:
@@ -223,6 +270,7 @@ class FusedUpdates:
                         self._update(b)
             self.session.copy.join_updates()   # [Note: the update stream]
             self._release_fetched()   # copies out go on landing into the next step
+            self._demote()
             self.updated, self.active = True, False
             self.fused_backwards += 1
         for tp, n in self._got.items():
@@ -253,6 +301,7 @@ class FusedUpdates:
         self.in_forward.run_all()
         self.session.copy.join_updates()
         self.host.wait_all()
+        self._demote()
         if not self.active:
             self._release_fetched()
             for done, nbytes in self._outstanding:
@@ -284,9 +333,12 @@ class FusedUpdates:
     # ------------------------------------------------------------ residency
     def pin(self, tps: list[TieredParam]) -> int:
         """Keep the state of the buckets made only of ``tps`` (resident
-        parameters) on the device from their next update on; returns the bytes."""
+        parameters), and of the small buckets whose weights stay on the device
+        ([Note: small state stays on the device]), there from their next
+        update on; returns the bytes."""
         chosen = set(tps)
-        pinned = [b for b in self.buckets if not b.pinned and all(tp in chosen for tp in b.tps)
+        pinned = [b for b in self.buckets if not b.pinned
+                  and (b.small or all(tp in chosen for tp in b.tps))
                   and all(tp.resident for tp in b.tps)]
         self.host.wait_all()
         for b in pinned:
@@ -485,9 +537,8 @@ class FusedUpdates:
         views = session.leases.views(b.keys)
         copy = session.copy
         if copy.on_device:
-            pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in read]
-            b.to_fetched({**{k: d for k, (d, _) in zip(read, pairs)}, **fresh},
-                         copy.copy_in_many(pairs, tuple(read)))
+            dsts, done = copy.copy_in_new([views[k] for k in read], tuple(read))
+            b.to_fetched({**dict(zip(read, dsts)), **fresh}, done)
         else:   # in place in the pool, but a shared key gets a new version instead,
             # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
@@ -522,12 +573,21 @@ class FusedUpdates:
         if b.pinned:
             self._keep(b)
         else:
-            # the state is next needed here in the next step ([Note: eviction by next use])
-            session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
-                                   if k != tp.key])
+            # the state is next needed here in the next step ([Note: eviction by
+            # next use]); asked for a few buckets at a time (a request costs the host)
+            self._demoted += [k for tp in b.tps for k in self.opt.state_keys(tp)
+                              if k != tp.key]
+            if len(self._demoted) >= DEMOTE_KEYS:
+                self._demote()
             b.to_updated(all_params=all_params)
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
+
+    def _demote(self) -> None:
+        """Send the demotions gathered since the last."""
+        if self._demoted:
+            self.session.leases.demote(self._demoted)
+            self._demoted = []
 
     def _run_math(self, b: Bucket) -> list[tuple[str, torch.Tensor]]:
         """The optimizer's math for the bucket's parameters with a gradient;

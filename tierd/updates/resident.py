@@ -184,10 +184,9 @@ def fetch_pooled_grads(session, b) -> None:
     session.leases.acquire(keys)
     views = session.leases.views(keys)
     if copy.on_device:
-        pairs = [(copy.empty_for_copy_in(views[k]), views[k]) for k in keys]
-        done = copy.copy_in_many(pairs, tuple(keys))
+        dsts, done = copy.copy_in_new([views[k] for k in keys], tuple(keys))
         copy.wait(done)
-        b.work.update({k: d for k, (d, _) in zip(keys, pairs)})
+        b.work.update(dict(zip(keys, dsts)))
         session.releases.add(done, written=False)
     else:
         b.work.update({k: views[k].clone() for k in keys})
