@@ -9,6 +9,7 @@ step's peak come through ``Placer._memory``.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -398,6 +399,7 @@ def test_on_cuda_kept_frozen_units_live_on_the_device_only(daemon_factory):
     torch.manual_seed(SEED)
     with torch.device("cuda"):
         ref = _Frozen(layers=8, width=1024)            # the device's generator, same order
+    gc.collect()   # an earlier test's tensors freed during attach would read as less here
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(device)
     client = tierd.connect(daemon_factory(pool="32MiB", nvme_size="16MiB"))
