@@ -93,9 +93,9 @@ class Mover:
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:
         """A new step: kept values are in use from now on (freed after use like
-        the rest); fetch the first units of the learned order, then start the
-        optimizers' first updates waiting for this forward (behind those
-        copies: the forward needs the first units sooner)."""
+        the rest); fetch the first units of the learned order, and ask for the
+        keys of the optimizers' first updates waiting for this forward (their
+        fetches start at the first unit's forward)."""
         self._kept.clear()
         self._kept_bytes = 0
         first = self.planner.begin_step()
