@@ -143,3 +143,9 @@ def test_a_floor_without_the_all_gpu_step_uses_tierds_own_compute():
     assert placement.floor({**row, "planned_pcie_gb": 100.0}, 100e9) == 1.0   # PCIe-bound
     assert placement.floor({**row, "allgpu_s": 0.9}, 100e9) == 0.9
     assert placement.floor({**row, "tierd_diag": None}, 100e9) is None   # CPU: no profile
+
+
+def test_a_profile_of_no_steps_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        placement.main(["--out", "unused", "--profile-steps", "0"])
+    assert "--profile-steps=0 must be at least 1" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from tierd.client.attach import attach, detach, session_of
 from tierd.client.store import LocalStore
 from tierd.client.values import TieredParameter
 from tierd.updates.buckets import BucketState
+from tierd.updates.forward import FORWARD_SHARE
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 from tests.faults import harness
 
@@ -308,8 +309,8 @@ def test_a_commit_right_after_a_step_holds_the_updates(tmp_path):
         d.stop()
 
 
-def test_the_share_is_none_unless_given_and_checked():
-    model = attach(gpt2(), client=LocalStore(), device="cpu")
+def test_the_share_is_none_on_the_cpu_unless_given_and_checked():
+    model = attach(gpt2(), client=LocalStore(), device="cpu")   # no PCIe to use
     assert tierd.optim.AdamW(model.parameters(), lr=1e-3)._fused[0].in_forward.share == 0.0
     model = _attach(gpt2, 0.3)
     assert tierd.optim.AdamW(model.parameters(), lr=1e-3)._fused[0].in_forward.share == 0.3
@@ -330,7 +331,7 @@ def test_on_cuda_updates_in_the_next_forward_train_bitwise_like_updates_in_backw
     monkeypatch.setattr(Placer, "_memory", lambda self: None)
     data = batches(6, batch=2, seq=16)
     runs = []
-    for name, share in (("ahead", 0.25), ("plain", None)):
+    for name, share in (("ahead", None), ("plain", 0.0)):
         made = gpt2(n_layer=4, n_embd=128)
         model = attach(made, client=tierd.connect(daemon), name=name, compute_dtype=dtype,
                        gpu_memory_bytes=_cap(made, dtype), forward_update_share=share)
@@ -346,8 +347,8 @@ def test_on_cuda_updates_in_the_next_forward_train_bitwise_like_updates_in_backw
         runs.append((losses, model.state_dict(), opt.state_dict()["state"], pending,
                      opt._fused[0]))
     (losses, sd, state, pending, fused), (plain, sd1, state1, _, plain_fused) = runs
-    assert fused.in_forward.share == 0.25 and pending
-    assert plain_fused.in_forward.share == 0.0   # the default until measured faster
+    assert fused.in_forward.share == FORWARD_SHARE and pending   # the default on a GPU
+    assert plain_fused.in_forward.share == 0.0
     assert losses == plain
     assert all(torch.equal(sd[k], v) for k, v in sd1.items())
     for i in state1:

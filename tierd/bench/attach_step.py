@@ -139,14 +139,16 @@ def stream_summary(trace: dict) -> dict:
             "d2h_busy_s": sum(b - a for a, b in d2h)}
 
 
-def profile(fn, keep: Path | None = None) -> dict:
-    """Run ``fn`` once under the CUDA profiler; :func:`stream_summary` of it.
+def profile(fn, keep: Path | None = None, steps: int = 1) -> dict:
+    """Run ``fn`` ``steps`` times back to back under the CUDA profiler (one
+    synchronize, at the end); :func:`stream_summary` of it, per step.
     ``keep``: also profile the host's ops and write the trace there, gzipped."""
     from torch.profiler import ProfilerActivity
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if keep else [])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=activities) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -154,7 +156,7 @@ def profile(fn, keep: Path | None = None) -> dict:
     if keep is not None:
         with gzip.open(keep, "wt") as out:
             json.dump(trace, out)
-    return stream_summary(trace)
+    return {k: v / steps for k, v in stream_summary(trace).items()}
 
 
 def phases(model, opt, ids) -> dict:

@@ -28,8 +28,7 @@ weights (seeded, so the reference and tierd start from the same values;
 autocast on the same batch of random tokens (labels = inputs). The cases
 are issue 29's table (``CASES``): GPT-2 1.3B (24 x 2048, vocabulary 50257)
 B=8 T=1024 capped at 48 GB (``gpu_memory_bytes=int(48e9)``; and so with
-a quarter of the streamed state updated in the next forward,
-``forward_update_share=0.25``) and with
+every streamed update in the backward, ``forward_update_share=0``) and with
 default arguments; Llama 8B (40 x 4096) B=4 with activation checkpointing
 capped at 100 GiB; Llama 13B (64 x 4096) B=4 with checkpointing and default
 arguments.
@@ -211,11 +210,11 @@ class Case:
 
 #: issue 29's table
 CASES = [Case("GPT-2 1.3B B=8, cap 48 GB", "gpt2-1.3B", 8, {"gpu_memory_bytes": int(48e9)}),
-         # the same with a quarter of the streamed state updated as the next
-         # forward reaches it ([Note: updates before the next forward] in
-         # tierd.updates.forward; off by default until measured faster), side by side
-         Case("GPT-2 1.3B B=8, cap 48 GB, updates before the next forward", "gpt2-1.3B", 8,
-              {"gpu_memory_bytes": int(48e9), "forward_update_share": 0.25}),
+         # the same with every streamed update in the backward, none in the
+         # next forward ([Note: updates before the next forward] in
+         # tierd.updates.forward), side by side
+         Case("GPT-2 1.3B B=8, cap 48 GB, updates in backward", "gpt2-1.3B", 8,
+              {"gpu_memory_bytes": int(48e9), "forward_update_share": 0.0}),
          Case("GPT-2 1.3B B=8, default", "gpt2-1.3B", 8),
          Case("Llama 8B B=4, checkpointing, cap 100 GiB", "llama-8B", 4,
               {"gpu_memory_bytes": 100 << 30}),
@@ -284,14 +283,16 @@ def allocator(device: torch.device) -> dict:
                                             "num_device_alloc", "num_device_free")}}
 
 
-def diagnose(fn, model, opt, ids, trace: Path | None = None) -> dict | None:
-    """Where one step's time goes (CUDA only): phases, then the streams of a
-    profiled step (its trace written to ``trace``, if given)."""
+def diagnose(fn, model, opt, ids, trace: Path | None = None,
+             steps: int = 1) -> dict | None:
+    """Where one step's time goes (CUDA only): phases, then the streams of
+    ``steps`` profiled steps back to back, per step (the trace written to
+    ``trace``, if given)."""
     if ids.device.type != "cuda":
         return None
     from tierd.bench.attach_step import phases, profile
     out = phases(model, opt, ids)
-    out.update(profile(fn, trace))
+    out.update(profile(fn, trace, steps))
     return out
 
 
@@ -394,7 +395,7 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                  for k, v in allocator(device).items()}   # over the synchronized steps
         trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", case.name) + ".trace.json.gz") \
             if args.trace else None
-        diag = diagnose(fn, built, opt, ids, trace)
+        diag = diagnose(fn, built, opt, ids, trace, args.profile_steps)
         n = args.sync_steps
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
@@ -569,7 +570,8 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
         cmd = [sys.executable, "-m", "tierd.bench.placement", "--out", str(out), "--only", name,
                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--sync-steps", str(args.sync_steps), "--ref-steps", str(args.ref_steps),
-               "--case", args.case] + ["--trace"] * args.trace
+               "--case", args.case, "--profile-steps", str(args.profile_steps)
+               ] + ["--trace"] * args.trace
         cmd += [a for kv in args.set for a in ("--set", kv)]
         cmd += [] if args.commit is None else ["--commit", args.commit]
         cmd += [] if args.pool_gib is None else ["--pool-gib", str(args.pool_gib)]
@@ -662,6 +664,9 @@ def main(argv=None) -> None:
                     "(gpt2-1.3B,llama-8B), run in this process")
     ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
                     "step (host and device) as CASE.trace.json.gz")
+    ap.add_argument("--profile-steps", type=int, default=1, help="steps the diagnostic "
+                    "profile runs back to back (its figures are per step; 1: one step, "
+                    "synchronized before and after)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an attach argument for the cases that do not name it, their "
@@ -679,8 +684,9 @@ def main(argv=None) -> None:
         if getattr(args, flag) <= args.warmup:
             ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must exceed "
                      f"--warmup={args.warmup}")
-    if args.sync_steps < 1:
-        ap.error(f"--sync-steps={args.sync_steps} must be at least 1")
+    for flag in ("sync_steps", "profile_steps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
     args.commit = args.commit or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     logging.basicConfig(format="[%(name)s] %(message)s")

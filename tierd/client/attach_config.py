@@ -59,8 +59,8 @@ class AttachConfig:
     #: device for its update whose update waits for the next forward, which
     #: moves it while the forward computes instead of in the backward
     #: ([Note: updates before the next forward] in ``tierd.updates.forward``).
-    #: None (the default) or 0: every update in the backward, until a share is
-    #: measured faster (HISTORY.md, "Placement"); 0.25 is the one to try.
+    #: None (the default): ``FORWARD_SHARE`` on a GPU, none on the CPU (no
+    #: PCIe to use); 0: every update in the backward.
     forward_update_share: float | None = None
     #: When the model's values exceed the daemon's pool, tell the daemon the
     #: step's order of use so it reads the units it cannot keep from NVMe
@@ -129,7 +129,7 @@ class AttachConfig:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 <= share < 1):
             raise ValueError(f"forward_update_share={share!r} must be a number in [0, 1) "
-                             "(or None: none)")
+                             "(or None: the default)")
         if isinstance(self.gpu_memory_bytes, str):
             object.__setattr__(self, "gpu_memory_bytes",
                                _bytes("gpu_memory_bytes", self.gpu_memory_bytes))

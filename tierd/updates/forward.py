@@ -6,7 +6,7 @@ for the update, out after it), so where state streams the backward is bound
 by the copy engines and the forward leaves them idle. A bucket's update may
 run at any time before its parameters are next used: the next forward of its
 unit. So a share of the streamed state (``AttachConfig.forward_update_share``
-of its bytes; none unless given) is updated there instead. In the updating backward those
+of its bytes; ``FORWARD_SHARE`` on a GPU unless given) is updated there instead. In the updating backward those
 buckets' gradients are held on the device once final (as delivered where one
 delivery is expected: 2 B/param at bf16 compute; else their fp32 sum),
 with the param group's hyper-parameters of that moment, and the bucket is
@@ -85,6 +85,12 @@ from tierd.updates.buckets import Bucket, BucketState
 #: most updating backwards that hold nothing after updates ran before their
 #: forward ([Note: updates read before their forward])
 MOST_SKIPPED = 64
+#: the share of the streamed state updated in the next forward on a GPU by
+#: default (``AttachConfig.forward_update_share``): the fastest of 0, 0.25,
+#: 0.33 and 0.4 for GPT-2 1.3B capped at 48 GB (H100, 296e784: 0.454, 0.436,
+#: 0.428 and 0.421 s a step; benchmarks/results/HISTORY.md, "Placement"),
+#: the peak the same
+FORWARD_SHARE = 0.4
 
 
 class ForwardUpdates:
@@ -118,12 +124,10 @@ class ForwardUpdates:
         session = self._fused.session
         if session.share is not None:   # other ranks read the new values at the step's end
             return 0.0
-        # default none, until a share is measured faster than updating in the
-        # backward (benchmarks/results/HISTORY.md, "Placement"); a quarter is
-        # the one to try: a checkpointed step's forward is about a quarter of
-        # its compute
         given = session.config.forward_update_share
-        return 0.0 if given is None else given
+        if given is None:   # no PCIe to use on the CPU
+            return FORWARD_SHARE if session.copy.on_device else 0.0
+        return given
 
     # ------------------------------------------------------------ backward
     def choose(self) -> None:
