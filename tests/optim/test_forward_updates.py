@@ -142,9 +142,10 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     launch, ahead, before = (ForwardUpdates._launch, ForwardUpdates._launch_ahead,
                              ForwardUpdates.before_unit)
 
-    def fits(self, b, most):
+    def room(self, most):   # the next pending bucket's bytes
         admitted[0] += 1
-        return admitted[0] == 1
+        queue = [b for b in self.in_forward._queue if b.state is BucketState.PENDING]
+        return queue[0].nbytes if queue and admitted[0] == 1 else 0
 
     def launch_ahead(self):
         admitted[0] = 0
@@ -158,7 +159,7 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
         launched_in.append((unit_now[0], b.unit))
         launch(self, b)
 
-    monkeypatch.setattr(type(fused), "window_fits", fits)
+    monkeypatch.setattr(type(fused), "window_room", room)
     monkeypatch.setattr(ForwardUpdates, "_launch_ahead", launch_ahead)
     monkeypatch.setattr(ForwardUpdates, "before_unit", before_unit)
     monkeypatch.setattr(ForwardUpdates, "_launch", record)
@@ -174,6 +175,43 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     opt.step()
     assert not _pending(opt)
     assert not fused._ahead
+
+
+def test_a_refill_launches_no_more_than_the_room_it_finds(monkeypatch):
+    """[Note: a refill takes the room it finds]: on the CPU a bucket's copies
+    land as it is launched, so a refill that counted the room afresh after
+    each launch would launch every pending update at the first unit."""
+    from tierd.updates.forward import ForwardUpdates
+    model = _attach(lambda: gpt2(n_layer=4), SHARE)
+    probe = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, probe, batches(2))
+    smallest = min(b.nbytes for b in _pending(probe))
+    detach(model)
+    model = _attach(lambda: gpt2(n_layer=4), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, prefetch_bytes=smallest)
+    train(model, opt, batches(2))
+    pending = _pending(opt)
+    assert sum(b.nbytes for b in pending) > 2 * smallest
+    calls, inside = [], [False]
+    ahead, launch = ForwardUpdates._launch_ahead, ForwardUpdates._launch
+
+    def launch_ahead(self):
+        calls.append([])
+        inside[0] = True
+        ahead(self)
+        inside[0] = False
+
+    def record(self, b):   # (a unit's own buckets launch at its forward, room or not)
+        if inside[0]:
+            calls[-1].append(b.nbytes)
+        launch(self, b)
+
+    monkeypatch.setattr(ForwardUpdates, "_launch_ahead", launch_ahead)
+    monkeypatch.setattr(ForwardUpdates, "_launch", record)
+    train(model, opt, batches(1))
+    launched = [c for c in calls if c]
+    assert len(launched) > 1
+    assert all(sum(c) <= 2 * smallest or len(c) == 1 for c in launched)
 
 
 def test_between_step_and_forward_the_modules_hold_tensors_that_read_the_new_values():

@@ -34,6 +34,16 @@ GPT-2 1.3B capped at 48 GB (H100, cb3825f) the host waited 27 ms at that
 read with the compute stream idle, after 46 ms of launching. So the step's
 begin asks for the first pending keys only, and the fetches start at the
 first unit's pre-forward, after the model's own preamble.
+
+[Note: a refill takes the room it finds]
+A unit's pre-forward launches the pending updates that fit the room the
+window has as it begins, not the room that copies landing meanwhile make:
+counted afresh after each launch, the room kept growing as fast as the host
+launched (a launch costs the host about what its copies take to land), and
+the first block's pre-forward launched the forward's updates for 70 ms, the
+compute stream idle, before the block's own kernels were queued (a trace of
+three steps back to back, H100, b2a30fb). The next units' pre-forwards,
+every few milliseconds, take up the room freed in between.
 The gradients held take device memory from their backward to their unit's
 forward, freed as that forward goes on: neither at the forward's end nor at
 the backward's start, the step's peaks.
@@ -244,18 +254,22 @@ class ForwardUpdates:
 
     def _launch_ahead(self) -> None:
         """Fetch and update pending buckets in forward order within twice the
-        fused updater's ``prefetch_bytes``; the keys of the next ones beyond
-        are asked for (see the Note above)."""
+        fused updater's ``prefetch_bytes``, as much as there is room for now
+        ([Note: a refill takes the room it finds]); the keys of the next ones
+        beyond are asked for (see the Note above)."""
         fused = self._fused
+        most = 2 * fused.prefetch_bytes
+        room = fused.window_room(most)
         while self._queue:
             b = self._queue[0]
             if b.state is not BucketState.PENDING:
                 self._queue.pop(0)
                 continue
-            if not fused.window_fits(b, 2 * fused.prefetch_bytes):
+            if b.nbytes > room and room < most:   # (one larger than the window: alone)
                 break
             self._queue.pop(0)
             self._launch(b)
+            room -= b.nbytes
         self._lease_ahead()
 
     def _lease_ahead(self) -> None:

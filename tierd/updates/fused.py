@@ -317,10 +317,11 @@ class FusedUpdates:
         """``tps``' gradients are taken for an update (held: tierd.updates.forward)."""
         self._updated.update(tps)
 
-    def window_fits(self, b: Bucket, most: int) -> bool:
-        """``b``'s fetch fits ``most`` bytes beside what is fetched and not landed."""
+    def window_room(self, most: int) -> int:
+        """Bytes a fetch may add now beside what is fetched and not landed,
+        within ``most``."""
         self._reclaim()
-        return not self._fetched_bytes or self._fetched_bytes + b.nbytes <= most
+        return most - self._fetched_bytes
 
     def update_held(self, b: Bucket) -> None:
         """PENDING -> HOST: fetch ``b`` and queue its update on its held
