@@ -149,3 +149,14 @@ def test_a_profile_of_no_steps_is_refused(capsys):
     with pytest.raises(SystemExit):
         placement.main(["--out", "unused", "--profile-steps", "0"])
     assert "--profile-steps=0 must be at least 1" in capsys.readouterr().err
+
+
+def test_case_is_a_regular_expression_so_one_row_can_be_chosen_alone(capsys):
+    names = [c.name for c in placement.CASES]
+    assert [n for n in names if placement.matches(n, "cap 48 GB")] == [
+        "GPT-2 1.3B B=8, cap 48 GB", "GPT-2 1.3B B=8, cap 48 GB, updates in backward"]
+    assert [n for n in names if placement.matches(n, "cap 48 GB$")] == [
+        "GPT-2 1.3B B=8, cap 48 GB"]
+    with pytest.raises(SystemExit):
+        placement.main(["--out", "unused", "--case", "cap (48"])
+    assert "--case 'cap (48' is not a regular expression" in capsys.readouterr().err

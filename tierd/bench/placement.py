@@ -586,12 +586,18 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
             rows += [{**{k: None for k in ROW_FIELDS}, "case": c.name, "commit": args.commit,
                       "error": f"its process ({name}) exited {code}; see {log}"}
                      for c in with_settings(CASES, args.set)
-                     if c.model == name and args.case in c.name]
+                     if c.model == name and matches(c.name, args.case)]
             continue
         got = json.loads((out / "placement.json").read_text())
         rows += got["rows"]
         bandwidth = max(bandwidth, got["both_ways_bandwidth_gbps"] * GB)
     return rows, bandwidth
+
+
+def matches(name: str, case: str) -> bool:
+    """A case named ``name`` is one ``--case`` selects (a regular expression
+    found in the name; plain words select the names that contain them)."""
+    return re.search(case, name) is not None
 
 
 def with_settings(cases: list[Case], settings: list[str]) -> list[Case]:
@@ -658,8 +664,9 @@ def main(argv=None) -> None:
                     help="a daemon with this pool (default: attach's embedded daemon, sized "
                          "for the model and the machine)")
     ap.add_argument("--nvme-gib", type=int, default=None)
-    ap.add_argument("--case", default="", help="only the cases whose name contains this "
-                    "(e.g. 'cap 48 GB': a quick re-run of one case)")
+    ap.add_argument("--case", default="", help="only the cases whose name this regular "
+                    "expression is found in (e.g. 'cap 48 GB': a quick re-run of those "
+                    "cases; 'cap 48 GB$': of that one alone)")
     ap.add_argument("--only", default="", help="comma-separated models of MODELS "
                     "(gpt2-1.3B,llama-8B), run in this process")
     ap.add_argument("--trace", action="store_true", help="write each tierd case's profiled "
@@ -675,8 +682,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     try:
         with_settings([], args.set)
+        re.compile(args.case)
     except ValueError as exc:
         ap.error(str(exc))
+    except re.error as exc:
+        ap.error(f"--case {args.case!r} is not a regular expression: {exc}")
     if args.tiny:
         args.seq, args.steps, args.ref_steps, args.sync_steps, args.warmup = 16, 6, 4, 2, 2
         args.pool_gib, args.nvme_gib = 1, 1
@@ -695,14 +705,14 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         rows, bandwidth = measure(args, [c for c in with_settings(TINY, args.set)
-                                         if args.case in c.name], device)
+                                         if matches(c.name, args.case)], device)
     elif args.only:
         rows, bandwidth = measure(args, [c for c in with_settings(CASES, args.set)
                                          if c.model in args.only.split(",")
-                                         and args.case in c.name], device)
+                                         and matches(c.name, args.case)], device)
     else:
         rows, bandwidth = measure_apart(args, list(dict.fromkeys(
-            c.model for c in with_settings(CASES, args.set) if args.case in c.name)))
+            c.model for c in with_settings(CASES, args.set) if matches(c.name, args.case))))
     result = {"commit": args.commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "both_ways_bandwidth_gbps": bandwidth / GB,
               "rows": rows}
