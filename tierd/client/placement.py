@@ -181,7 +181,7 @@ class UnitBytes:
 
         Example:
             >>> UnitBytes.sized(0, [(200, 100, True, True), (200, 100, False, False)])
-            UnitBytes(index=0, param_bytes=400, state_bytes=1200, grad_bytes=400, stored_bytes=0, kept_bytes=0, rank_state=())
+            UnitBytes(index=0, param_bytes=400, state_bytes=1200, grad_bytes=400, stored_bytes=0, kept_bytes=0, rank_state=(), weights_state_bytes=0)
         """
         trained = [(numel, master) for _, numel, trainable, master in params if trainable]
         return cls(index, sum(p[0] for p in params),
