@@ -2,6 +2,7 @@
 
     python -m tierd.bench.placement --out DIR        # the four cases below, one H200
     python -m tierd.bench.placement --out DIR --case "GPT-2"   # only the cases named so
+    python -m tierd.bench.placement --out DIR --case "cap 48 GB$" --profile-steps 3 --trace
     python -m tierd.bench.placement --out DIR --tiny # CPU smoke run of the same code
 
 On the H200 machine (the results file the README table is made from):
@@ -79,9 +80,11 @@ synchronizations, then two diagnostic steps.
   steps after warm-up; ``pcie_in_gb`` / ``pcie_out_gb``: bytes copied per
   synchronized step;
 - ``tierd_diag`` / ``allgpu_diag`` (CUDA only): one step split into forward,
-  backward and ``step()`` seconds, and one profiled step into compute-stream
-  busy time and the idle time beside copies or beside nothing
-  (``attach_step.profile``); tierd's also has its hooks', optimizer's and
+  backward and ``step()`` seconds, and one profiled step (``--profile-steps
+  N``: N back to back, per step) into compute-stream busy time and the idle
+  time beside copies or beside nothing (``attach_step.profile``; with
+  ``--trace`` its host and device trace in ``DIR/<model>/CASE.trace.json.gz``);
+  tierd's also has its hooks', optimizer's and
   waits' host seconds per synchronized step (lease waits also split by the
   kind of key: compute copies, gradients, state; and the seconds new pool
   segments took to map and page-lock here) and the caching allocator's
