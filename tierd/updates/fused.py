@@ -96,8 +96,6 @@ from tierd.errors import StateError
 #: keep their state on the device while their weights are ([Note: small state
 #: stays on the device])
 SMALL_SHARE = 64
-#: updated keys gathered before their demotion is sent ([Note: eviction by next use])
-DEMOTE_KEYS = 64
 
 
 def keeps_small_state(session) -> bool:
@@ -146,7 +144,6 @@ class FusedUpdates:
         # [Note: leases asked ahead]: bucket index -> its keys leased before its fetch
         self._ahead: dict[int, list[str]] = {}
         self._ahead_bytes = min(prefetch_bytes, session.lease_cap) // 4
-        self._demoted: list[str] = []   # keys updated, their demotion not yet sent
         # buckets updated on the host ([Note: CPU updates overlapped with backward])
         self.host = HostUpdates(self)
         # updates that wait for the next forward ([Note: updates before the
@@ -270,7 +267,6 @@ class FusedUpdates:
                         self._update(b)
             self.session.copy.join_updates()   # [Note: the update stream]
             self._release_fetched()   # copies out go on landing into the next step
-            self._demote()
             self.updated, self.active = True, False
             self.fused_backwards += 1
         for tp, n in self._got.items():
@@ -301,7 +297,6 @@ class FusedUpdates:
         self.in_forward.run_all()
         self.session.copy.join_updates()
         self.host.wait_all()
-        self._demote()
         if not self.active:
             self._release_fetched()
             for done, nbytes in self._outstanding:
@@ -575,20 +570,14 @@ class FusedUpdates:
             self._keep(b)
         else:
             # the state is next needed here in the next step ([Note: eviction by
-            # next use]); asked for a few buckets at a time (a request costs the host)
-            self._demoted += [k for tp in b.tps for k in self.opt.state_keys(tp)
-                              if k != tp.key]
-            if len(self._demoted) >= DEMOTE_KEYS:
-                self._demote()
+            # next use]); asked at once: the next fetch's leases may need the room
+            # (sent a few buckets at a time, the pool evicted state needed sooner
+            # and a run past the pool read more from NVMe)
+            session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
+                                   if k != tp.key])
             b.to_updated(all_params=all_params)
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
-
-    def _demote(self) -> None:
-        """Send the demotions gathered since the last."""
-        if self._demoted:
-            self.session.leases.demote(self._demoted)
-            self._demoted = []
 
     def _run_math(self, b: Bucket) -> list[tuple[str, torch.Tensor]]:
         """The optimizer's math for the bucket's parameters with a gradient;
