@@ -147,9 +147,9 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
         queue = [b for b in self.in_forward._queue if b.state is BucketState.PENDING]
         return queue[0].nbytes if queue and admitted[0] == 1 else 0
 
-    def launch_ahead(self):
+    def launch_ahead(self, unit):
         admitted[0] = 0
-        ahead(self)
+        ahead(self, unit)
 
     def before_unit(self, unit):
         unit_now[0] = unit
@@ -195,10 +195,10 @@ def test_a_refill_launches_no_more_than_the_room_it_finds(monkeypatch):
     calls, inside = [], [False]
     ahead, launch = ForwardUpdates._launch_ahead, ForwardUpdates._launch
 
-    def launch_ahead(self):
+    def launch_ahead(self, unit):
         calls.append([])
         inside[0] = True
-        ahead(self)
+        ahead(self, unit)
         inside[0] = False
 
     def record(self, b):   # (a unit's own buckets launch at its forward, room or not)
@@ -212,6 +212,40 @@ def test_a_refill_launches_no_more_than_the_room_it_finds(monkeypatch):
     launched = [c for c in calls if c]
     assert len(launched) > 1
     assert all(sum(c) <= 2 * smallest or len(c) == 1 for c in launched)
+
+
+def test_a_refill_launches_for_the_next_units_only(monkeypatch):
+    """[Note: a refill takes the room it finds]: with room for every pending
+    update, a unit's pre-forward still launches only those of the next
+    ``UNITS_AHEAD`` units with any, so the first block's kernels are not
+    queued behind the launches of the whole forward's updates."""
+    from tierd.updates import forward
+    from tierd.updates.forward import ForwardUpdates
+    model = _attach(lambda: gpt2(n_layer=6), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, prefetch_bytes=1 << 40)
+    train(model, opt, batches(2))
+    units = sorted({b.unit for b in _pending(opt)})
+    assert len(units) > forward.UNITS_AHEAD + 1
+    now, launched = [None], []
+    before, launch = ForwardUpdates.before_unit, ForwardUpdates._launch
+
+    def before_unit(self, unit):
+        now[0] = unit
+        before(self, unit)
+
+    def record(self, b):
+        launched.append((now[0], b.unit))
+        launch(self, b)
+
+    monkeypatch.setattr(ForwardUpdates, "before_unit", before_unit)
+    monkeypatch.setattr(ForwardUpdates, "_launch", record)
+    train(model, opt, batches(1))
+    by_start = {}
+    for start, unit in launched:
+        by_start.setdefault(start, set()).add(unit)
+    assert {u for _, u in launched} == set(units)   # every one ran in the forward
+    assert all(len(us - {start}) <= forward.UNITS_AHEAD for start, us in by_start.items())
+    assert len(by_start) > 2   # spread over the forward's units
 
 
 def test_between_step_and_forward_the_modules_hold_tensors_that_read_the_new_values():

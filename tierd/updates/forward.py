@@ -44,6 +44,15 @@ the first block's pre-forward launched the forward's updates for 70 ms, the
 compute stream idle, before the block's own kernels were queued (a trace of
 three steps back to back, H100, b2a30fb). The next units' pre-forwards,
 every few milliseconds, take up the room freed in between.
+That room is large: the window is twice the fused updater's
+``prefetch_bytes`` (``gpu_budget_bytes`` unless the optimizer is given one,
+2 GiB), and the first block's pre-forward still launched 34 tensors' updates
+(4.2 GB) for 63 ms before its own kernels were queued (profiled, H100,
+92f7073), while a block's forward takes ~4.5 ms of compute and its share of
+the updates ~5 ms of copies. So a pre-forward launches only the pending
+updates of the next ``UNITS_AHEAD`` units with any (within the room): each
+is queued about two blocks' compute before its unit runs, and the host's
+launches are spread over the forward as the compute they hide behind is.
 The gradients held take device memory from their backward to their unit's
 forward, freed as that forward goes on: neither at the forward's end nor at
 the backward's start, the step's peaks.
@@ -101,6 +110,9 @@ MOST_SKIPPED = 64
 #: 0.428 and 0.421 s a step; benchmarks/results/HISTORY.md, "Placement"),
 #: the peak the same
 FORWARD_SHARE = 0.4
+#: units with pending updates past the one beginning whose updates its
+#: pre-forward launches ([Note: a refill takes the room it finds])
+UNITS_AHEAD = 2
 
 
 class ForwardUpdates:
@@ -223,7 +235,7 @@ class ForwardUpdates:
         into its modules; the next pending buckets are fetched."""
         waiting = self._waiting.pop(unit, None)
         if not waiting:
-            self._launch_ahead()
+            self._launch_ahead(unit)
             return
         for b in waiting:
             if b.state is BucketState.PENDING:
@@ -234,7 +246,7 @@ class ForwardUpdates:
             if ready is not None:
                 copy.wait(ready)
         self._show(waiting)
-        self._launch_ahead()
+        self._launch_ahead(unit)
 
     def run_all(self) -> None:
         """Run every pending update now; the compute stream waits for them all."""
@@ -252,21 +264,26 @@ class ForwardUpdates:
             self._show(waiting)
         self._waiting.clear()
 
-    def _launch_ahead(self) -> None:
-        """Fetch and update pending buckets in forward order within twice the
-        fused updater's ``prefetch_bytes``, as much as there is room for now
-        ([Note: a refill takes the room it finds]); the keys of the next ones
-        beyond are asked for (see the Note above)."""
+    def _launch_ahead(self, unit: int) -> None:
+        """Fetch and update the pending buckets of the next ``UNITS_AHEAD``
+        units past ``unit`` in forward order, within twice the fused updater's
+        ``prefetch_bytes``, as much as there is room for now ([Note: a refill
+        takes the room it finds]); the keys of the next ones beyond are asked
+        for (see the Note above)."""
         fused = self._fused
         most = 2 * fused.prefetch_bytes
         room = fused.window_room(most)
+        units = {unit}
         while self._queue:
             b = self._queue[0]
             if b.state is not BucketState.PENDING:
                 self._queue.pop(0)
                 continue
+            if b.unit not in units and len(units) > UNITS_AHEAD:
+                break
             if b.nbytes > room and room < most:   # (one larger than the window: alone)
                 break
+            units.add(b.unit)
             self._queue.pop(0)
             self._launch(b)
             room -= b.nbytes
