@@ -122,6 +122,40 @@ def test_only_blocks_that_keep_their_weights_wait_spread_through_the_forward():
         b.nbytes for b in pending)   # counted as the forward updates them
 
 
+def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
+    """[Note: the backward's last copies out wait for the first unit]: the
+    first block's and the model's own buckets keep their new state until the
+    next forward reaches the first block (past the model's preamble), or a
+    read settles first; the window does not count them."""
+    model = _attach(lambda: gpt2(n_layer=4), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    fused, registry = opt._fused[0], session_of(model).registry
+    writing = [b for b in fused.buckets if b.state is BucketState.WRITING]
+    first = registry.unit_of[id(model.transformer.h[0])].index
+    assert {b.unit for b in writing} == {first, registry.unit_of[id(model)].index}
+    assert fused._fetched_bytes == 0
+    seen = {}
+
+    def states(at):
+        def hook(module, args):
+            seen.setdefault(at, [b.state for b in writing])
+        return hook
+    hooks = [model.transformer.wte.register_forward_pre_hook(states("preamble")),
+             model.transformer.h[0].register_forward_pre_hook(states("first"))]   # after tierd's
+    train(model, opt, batches(1))
+    for h in hooks:
+        h.remove()
+    assert set(seen["preamble"]) == {BucketState.WRITING}
+    assert set(seen["first"]) == {BucketState.HOST}   # queued; the step that updated them ended
+    assert fused._fetched_bytes == 0
+    # a read before the next forward queues them too
+    assert any(b.state is BucketState.WRITING for b in fused.buckets)
+    opt.state_dict()
+    assert not any(b.state is BucketState.WRITING for b in fused.buckets)
+    assert fused._fetched_bytes == 0
+
+
 def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(monkeypatch):
     """On the GPU the fetch window fills (copies out land later): a forward that
     fetched only at the units that wait fetched each bucket where it was needed.

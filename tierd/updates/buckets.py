@@ -38,6 +38,11 @@ class BucketState(enum.Enum):
         ``tierd.updates.forward``). Master and moments only in tierd, no lease
         held; its parameters' modules hold their tensors for between uses.
         Its fetch makes it FETCHED, and the update then runs as any other.
+    WRITING: updated in the backward, every parameter; its new state is on
+        the device and its copies out wait for the next forward's first unit
+        ([Note: the backward's last copies out wait for the first unit] in
+        ``tierd.updates.forward``), its keys leased meanwhile. Nothing may
+        fetch it before they are queued (settling queues them).
     """
 
     HOST = "host"
@@ -46,6 +51,7 @@ class BucketState(enum.Enum):
     RESIDENT = "resident"
     UPDATING = "updating"
     PENDING = "pending"
+    WRITING = "writing"
 
 
 @dataclass(eq=False)
@@ -93,12 +99,24 @@ class Bucket:
         self._expect(BucketState.HOST, BucketState.PENDING, action="be fetched")
         self.work, self.copy, self.state = work, copy, BucketState.FETCHED
 
-    def to_updated(self, *, all_params: bool) -> None:
+    def to_updated(self, *, all_params: bool, writes_later: bool = False) -> None:
         """FETCHED -> DONE (every parameter updated) or HOST (one may still get a
-        gradient: fetched again then); the copies out hold what it needs."""
+        gradient: fetched again then); the copies out hold what it needs.
+        ``writes_later`` (every parameter updated): WRITING, its copies out
+        not queued yet."""
         self._expect(BucketState.FETCHED, action="finish its update")
+        if writes_later and not all_params:
+            raise StateError(f"optimizer bucket {self.index} ({self.tps[0].name!r}...) may "
+                             "get another gradient: its copies out cannot wait")
         self.work, self.copy, self.readers, self.hyper = {}, None, [], None
-        self.state = BucketState.DONE if all_params else BucketState.HOST
+        self.state = (BucketState.WRITING if writes_later
+                      else BucketState.DONE if all_params else BucketState.HOST)
+
+    def to_written(self, *, step_ended: bool) -> None:
+        """WRITING -> DONE (its copies out queued), or HOST once the step
+        that updated it has ended."""
+        self._expect(BucketState.WRITING, action="queue its copies out")
+        self.state = BucketState.HOST if step_ended else BucketState.DONE
 
     def to_pending(self, hyper: dict) -> None:
         """HOST -> PENDING: its gradients are final and held; ``hyper`` (the

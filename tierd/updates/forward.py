@@ -53,6 +53,26 @@ the updates ~5 ms of copies. So a pre-forward launches only the pending
 updates of the next ``UNITS_AHEAD`` units with any (within the room): each
 is queued about two blocks' compute before its unit runs, and the host's
 launches are spread over the forward as the compute they hide behind is.
+
+[Note: the backward's last copies out wait for the first unit]
+The buckets the next forward cannot take (its first streamed unit's, and
+the model's own, whose forward encloses the step: GPT-2's tied embedding,
+1.26 GB of state at 1.3B) are updated last in the updating backward, and
+their copies out were the last queued on the copy-out engine, in flight as
+the next forward began. A device scalar the model reads there (the
+``.item()`` of the Note above) has its copy queued behind them: the host
+waited 39 ms a step for it with the compute stream idle (a trace of three
+steps back to back, H100 at 100.7 GB/s, b2a30fb), 22 ms once the first
+block's refill was bounded (ce70b42). So, where the forward
+has updates to run ([Note: updates before the next forward]), those
+buckets keep their new state on the device (WRITING) and their copies out
+are queued at the next forward's first unit, after the model's preamble,
+or when anything settles first (a read, a commit, the next backward). They
+are not counted in the fetch window: held from the backward's end until
+about 40 ms into the next forward, they are gone long before its end, the
+step's peak, and counted they would hold the forward's first updates back
+for as long as the wait they remove.
+
 The gradients held take device memory from their backward to their unit's
 forward, freed as that forward goes on: neither at the forward's end nor at
 the backward's start, the step's peaks.
@@ -134,6 +154,10 @@ class ForwardUpdates:
         self._waiting: dict[int, list[Bucket]] = {}   # unit -> the buckets its forward waits for
         self._ready: dict[int, InflightCopy] = {}     # bucket index -> its queued update
         self._units: set[int] = set()   # units the choice takes from (hooked: stable)
+        # [Note: the backward's last copies out wait for the first unit]: the
+        # units whose buckets' copies out wait, and those buckets with what they write
+        self._late_units: set[int] = set()
+        self._late: list[tuple[Bucket, list]] = []
         # [Note: updates read before their forward]: pending updates ran before
         # their forward since the last choice; updating backwards left to hold
         # nothing; how many the next early run makes hold nothing
@@ -160,11 +184,13 @@ class ForwardUpdates:
         if not self.share or fused.window != 1 or session.hooks.compiled_whole:
             self._units = set()
             return
-        chosen, taken, streamed, first, units = set(), 0, 0, None, set()
+        chosen, taken, streamed, first, units, enclosing = set(), 0, 0, None, set(), set()
         for i in reversed(fused.order):   # forward order
             b = fused.buckets[i]
-            if not fused.streams(b) or b.unit is None \
-                    or registry.unit_modules[b.unit] is registry.model:
+            if not fused.streams(b) or b.unit is None:
+                continue
+            if registry.unit_modules[b.unit] is registry.model:
+                enclosing.add(b.unit)
                 continue
             streamed += b.nbytes
             units.add(b.unit)
@@ -176,6 +202,7 @@ class ForwardUpdates:
                 taken += b.nbytes
         # every streamed unit's forward fetches ahead, the first one's too
         self._units = units if chosen else set()
+        self._late_units = {first} | enclosing if self._units else set()
         if self._ran_early:   # [Note: updates read before their forward]
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MOST_SKIPPED)
         elif self._held:      # the last ones all ran in their forward
@@ -190,6 +217,22 @@ class ForwardUpdates:
     def takes(self, b: Bucket) -> bool:
         """``b``'s update waits for the next forward (in the updating backward)."""
         return b.index in self.chosen
+
+    def writes_later(self, b: Bucket) -> bool:
+        """``b``, updated in the updating backward now, is one of its last:
+        its copies out wait for the next forward's first unit."""
+        return self._fused.active and b.unit in self._late_units
+
+    def write_later(self, b: Bucket, written: list) -> None:
+        """Keep ``b``'s new state (``written``: key, device tensor) until the
+        next forward's first unit."""
+        self._late.append((b, written))
+
+    def _write_late(self) -> None:
+        """Queue the copies out kept for the forward (WRITING -> DONE or HOST)."""
+        late, self._late = self._late, []
+        for b, written in late:
+            self._fused.write_out(b, written)
 
     def hold(self, b: Bucket) -> None:
         """HOST -> PENDING: its gradients stay held by the fused updater; its
@@ -221,7 +264,7 @@ class ForwardUpdates:
     def waits(self, unit: int) -> bool:
         """The forward of unit ``unit`` must first wait for an update, or
         fetches the next pending ones."""
-        return unit in self._waiting or (bool(self._queue) and unit in self._units)
+        return unit in self._waiting or (bool(self._queue or self._late) and unit in self._units)
 
     def begin(self) -> None:
         """A forward begins: the keys of the first pending buckets are asked
@@ -232,7 +275,9 @@ class ForwardUpdates:
     def before_unit(self, unit: int) -> None:
         """Unit ``unit``'s forward begins: the compute stream waits for its
         buckets' updates (queued now if not yet); its compute tensors go back
-        into its modules; the next pending buckets are fetched."""
+        into its modules; the next pending buckets are fetched; the copies
+        out kept for the forward are queued first."""
+        self._write_late()
         waiting = self._waiting.pop(unit, None)
         if not waiting:
             self._launch_ahead(unit)
@@ -249,7 +294,9 @@ class ForwardUpdates:
         self._launch_ahead(unit)
 
     def run_all(self) -> None:
-        """Run every pending update now; the compute stream waits for them all."""
+        """Run every pending update now, and queue the copies out kept for the
+        forward; the compute stream waits for the updates."""
+        self._write_late()
         if not self._waiting:
             return
         self._ran_early = True

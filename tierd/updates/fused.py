@@ -284,9 +284,10 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        for b in self.buckets:   # PENDING ones are updated at the next forward
+        for b in self.buckets:   # PENDING ones are updated at the next forward,
+            # WRITING ones written there
             if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,
-                               BucketState.PENDING):
+                               BucketState.PENDING, BucketState.WRITING):
                 b.to_host()
         self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
@@ -564,7 +565,8 @@ class FusedUpdates:
                 copy.wait(reader)
             written = self._run_math(b)
             all_params = all(tp in self._updated for tp in b.tps)   # else fetched again
-            if not b.pinned:
+            later = not b.pinned and all_params and self.in_forward.writes_later(b)
+            if not b.pinned and not later:
                 self._write_out(b, written)
         if b.pinned:
             self._keep(b)
@@ -575,7 +577,10 @@ class FusedUpdates:
             # and a run past the pool read more from NVMe)
             session.leases.demote([k for tp in b.tps for k in self.opt.state_keys(tp)
                                    if k != tp.key])
-            b.to_updated(all_params=all_params)
+            b.to_updated(all_params=all_params, writes_later=later)
+            if later:   # [Note: the backward's last copies out wait for the first unit]
+                self._fetched_bytes -= b.nbytes
+                self.in_forward.write_later(b, written)
         session.counters.optimizer_seconds += time.perf_counter() - t0
         self.prefetch()
 
@@ -631,9 +636,18 @@ class FusedUpdates:
                     session.keep_new_value(tp, new)
         return written
 
-    def _write_out(self, b: Bucket, written: list[tuple[str, torch.Tensor]]) -> None:
+    def write_out(self, b: Bucket, written: list[tuple[str, torch.Tensor]]) -> None:
+        """WRITING -> DONE or HOST: queue the copies out held for the next
+        forward (not counted in the fetch window: [Note: the backward's last
+        copies out wait for the first unit] in tierd.updates.forward)."""
+        self._write_out(b, written, counted=False)
+        b.to_written(step_ended=not self.updated)
+
+    def _write_out(self, b: Bucket, written: list[tuple[str, torch.Tensor]], *,
+                   counted: bool = True) -> None:
         """Queue the bucket's new state and values back to the pool; its leases
-        go once they have landed."""
+        go once they have landed (``counted``: its bytes leave the fetch
+        window then)."""
         session, copy = self.session, self.session.copy
         views = session.leases.views(b.keys)
         shared = session.leases.shared
@@ -652,13 +666,15 @@ class FusedUpdates:
                 session.leases.release(b.keys, written=True)   # the hold outlives the copy
             else:
                 session.releases.add(done, written=True)
-            self._outstanding.append((InflightCopy((), (), (), done.event), b.nbytes))
+            self._outstanding.append((InflightCopy((), (), (), done.event),
+                                      b.nbytes if counted else 0))
         else:
             for k, t in written:
                 if views[k].data_ptr() != t.data_ptr():
                     views[k].copy_(t)
             session.leases.release(b.keys, written=True)
-            self._fetched_bytes -= b.nbytes
+            if counted:
+                self._fetched_bytes -= b.nbytes
 
     def _release_fetched(self) -> None:
         """Give back the buckets fetched but not updated in this backward, and
