@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -250,19 +251,25 @@ def test_claimed_empty_segments_give_way_and_a_forgotten_job_claims_nothing():
         pool.close()
 
 
-def test_a_claim_takes_only_segments_already_made(monkeypatch):
-    """The daemon's loop never waits in a claim: a spare still being made
-    is counted as more to come, not waited for."""
-    import threading
+@pytest.fixture
+def gate(monkeypatch):
+    """Segments are made only while the returned event is set."""
     from tierd.backends import hostpool
-    gate = threading.Event()
+    opened = threading.Event()
     made = hostpool._make_memfd
 
     def slow(*args, **kwargs):
-        gate.wait(10)
+        opened.wait(10)
         return made(*args, **kwargs)
 
     monkeypatch.setattr(hostpool, "_make_memfd", slow)
+    yield opened
+    opened.set()
+
+
+def test_a_claim_takes_only_segments_already_made(gate):
+    """The daemon's loop never waits in a claim: a spare still being made
+    is counted as more to come, not waited for."""
     pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
     try:
         pool.expect([2 * MiB] * 2, job="a")
@@ -276,22 +283,12 @@ def test_a_claim_takes_only_segments_already_made(monkeypatch):
         pool.close()
 
 
-def test_a_reserve_is_told_which_segment_being_made_it_would_wait_for(monkeypatch):
+def test_a_reserve_is_told_which_segment_being_made_it_would_wait_for(gate):
     """[Note: a reserve waits for its segment off the loop]: the spare among
     the segments a reserve needs beyond the job's free room, or a larger
     tensor's exact segment (begun then), while it is being made; None once
     made, or when the job's segments have the room; the reserve then takes
     what was made without waiting."""
-    import threading
-    from tierd.backends import hostpool
-    gate = threading.Event()
-    made = hostpool._make_memfd
-
-    def slow(*args, **kwargs):
-        gate.wait(10)
-        return made(*args, **kwargs)
-
-    monkeypatch.setattr(hostpool, "_make_memfd", slow)
     pool = HostPool(32 * MiB, segment_size=2 * MiB, ahead=1)
     try:
         first = pool.making_for("a", [MiB])     # the job's first segment, begun
