@@ -156,6 +156,20 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
     assert fused._fetched_bytes == 0
 
 
+def test_an_untied_head_updated_as_the_backward_begins_writes_at_once():
+    """Only the learned order's last buckets keep their state for the next
+    forward: an untied head's, updated first in the backward, would hold its
+    state through the backward's peak."""
+    model = _attach(lambda: gpt2(n_layer=4, tie=False), SHARE)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, batches(3))
+    writing = {tp.name for b in opt._fused[0].buckets if b.state is BucketState.WRITING
+               for tp in b.tps}
+    assert any("wte" in name for name in writing)
+    assert any(".h.0." in name for name in writing)
+    assert not any("lm_head" in name for name in writing)
+
+
 def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(monkeypatch):
     """On the GPU the fetch window fills (copies out land later): a forward that
     fetched only at the units that wait fetched each bucket where it was needed.

@@ -59,7 +59,8 @@ The buckets the next forward cannot take (its first streamed unit's, and
 the model's own, whose forward encloses the step: GPT-2's tied embedding,
 1.26 GB of state at 1.3B) are updated last in the updating backward, and
 their copies out were the last queued on the copy-out engine, in flight as
-the next forward began. A device scalar the model reads there (the
+the next forward began. (Those the learned order updates last, that is:
+an untied head's bucket, updated as the backward begins, is not one.) A device scalar the model reads there (the
 ``.item()`` of the Note above) has its copy queued behind them: the host
 waited 39 ms a step for it with the compute stream idle (a trace of three
 steps back to back, H100 at 100.7 GB/s, b2a30fb), 22 ms once the first
@@ -155,8 +156,8 @@ class ForwardUpdates:
         self._ready: dict[int, InflightCopy] = {}     # bucket index -> its queued update
         self._units: set[int] = set()   # units the choice takes from (hooked: stable)
         # [Note: the backward's last copies out wait for the first unit]: the
-        # units whose buckets' copies out wait, and those buckets with what they write
-        self._late_units: set[int] = set()
+        # buckets whose copies out wait, and those kept, with what they write
+        self._writes_later: set[int] = set()
         self._late: list[tuple[Bucket, list]] = []
         # [Note: updates read before their forward]: pending updates ran before
         # their forward since the last choice; updating backwards left to hold
@@ -180,7 +181,7 @@ class ForwardUpdates:
         """An updating backward begins: the buckets whose update will wait."""
         fused = self._fused
         session, registry = fused.session, fused.session.registry
-        self.chosen = set()
+        self.chosen, self._writes_later = set(), set()
         if not self.share or fused.window != 1 or session.hooks.compiled_whole:
             self._units = set()
             return
@@ -202,7 +203,14 @@ class ForwardUpdates:
                 taken += b.nbytes
         # every streamed unit's forward fetches ahead, the first one's too
         self._units = units if chosen else set()
-        self._late_units = {first} | enclosing if self._units else set()
+        if self._units:   # the learned order's last buckets of those units
+            for i in reversed(fused.order):
+                b = fused.buckets[i]
+                if not fused.streams(b) or b.unit is None:
+                    continue
+                if b.unit != first and b.unit not in enclosing:
+                    break
+                self._writes_later.add(i)
         if self._ran_early:   # [Note: updates read before their forward]
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MOST_SKIPPED)
         elif self._held:      # the last ones all ran in their forward
@@ -221,7 +229,7 @@ class ForwardUpdates:
     def writes_later(self, b: Bucket) -> bool:
         """``b``, updated in the updating backward now, is one of its last:
         its copies out wait for the next forward's first unit."""
-        return self._fused.active and b.unit in self._late_units
+        return self._fused.active and b.index in self._writes_later
 
     def write_later(self, b: Bucket, written: list) -> None:
         """Keep ``b``'s new state (``written``: key, device tensor) until the
