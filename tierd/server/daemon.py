@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -269,12 +269,6 @@ class Daemon:
             self._spawn(self._serve_commit(ident, session, rid, req, start))
             return
         try:
-            making = self._making(session, req)
-            if making is not None:
-                self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
-                self._spawn(self._serve_blocked(ident, session, rid, req, Blocked(), start,
-                                                arrived, making=making))
-                return
             result = self._attempt(session, req)
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
@@ -297,24 +291,10 @@ class Daemon:
             self.trace.request(type(req).__name__, session.id, getattr(req, "keys", ()),
                                arrived, blocked, getattr(req, "at", None))
 
-    def _making(self, session: Session, req: P.Request) -> Future | None:
-        """The pool segment being made that ``req`` would wait for on the loop
-        ([Note: a reserve waits for its segment off the loop] in
-        tierd.backends.hostpool)."""
-        if not isinstance(req, P.Reserve):
-            return None
-        return self.pool.making_for(session.job, (spec.nbytes for spec in req.specs))
-
     async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked,
-                             start: float, arrived: float, making: Future | None = None) -> None:
+                             start: float, arrived: float) -> None:
         try:
             for _ in range(MAX_RETRIES):
-                while making is not None:   # each wait ends with that segment made
-                    try:
-                        await asyncio.wrap_future(making)
-                    except TierdError:
-                        pass   # the reserve makes its own, and says why
-                    making = self._making(session, req)
                 await self._wait(blocked)
                 if session.id not in self.catalog.sessions:
                     return  # the client went away meanwhile
@@ -324,7 +304,6 @@ class Daemon:
                     self._traced(session, req, arrived, blocked=True)
                     return
                 blocked = result
-                making = self._making(session, req)
             raise CapacityError(f"no room after {MAX_RETRIES} rounds of eviction")
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
