@@ -59,20 +59,21 @@ The buckets the next forward cannot take (its first streamed unit's, and
 the model's own, whose forward encloses the step: GPT-2's tied embedding,
 1.26 GB of state at 1.3B) are updated last in the updating backward, and
 their copies out were the last queued on the copy-out engine, in flight as
-the next forward began. (Those the learned order updates last, that is:
-an untied head's bucket, updated as the backward begins, is not one.) A device scalar the model reads there (the
-``.item()`` of the Note above) has its copy queued behind them: the host
-waited 39 ms a step for it with the compute stream idle (a trace of three
-steps back to back, H100 at 100.7 GB/s, b2a30fb), 22 ms once the first
-block's refill was bounded (ce70b42). So, where the forward
-has updates to run ([Note: updates before the next forward]), those
-buckets keep their new state on the device (WRITING) and their copies out
-are queued at the next forward's first unit, after the model's preamble,
-or when anything settles first (a read, a commit, the next backward). They
-are not counted in the fetch window: held from the backward's end until
-about 40 ms into the next forward, they are gone long before its end, the
-step's peak, and counted they would hold the forward's first updates back
-for as long as the wait they remove.
+the next forward began (those the learned order updates last, that is: an
+untied head's bucket, updated as the backward begins, is not one). A
+device scalar the model reads there (the ``.item()`` of the Note above)
+has its copy queued behind them: the host waited 39 ms a step for it with
+the compute stream idle (a trace of three steps back to back, H100 at
+100.7 GB/s, b2a30fb), 22 ms once the first block's refill was bounded
+(ce70b42). So, where the forward has updates to run ([Note: updates
+before the next forward]), those buckets keep their new state on the
+device (WRITING) and their copies out are queued at the next forward's
+first unit, after the model's preamble, or when anything settles first (a
+read, a commit, the next backward). They are not counted in the fetch
+window: held from the backward's end until about 40 ms into the next
+forward, they are gone long before its end, the step's peak, and counted
+they would hold the forward's first updates back for as long as the wait
+they remove.
 
 The gradients held take device memory from their backward to their unit's
 forward, freed as that forward goes on: neither at the forward's end nor at
