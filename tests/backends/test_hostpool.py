@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -250,19 +251,25 @@ def test_claimed_empty_segments_give_way_and_a_forgotten_job_claims_nothing():
         pool.close()
 
 
-def test_a_claim_takes_only_segments_already_made(monkeypatch):
-    """The daemon's loop never waits in a claim: a spare still being made
-    is counted as more to come, not waited for."""
-    import threading
+@pytest.fixture
+def gate(monkeypatch):
+    """Segments are made only while the returned event is set."""
     from tierd.backends import hostpool
-    gate = threading.Event()
+    opened = threading.Event()
     made = hostpool._make_memfd
 
     def slow(*args, **kwargs):
-        gate.wait(10)
+        opened.wait(10)
         return made(*args, **kwargs)
 
     monkeypatch.setattr(hostpool, "_make_memfd", slow)
+    yield opened
+    opened.set()
+
+
+def test_a_claim_takes_only_segments_already_made(gate):
+    """The daemon's loop never waits in a claim: a spare still being made
+    is counted as more to come, not waited for."""
     pool = HostPool(16 * MiB, segment_size=2 * MiB, ahead=1)
     try:
         pool.expect([2 * MiB] * 2, job="a")
@@ -273,6 +280,51 @@ def test_a_claim_takes_only_segments_already_made(monkeypatch):
         assert len(got) == 2 and more == 0
     finally:
         gate.set()
+        pool.close()
+
+
+def test_a_reserve_is_told_which_segment_being_made_it_would_wait_for(gate):
+    """[Note: a reserve waits for its segment off the loop]: the spare among
+    the segments a reserve needs beyond the job's free room, or a larger
+    tensor's exact segment (begun then), while it is being made; None once
+    made, or when the job's segments have the room; the reserve then takes
+    what was made without waiting."""
+    pool = HostPool(32 * MiB, segment_size=2 * MiB, ahead=1)
+    try:
+        first = pool.making_for("a", [MiB])     # the job's first segment, begun
+        assert first is not None and not first.done()
+        gate.set()
+        _made(pool)
+        assert pool.making_for("a", [MiB]) is None
+        pool.allocate("a", MiB)          # takes it; a spare begun
+        _made(pool)
+        gate.clear()
+        pool.allocate("a", MiB)          # the free half: no spare taken
+        pool.allocate("a", 2 * MiB)   # the spare; the next one begun, held
+        assert pool.making_for("a", [MiB]) is not None          # no room left in "a"
+        assert pool.making_for("a", []) is None
+        assert pool.making_for("b", [0]) is not None            # a page of a new job's
+        large = pool.making_for("a", [5 * MiB])                  # begun for it now
+        assert large is not None and not large.done() and pool.spare_bytes == 2 * MiB + 5 * MiB
+        assert pool.making_for("a", [5 * MiB]) is large          # not begun twice
+        gate.set()
+        _made(pool)
+        large.result(10)
+        assert pool.making_for("a", [MiB, 5 * MiB]) is None
+        before = pool.mapped_bytes
+        big, _ = pool.allocate("a", 5 * MiB)
+        assert big.size == 5 * MiB and pool.mapped_bytes == before   # the one made for it
+        assert pool.segment_waits == 0
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_a_pool_without_threads_makes_nothing_ahead_for_a_reserve():
+    pool = HostPool(16 * MiB, segment_size=2 * MiB)
+    try:
+        assert pool.making_for("a", [MiB, 5 * MiB]) is None and pool.spare_bytes == 0
+    finally:
         pool.close()
 
 

@@ -355,6 +355,41 @@ def test_pool_threads_make_segments_ahead_as_configured(daemon_factory, threads,
         assert torch.equal(c.get("w"), torch.ones(1024))
 
 
+def test_a_reserve_that_needs_new_segments_waits_for_them_off_the_loop(daemon_factory):
+    """[Note: a reserve waits for its segment off the loop]: a reserve of more
+    segments than are made ahead (and of a tensor larger than a segment)
+    has them begun on the pool's threads and runs once they are made: the
+    daemon's loop makes or waits for none, and everything reads back."""
+    d = daemon_factory(pool="256MiB", extra=("--pool-threads", "2"))
+    with d.connect() as c:
+        values = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(6)}   # 16 MiB each
+        values["big"] = torch.full((10 << 20,), 7.0)                              # 40 MiB
+        c.put_many(values)
+        c.put("small", torch.ones(16))
+        assert c.stats()["pool_segment_waits"] == 0
+        for key, value in values.items():
+            assert torch.equal(c.get(key), value), key
+
+
+def test_a_session_s_requests_wait_behind_its_reserve_that_waits_for_segments(
+        daemon_factory):
+    """[Note: a session's requests keep their order]: while a reserve waits
+    off the loop for the segment of a tensor larger than a segment, the same
+    client's next request, which needs none, waits behind it: a second
+    reserve of the same key is refused, not the first, and nothing is lost."""
+    d = daemon_factory(pool="256MiB", extra=("--pool-threads", "2"))
+    with d.connect() as c:
+        first = c.reserve_async({"k": torch.empty(10 << 20)})   # 40 MiB
+        second = c.reserve_async({"k": torch.empty(16)})
+        (slot,) = first.result(timeout=30)
+        with pytest.raises(tierd.StateError, match="k: "):
+            second.result(timeout=30)
+        slot.tensor.fill_(5.0)
+        c.publish_async(["k"]).result(timeout=30)
+        assert torch.equal(c.get("k"), torch.full((10 << 20,), 5.0))
+        assert c.stats()["pool_segment_waits"] == 0
+
+
 def test_growth_told_ahead_is_made_before_the_reserves_that_take_it(daemon_factory):
     """[Note: growth told ahead]: the segments of a job's expected tensors
     are made as spares at once; the puts then take them, mapping nothing new."""

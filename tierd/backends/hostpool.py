@@ -83,6 +83,27 @@ spares (``release_empty``), so a claim keeps no other job out; the job's
 reserves then fill the claimed segments first. A segment larger than the
 standard one holds only a tensor larger than the standard one (it was made
 for one), so small tensors do not split it.
+
+[Note: a reserve waits for its segment off the loop]
+A reserve runs on the daemon's event loop. One that needs a new segment
+took the oldest spare, and waited for it there when it was still being
+made: every other request meanwhile waited too, the control channel's
+maps among them. An attach writes in batches, reserving the next ones
+while it copies the first, so its first copy waited behind the segments
+the next batches' reserves were waiting for (2 cores: the first copy at
+0.63 s of a 2.2 s attach, the map that preceded it 0.38-0.57 s instead of
+~5 ms; the H200 run at 6f9910a spent 2.76 s of its 5.19 s attach making
+segments inside reserves). So before a reserve runs, the daemon asks
+:meth:`HostPool.making_for` which segment it would wait for (a spare among
+the standard segments it needs beyond the job's free room, or the exact
+segment of a larger tensor, begun on the threads then if none is being
+made and the budget has room; the standard segments it needs that are
+not being made are begun too) and awaits it off the loop, then asks again;
+the reserve runs once none is, the session's later requests held behind
+it ([Note: a session's requests keep their order] in tierd.server.daemon).
+The job's free room is its standard
+segments' free bytes, fragmentation aside: a reserve that still finds no
+hole takes a spare as before, waiting there if it must.
 """
 
 from __future__ import annotations
@@ -94,9 +115,11 @@ import mmap
 import os
 import re
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 
 from tierd.backends.extents import PAGE, ExtentAllocator, align_up
 from tierd.errors import CapacityError
@@ -316,6 +339,10 @@ class HostPool:
         #: seconds reserves spent making segments or waiting for spares: time
         #: the daemon answered nothing else, and a writing client waited
         self.segment_wait_s = 0.0
+        #: segments a reserve made, or waited for while they were made, on
+        #: its own thread ([Note: a reserve waits for its segment off the
+        #: loop]: the daemon's reserves wait before they run)
+        self.segment_waits = 0
 
     @property
     def mapped_bytes(self) -> int:
@@ -462,6 +489,45 @@ class HostPool:
         self._prepare()
         return self.spare_bytes - before
 
+    def making_for(self, job: str, sizes: Iterable[int]) -> Future | None:
+        """A segment being made that a reserve of tensors of ``sizes`` bytes
+        for ``job`` would wait for, or None ([Note: a reserve waits for its
+        segment off the loop]). The segments it needs that are not being
+        made yet are begun now, on the threads, where the budget has room
+        for them and ``ahead`` more: the standard ones beyond the job's free
+        room, and a larger tensor's exact one where the job has no empty one
+        of its size (claimed: [Note: segments mapped ahead])."""
+        if self._preparer is None:
+            return None
+        sizes = [align_up(max(int(n), 1)) for n in sizes]
+        small = sum(n for n in sizes if n <= self.segment_size)
+        large = [n for n in sizes if n > self.segment_size]
+        if not large and (not small or (len(self._spares) * self.segment_size >= small
+                                        and all(f.done() for f in self._spares))):
+            return None   # made spares cover it, whatever the job's room
+        free, empty = 0, Counter()
+        for seg in self.job_segments(job):
+            if seg.size == self.segment_size:
+                free += seg.size - seg.extents.used
+            elif not seg.extents.used:
+                empty[seg.size] += 1
+        for n in large:
+            if empty[n]:
+                empty[n] -= 1
+                continue
+            q = self._large.get(n)
+            if not q and self._room_ahead(n):
+                q = self._large.setdefault(n, deque())
+                q.append(self._preparer.submit(_make_memfd, "tierd-pool", n, self._populate,
+                                               self._populaters))
+            if q and not q[0].done():
+                return q[0]
+        need = -(-max(0, small - free) // self.segment_size)
+        while len(self._spares) < need and self._room_ahead(self.segment_size):
+            self._spares.append(self._preparer.submit(_make_memfd, "tierd-pool",
+                                                      self.segment_size, self._populate))
+        return next((f for f in islice(self._spares, need) if not f.done()), None)
+
     def claim(self, job: str, limit: int) -> tuple[list[Segment], int]:
         """The segments made for what ``job`` expects ([Note: segments mapped
         ahead]) that are ready now, at most ``limit``, made the job's (empty),
@@ -529,6 +595,8 @@ class HostPool:
 
     def _create(self, job: str, size: int) -> Segment:
         began = time.perf_counter()
+        q = self._spares if size == self.segment_size else self._large.get(size, ())
+        done = bool(q) and q[0].done()
         if size == self.segment_size:
             made = self._take_spare()
             self._wanted = max(0, self._wanted - 1)
@@ -541,6 +609,8 @@ class HostPool:
                 expected[size] -= 1
                 if not expected[size]:
                     del expected[size]
+        if made is None or not done:
+            self.segment_waits += 1
         if made is None:
             # The name only labels /proc/<pid>/fd links; a job name (perhaps from
             # an old manifest) is reduced to safe characters and cut short, as the

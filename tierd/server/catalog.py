@@ -408,6 +408,7 @@ class Catalog:
             "pool_used_bytes": self.pool.used_bytes,
             "pool_mapped_bytes": self.pool.mapped_bytes,
             "pool_segment_wait_s": round(self.pool.segment_wait_s, 3),
+            "pool_segment_waits": self.pool.segment_waits,
             "pool_spare_bytes": self.pool.spare_bytes,
             "nvme_bytes": self.nvme.size,
             "nvme_used_bytes": self.nvme.extents.used,

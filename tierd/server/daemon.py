@@ -3,6 +3,19 @@
 This layer only translates: frames into :class:`~tierd.server.catalog.Catalog`
 calls, and the transfers the catalog begins into thread-pool I/O. Every task
 it starts is tracked so shutdown can drain it.
+
+[Note: a session's requests keep their order]
+A reserve that needs pool segments still being made waits for them off the
+loop ([Note: a reserve waits for its segment off the loop] in
+tierd.backends.hostpool), so the loop serves the control channel and other
+clients meanwhile. The session's own later requests wait behind it, in
+arrival order, and are served one by one once it has run: what a client
+sends is applied in the order it was sent, as when the loop itself waited.
+Letting them pass made the pool's eviction while a job grows depend on
+timing (a run past the pool moved 5.2 MB a step through NVMe instead of
+under 4.2 on 2 cores). A request blocked on eviction (``Blocked``) is
+another matter: it waits for writes to land, and later requests pass it as
+before.
 """
 
 from __future__ import annotations
@@ -14,7 +27,8 @@ import os
 import signal
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -53,6 +67,9 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._io: dict[Transfer, asyncio.Future] = {}
         self._inflight: dict[int, int] = {}
+        #: per session, its requests behind a reserve waiting for its pool
+        #: segments, in arrival order ([Note: a session's requests keep their order])
+        self._held: dict[int, deque] = {}
         self._commit_locks: dict[str, asyncio.Lock] = {}
         self._inodes: dict[Path, int | None] = {}
         self.metrics = Metrics()
@@ -261,9 +278,48 @@ class Daemon:
         self._serve(ident, session, rid, req)
 
     def _serve(self, ident: bytes, session: Session, rid: int, req: P.Request) -> None:
+        """Serve ``req`` now, or after the session's earlier requests held
+        behind a reserve that waits for its pool segments ([Note: a session's
+        requests keep their order])."""
+        held = self._held.get(session.id)
+        making = None if held is not None else self._making(session, req)
+        if held is None and making is None:
+            self._serve_now(ident, session, rid, req, time.perf_counter(), Trace.clock())
+            return
+        self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
+        if held is not None:
+            held.append((ident, rid, req, time.perf_counter(), Trace.clock()))
+            return
+        self._held[session.id] = deque([(ident, rid, req, time.perf_counter(), Trace.clock())])
+        self._spawn(self._serve_held(session, making))
+
+    async def _serve_held(self, session: Session, making: Future) -> None:
+        """Serve the session's held requests in order, each reserve once the
+        segments it would wait for on the loop are made."""
+        held = self._held[session.id]
+        try:
+            while held:
+                while making is not None:   # each wait ends with that segment made
+                    try:
+                        await asyncio.wrap_future(making)
+                    except Exception:   # the reserve makes its own, and says why
+                        pass
+                    if session.id not in self.catalog.sessions:
+                        return   # the client went away meanwhile
+                    making = self._making(session, held[0][2])
+                ident, rid, req, start, arrived = held.popleft()
+                self._done_inflight(session)
+                self._serve_now(ident, session, rid, req, start, arrived)
+                if held:
+                    making = self._making(session, held[0][2])
+        finally:
+            for _ in held:   # unanswered: their client is gone
+                self._done_inflight(session)
+            del self._held[session.id]
+
+    def _serve_now(self, ident: bytes, session: Session, rid: int, req: P.Request,
+                   start: float, arrived: float) -> None:
         """Answer at once when the catalog can; else finish in a tracked task."""
-        start = time.perf_counter()
-        arrived = Trace.clock()
         if isinstance(req, P.Commit):   # long: fsyncs; always in its own task
             self._inflight[session.id] = self._inflight.get(session.id, 0) + 1
             self._spawn(self._serve_commit(ident, session, rid, req, start))
@@ -291,11 +347,26 @@ class Daemon:
             self.trace.request(type(req).__name__, session.id, getattr(req, "keys", ()),
                                arrived, blocked, getattr(req, "at", None))
 
+    def _making(self, session: Session, req: P.Request) -> Future | None:
+        """The pool segment being made that ``req`` would wait for on the loop
+        ([Note: a reserve waits for its segment off the loop] in
+        tierd.backends.hostpool)."""
+        if not isinstance(req, P.Reserve):
+            return None
+        return self.pool.making_for(session.job, (spec.nbytes for spec in req.specs))
+
     async def _serve_blocked(self, ident, session, rid, req, blocked: Blocked,
                              start: float, arrived: float) -> None:
+        making = None
         try:
             for _ in range(MAX_RETRIES):
                 await self._wait(blocked)
+                while making is not None:   # each wait ends with that segment made
+                    try:
+                        await asyncio.wrap_future(making)
+                    except Exception:   # the reserve makes its own, and says why
+                        pass
+                    making = self._making(session, req)
                 if session.id not in self.catalog.sessions:
                     return  # the client went away meanwhile
                 result = self._attempt(session, req)
@@ -304,6 +375,7 @@ class Daemon:
                     self._traced(session, req, arrived, blocked=True)
                     return
                 blocked = result
+                making = self._making(session, req)
             raise CapacityError(f"no room after {MAX_RETRIES} rounds of eviction")
         except TierdError as exc:
             self._reply_error(ident, rid, exc)
