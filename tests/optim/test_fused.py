@@ -190,15 +190,15 @@ def test_a_step_that_failed_part_way_then_dropped_skips_nothing_later(daemon, mo
     # (model.zero_grad()) and goes on: the next step updates every parameter
     model, _ = _pair(gpt2, daemon)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, fused=False, block_bytes=1 << 16)
-    real, calls = type(opt)._step_block, []
+    real, calls = type(opt)._begin_block, []
 
-    def failing(self, group, block, coef):
+    def failing(self, group, block, *rest):
         calls.append(block)
-        if len(calls) == 2:
+        if len(calls) == 2:   # the first block's copies out still landing
             raise RuntimeError("injected")
-        return real(self, group, block, coef)
+        return real(self, group, block, *rest)
 
-    monkeypatch.setattr(type(opt), "_step_block", failing)
+    monkeypatch.setattr(type(opt), "_begin_block", failing)
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(RuntimeError, match="injected"):
@@ -216,15 +216,15 @@ def test_a_first_step_that_failed_and_was_dropped_does_not_lengthen_the_window(
         daemon, monkeypatch):
     model, _ = _pair(gpt2, daemon)
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
-    real = type(opt)._step_block
-    monkeypatch.setattr(type(opt), "_step_block", lambda *a: (_ for _ in ()).throw(
+    real = type(opt)._begin_block
+    monkeypatch.setattr(type(opt), "_begin_block", lambda *a: (_ for _ in ()).throw(
         RuntimeError("injected")))
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(RuntimeError, match="injected"):
         opt.step()
     opt.zero_grad()
-    monkeypatch.setattr(type(opt), "_step_block", real)
+    monkeypatch.setattr(type(opt), "_begin_block", real)
     train(model, opt, batches(3))
     assert [(f.window, f.fused_backwards > 0) for f in opt._fused] == [(1, True)]
 

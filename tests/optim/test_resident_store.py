@@ -237,3 +237,47 @@ def test_a_learned_window_that_keeps_gradients_fails_its_first_update_saying_why
         opt.step()
     assert "accumulation_steps=N" in "".join(getattr(err.value, "__notes__", []))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("pool, ahead", [("96MiB", True), ("16MiB", False)])
+def test_the_first_update_queues_a_block_while_the_last_one_lands(daemon_factory, monkeypatch,
+                                                                  pool, ahead):
+    # [Note: one block landing]: with pool room for the 27 MB of moments
+    # beside the first step's gradients, they are made before the first
+    # update and each block is leased and queued before the last one's
+    # leases go; in a 16 MiB pool they are made block by block, in series
+    # (gradients freed as they are used make the room). Both train as torch.
+    d = daemon_factory(pool=pool, nvme_size="96MiB", extra=("--segment-size", "4MiB"))
+    ref = _model()
+    model = attach(copy.deepcopy(ref), client=tierd.connect(d), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, block_bytes=4 << 20)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    cls, events = type(opt), []
+    begin, end = cls._begin_block, cls._end_block
+
+    def begun(self, group, block, *rest):
+        events.append(("begin", block[0].name, "optim" in _kinds(session_of(model))))
+        return begin(self, group, block, *rest)
+
+    def ended(self, landing, frees):
+        events.append(("end", landing.block[0].name, True))
+        return end(self, landing, frees)
+
+    monkeypatch.setattr(cls, "_begin_block", begun)
+    monkeypatch.setattr(cls, "_end_block", ended)
+    data = batches(3, vocab=1000)
+    assert train(model, opt, data[:1]) == train(ref, ref_opt, data[:1])
+    names = [name for kind, name, _ in events if kind == "begin"]
+    assert len(names) > 2
+    order = [(kind, name) for kind, name, _ in events]
+    if ahead:
+        assert order == ([("begin", names[0])]
+                         + [e for a, b in zip(names, names[1:])
+                            for e in (("begin", b), ("end", a))]
+                         + [("end", names[-1])])
+        assert all(made for kind, _, made in events if kind == "begin")
+    else:
+        assert order == [e for n in names for e in (("begin", n), ("end", n))]
+        assert not events[0][2]   # the first block's moments not made before it
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert_same_weights(model, ref)

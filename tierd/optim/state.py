@@ -194,10 +194,12 @@ class UnmadeState:
         mine = set(tps)
         return sum(_nbytes(self.likes[k]) for k, tp in self.keys.items() if tp in mine)
 
-    def ensure_stored(self, tps: list[TieredParam]) -> None:
-        """Put the state of ``tps`` not made yet, before their keys are leased."""
+    def ensure_stored(self, tps: list[TieredParam]) -> frozenset[str]:
+        """Put the state of ``tps`` not made yet, before their keys are
+        leased; the keys put as zeros are returned."""
+        zeroed: set[str] = set()
         if not self.keys:
-            return
+            return frozenset()
         for session, mine in self.opt._by_session(tps).items():
             masters = [tp for tp in mine if tp.has_master and tp.master_key in self.keys]
             fresh = self.values(masters, torch.device("cpu"), moments=False)
@@ -208,12 +210,14 @@ class UnmadeState:
                 session.client.put_many(fresh)
             if zeros:
                 session.client.put_zeros(zeros)   # no bytes copied
+                zeroed.update(zeros)
             fresh.update(zeros)
             if fresh:
                 self.made(fresh)
                 if session in self._hold_later and session.held_bytes \
                         and not session.leases.hold(fresh):   # counted when planned
                     session.held_bytes -= sum(_nbytes(t) for t in fresh.values())
+        return frozenset(zeroed)
 
 
 def check_capacity(opt) -> None:
