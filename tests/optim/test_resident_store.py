@@ -239,45 +239,46 @@ def test_a_learned_window_that_keeps_gradients_fails_its_first_update_saying_why
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("pool, ahead", [("96MiB", True), ("16MiB", False)])
-def test_the_first_update_queues_a_block_while_the_last_one_lands(daemon_factory, monkeypatch,
-                                                                  pool, ahead):
+@pytest.mark.parametrize("pool, block_mib, made_ahead, overlap",
+                         [("96MiB", 4, True, "all"), ("96MiB", 16, True, "some"),
+                          ("16MiB", 4, False, "none")])
+def test_the_first_update_queues_a_block_while_the_last_one_lands(
+        daemon_factory, monkeypatch, pool, block_mib, made_ahead, overlap):
     # [Note: one block landing]: with pool room for the 27 MB of moments
     # beside the first step's gradients, they are made before the first
-    # update and each block is leased and queued before the last one's
-    # leases go; in a 16 MiB pool they are made block by block, in series
-    # (gradients freed as they are used make the room). Both train as torch.
+    # update, and each block is leased and queued before the last one's
+    # leases go, unless two blocks' leases would pin more than a quarter of
+    # the pool (some pairs of 16 MiB blocks in 96 MiB). In a 16 MiB pool the
+    # moments are made block by block, in series (the gradients freed as
+    # they are used make the room). Each way trains as torch does.
     d = daemon_factory(pool=pool, nvme_size="96MiB", extra=("--segment-size", "4MiB"))
     ref = _model()
     model = attach(copy.deepcopy(ref), client=tierd.connect(d), device="cpu")
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, block_bytes=4 << 20)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, block_bytes=block_mib << 20)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
-    cls, events = type(opt), []
+    cls, landing, begins = type(opt), {}, []   # begins: (blocks landing, bytes leased after)
     begin, end = cls._begin_block, cls._end_block
 
     def begun(self, group, block, *rest):
-        events.append(("begin", block[0].name, "optim" in _kinds(session_of(model))))
+        made = "optim" in _kinds(session_of(model))
+        landing[block[0].name] = self._leased_bytes(block)
+        begins.append((len(landing) - 1, sum(landing.values()), made))
         return begin(self, group, block, *rest)
 
-    def ended(self, landing, frees):
-        events.append(("end", landing.block[0].name, True))
-        return end(self, landing, frees)
+    def ended(self, done, frees):
+        del landing[done.block[0].name]
+        return end(self, done, frees)
 
     monkeypatch.setattr(cls, "_begin_block", begun)
     monkeypatch.setattr(cls, "_end_block", ended)
     data = batches(3, vocab=1000)
     assert train(model, opt, data[:1]) == train(ref, ref_opt, data[:1])
-    names = [name for kind, name, _ in events if kind == "begin"]
-    assert len(names) > 2
-    order = [(kind, name) for kind, name, _ in events]
-    if ahead:
-        assert order == ([("begin", names[0])]
-                         + [e for a, b in zip(names, names[1:])
-                            for e in (("begin", b), ("end", a))]
-                         + [("end", names[-1])])
-        assert all(made for kind, _, made in events if kind == "begin")
-    else:
-        assert order == [e for n in names for e in (("begin", n), ("end", n))]
-        assert not events[0][2]   # the first block's moments not made before it
+    assert len(begins) > 2 and not landing
+    assert begins[0][2] == made_ahead   # the first block's moments made before it
+    assert all(n <= session_of(model).lease_cap for k, n, _ in begins if k)   # two at once
+    behind = [k for k, _, _ in begins[1:]]
+    assert set(behind) <= {0, 1}
+    assert {"all": set(behind) == {1}, "some": set(behind) == {0, 1},
+            "none": set(behind) == {0}}[overlap], behind
     assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
     assert_same_weights(model, ref)

@@ -48,11 +48,14 @@ block's state and leased it, and the host idled while the device copied:
 on an H100 the first update of GPT-2 1.3B capped at 48 GB took 1.41 s over
 192 blocks, 0.73 s of it in synchronizes and ~0.7 s in round trips to the
 daemon. So the next block is leased and queued while the last one's copies
-out land (one block landing: two blocks' leases held at most), and the
-state the streamed blocks lack is made before the first update, in
-requests of up to ``_MAKE_BYTES``, where the pool has room for it beside
-the gradients (else block by block as the Note above says, in series).
-Moments made as zeros are made on the device, not copied in.
+out land (one block landing), and the state the streamed blocks lack is
+made before the first update, in requests of up to ``_MAKE_BYTES``, where
+the pool has room for it beside the gradients. Else the blocks go in
+series, their state made block by block as the Note above says, and so do
+two blocks whose leases together would pin more of the pool than the
+session's ``lease_cap`` (what one block may pin): a lease that must wait
+for pool room never waits on leases this loop holds. Moments made as
+zeros are made on the device, not copied in.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class _Landing:
     keys: list[str]
     resident: dict
     event: torch.cuda.Event | None
+    nbytes: int   # what its leases may pin in the pool
 
 
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
@@ -371,13 +375,15 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         landing = None   # the block whose copies out are in flight ([Note: one block landing])
         try:
             for _, group, block in work:
+                if landing is not None and not (
+                        ahead and landing.nbytes + self._leased_bytes(block)
+                        <= block[0].session.lease_cap):
+                    self._end_block(landing, frees)
+                    landing = None
                 began = self._begin_block(group, block, coef, zeroed)
                 if landing is not None:
                     self._end_block(landing, frees)
                 landing = began
-                if not ahead:
-                    landing = None
-                    self._end_block(began, frees)
         finally:
             if landing is not None:
                 self._end_block(landing, frees)
@@ -527,8 +533,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             limit = min(self.block_bytes, session.lease_cap)
             block: list[TieredParam] = []
             size = 0
-            for tp in session_tps:   # master, moments, gradient, compute copy
-                leased = self.state_nbytes(tp) + tp.grad_nbytes + tp.nbytes
+            for tp in session_tps:
+                leased = self._leased_bytes([tp])
                 if block and size + leased > limit:
                     blocks.append(block)
                     block, size = [], 0
@@ -537,6 +543,11 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             if block:
                 blocks.append(block)
         return blocks
+
+    def _leased_bytes(self, block: list[TieredParam]) -> int:
+        """Pool bytes ``block``'s update leases at most: masters, moments,
+        gradients and compute copies."""
+        return sum(self.state_nbytes(tp) + tp.grad_nbytes + tp.nbytes for tp in block)
 
     def state_key(self, tp: TieredParam, name: str) -> str:
         return tp.session.keys.state(name, tp.name)
@@ -583,7 +594,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         if on_device:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(session.device))
-        return _Landing(block, keys, resident, event)
+        return _Landing(block, keys, resident, event, self._leased_bytes(block))
 
     def _end_block(self, landing: _Landing, frees: dict) -> None:
         """Once ``landing``'s copies out have landed ([Note: release after the
