@@ -378,12 +378,11 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if landing is not None and not (
                         ahead and landing.nbytes + self._leased_bytes(block)
                         <= block[0].session.lease_cap):
-                    self._end_block(landing, frees)
-                    landing = None
-                began = self._begin_block(group, block, coef, zeroed)
-                if landing is not None:
-                    self._end_block(landing, frees)
-                landing = began
+                    done, landing = landing, None
+                    self._end_block(done, frees)
+                done, landing = landing, self._begin_block(group, block, coef, zeroed)
+                if done is not None:
+                    self._end_block(done, frees)
         finally:
             if landing is not None:
                 self._end_block(landing, frees)
