@@ -66,6 +66,7 @@ class _Store:
 class _Param:
     def __init__(self, i: int, grad_dtype: torch.dtype = torch.float32) -> None:
         self.grad_key, self.grad_created, self.grad_in_pool = f"g{i}", False, False
+        self.grad_on_device, self.resident = False, False
         self.param = torch.empty(4)
         self.grad_dtype, self.grad_nbytes = grad_dtype, 4 * grad_dtype.itemsize
         self.norm = None

@@ -159,6 +159,138 @@ def test_the_estimate_keeps_within_the_free_memory_and_the_measured_plan_shrinks
     assert_same_weights(model, ref)
 
 
+# ------------------------------------------------- the measuring step's gradients
+def _kept_first_step(monkeypatch, *, accumulate: int = 1):
+    """A Llama whose estimate keeps its two smallest units' weights; the step
+    needs 1 MiB besides the plan, so the measured plan keeps every unit whole."""
+    extra = _fake_device(monkeypatch)
+    ref = llama()
+    cap = _everything(llama) * 2 + (1 << 30)
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
+    session = session_of(model)
+    weights = sorted(sum(tp.nbytes for tp in session.registry.members(u)) for u in session.units)
+    extra["free"] = weights[0] + weights[1]
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return model, ref, opt, ref_opt, session, extra
+
+
+def _backward(model, ids) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item()
+
+
+def test_the_measuring_step_sums_the_kept_units_gradients_on_the_device(monkeypatch):
+    """[Note: the measuring step keeps its gradients on the device]: no kept
+    unit's gradient reaches the store, the first update reads them where
+    they are and frees them, and training is torch's, bit for bit."""
+    model, ref, opt, ref_opt, session, extra = _kept_first_step(monkeypatch)
+    data = batches(4)
+    got = [_backward(model, data[0])]
+    kept = [tp for tp in session.params.values() if tp.resident]
+    streamed = [tp for tp in session.params.values() if not tp.resident]
+    assert kept and streamed
+    assert all(tp.grad_on_device and not tp.grad_created for tp in kept)
+    assert all(tp.grad_in_pool for tp in streamed)
+    assert session.grads.held_bytes == sum(tp.grad_nbytes for tp in kept)
+    leased, acquire = [], session.leases.acquire
+    monkeypatch.setattr(session.leases, "acquire",
+                        lambda keys, *a, **k: (leased.extend(keys), acquire(keys, *a, **k)))
+    opt.step()
+    monkeypatch.setattr(session.leases, "acquire", acquire)
+    assert set(session.placer.plan.places.values()) == {Place.RESIDENT}
+    assert not {tp.grad_key for tp in kept} & set(leased)   # read on the device
+    assert {tp.grad_key for tp in streamed} <= set(leased)
+    assert session.grads.held_bytes == 0
+    assert not any(tp.has_gradient for tp in session.params.values())
+    opt.zero_grad()
+    got += train(model, opt, data[1:])
+    assert got == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+
+
+def test_held_gradients_read_through_p_grad_come_from_the_pool_as_torch_s(monkeypatch):
+    """Reading them (``session.gradients()``, ``clip_grad_norm_``) writes
+    them to the pool first; the update then keeps to the pool, as torch's."""
+    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch)
+    data = batches(3)
+    assert _backward(model, data[0]) == _backward(ref, data[0])
+    assert session.grads.held_bytes > 0
+    grads = session.gradients()
+    named = dict(ref.named_parameters())
+    assert grads.keys() == {n for n, p in named.items() if p.grad is not None}
+    assert all(torch.equal(g, named[n].grad) for n, g in grads.items())
+    assert session.grads.held_bytes == 0
+    assert all(tp.grad_in_pool for tp in session.params.values())
+    for m in (model, ref):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+    opt.step(); opt.zero_grad()
+    ref_opt.step(); ref_opt.zero_grad()
+    assert train(model, opt, data[1:], clip=0.01) == train(ref, ref_opt, data[1:], clip=0.01)
+    assert_same_weights(model, ref)
+
+
+def test_zero_grad_frees_the_gradients_held_on_the_device(monkeypatch):
+    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch)
+    data = batches(4)
+    assert _backward(model, data[0]) == _backward(ref, data[0])
+    assert session.grads.held_bytes > 0
+    opt.zero_grad(); ref_opt.zero_grad()
+    assert session.grads.held_bytes == 0
+    assert not any(tp.has_gradient for tp in session.params.values())
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert_same_weights(model, ref)
+
+
+def test_a_first_window_of_two_backwards_stores_the_held_gradients_at_its_second_forward(
+        monkeypatch):
+    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch)
+    data = batches(6)
+    spilled, spill = [], session.grads.spill
+    monkeypatch.setattr(session.grads, "spill", lambda tps: _record(spilled, spill, tps))
+    got = train(model, opt, data, accumulate=2)
+    assert got == train(ref, ref_opt, data, accumulate=2)
+    assert spilled   # the measured plan, placed at the second forward, holds none
+    assert session.grads.held_bytes == 0 and not session.grads.hold
+    assert_same_weights(model, ref)
+
+
+def _record(spilled: list, spill, tps) -> None:
+    tps = list(tps)
+    spilled += [tp for tp in tps if tp.grad_on_device]
+    spill(tps)
+
+
+def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypatch):
+    """[Note: held gradients at the first update]: a unit kept whole costs
+    what its gradients exceed its state by (nothing for AdamW); any other
+    unit all its gradients, within the step's non-model bytes."""
+    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch)
+    _backward(model, batches(1)[0])
+    placer = session.placer
+    held = [i for i, p in placer.plan.places.items() if p is Place.WEIGHTS]
+    assert len(held) == 2
+    members = {i: [tp for tp in session.registry.members(session.units[i])
+                   if tp.grad_on_device] for i in held}
+    grads = {i: sum(tp.grad_nbytes for tp in members[i]) for i in held}
+    units = placer.unit_bytes()
+    freed = [tp for i in held for tp in members[i]]
+
+    def plan(first: Place, second: Place):
+        places = {i: Place.STREAM for i in range(len(session.units))}
+        places.update({held[0]: first, held[1]: second})
+        return type(placer.plan)(places, 0, 0)
+
+    whole = placer._held_for_update(plan(Place.RESIDENT, Place.RESIDENT), units, 0, freed)
+    assert set(whole) == set(freed)
+    some = placer._held_for_update(plan(Place.WEIGHTS, Place.STREAM), units, grads[held[0]],
+                                   freed)
+    assert set(some) == set(members[held[0]])   # the second does not fit what is left
+    assert placer._held_for_update(plan(Place.CPU, Place.STREAM), units, 0, freed) == []
+    assert placer._held_for_update(plan(Place.RESIDENT, Place.RESIDENT), units, 0, []) == []
+
+
 # ------------------------------------------------------------------ init=True, frozen
 class _Frozen(nn.Module):
     """An embedding, ``layers`` blocks of two linears, a head; every parameter frozen."""

@@ -331,7 +331,7 @@ class AttachSession:
             self.counters.backwards += 1
             for opt in self.optimizers:
                 opt.end_backward()
-            self.grad_views.show([tp for tp in self.params.values() if tp.grad_in_pool],
+            self.grad_views.show([tp for tp in self.params.values() if tp.has_gradient],
                                  [tp for opt in self.optimizers for tp in opt.consumed()])
             self.settle(synchronize=False)
         self.counters.hook_seconds += time.perf_counter() - t0
@@ -411,6 +411,9 @@ class AttachSession:
         the device: [Note: resident state leaves the store] in tierd.updates.resident)."""
         self.settle(write_resident=False)
         keys = list(dict.fromkeys(keys))
+        wanted = set(keys)   # [Note: the measuring step keeps its gradients on the device]
+        self.grads.spill(tp for tp in self.params.values()
+                         if tp.grad_on_device and tp.grad_key in wanted)
         self.leases.acquire(keys)
         try:
             return {k: v.clone() for k, v in self.leases.views(keys).items()}
@@ -526,7 +529,7 @@ class AttachSession:
         """The accumulated gradients by parameter name (for inspection; fp32, or bf16
         under a bf16 master: [Note: the stored gradient's dtype] in tierd.client.tiered_param)."""
         self.grads.flush()
-        with_grad = [tp for tp in self.params.values() if tp.grad_in_pool]
+        with_grad = [tp for tp in self.params.values() if tp.has_gradient]
         got = self.read([tp.grad_key for tp in with_grad])
         return {tp.name: got[tp.grad_key] for tp in with_grad}
 

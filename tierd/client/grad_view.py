@@ -230,8 +230,8 @@ class GradViews:
         self.hide()
         consumed = set(consumed) | {tp for tp, c in self._kept.items() if c}
         for tp in dict.fromkeys([*pooled, *self._kept, *consumed]):
-            if tp.grad_in_pool or tp in consumed:
-                view = PoolGrad(tp, consumed=not tp.grad_in_pool)
+            if tp.has_gradient or tp in consumed:
+                view = PoolGrad(tp, consumed=not tp.has_gradient)
                 view.holder = tp.between_uses   # the tensor the model shows now
                 view.holder.grad = view
                 self._shown[tp] = view
@@ -311,6 +311,7 @@ class GradViews:
 
     def _apply_now(self, tps: list[TieredParam]) -> None:
         self._pool.settle(write_resident=False)   # gradients only
+        self._pool.grads.spill(tps)   # changed in the pool from here
         keys = [tp.grad_key for tp in tps]
         self._leases.acquire(keys)
         try:

@@ -15,9 +15,35 @@ each write the L2 norm of the parameter's *accumulated* gradient is kept as a
 the latest norms exactly like ``torch.nn.utils.clip_grad_norm_`` and applies
 the factor while it updates each block, so no extra pass over the gradients
 is needed.
+
+[Note: the measuring step keeps its gradients on the device]
+The first step runs the plan estimated from sizes ([Note: the plan before a
+step is measured] in tierd.client.placer), which keeps some units' compute
+copies on the GPU, and its update comes in ``step()``, after the backward.
+Sending every gradient to the store there cost the most of any step: on the
+H200 a 13.2B Llama sent 52.9 GB of fp32 gradients to a pool that held the
+masters too, 52.7 GB of it on to NVMe, and read them back for the update
+(a 90.6 s first step against 1.8 s steady). So while the placer says so
+(``hold``: from the estimate until the measured plan), the gradient of a
+resident parameter is summed on the compute device instead
+(``TieredParam.device_grad``, :attr:`GradState.ON_DEVICE`), in the stored
+dtype and order, so the sum is bitwise the pool's; no gradient key is made.
+The estimate counted each kept parameter's fp32 gradient, so they fit.
+The first update reads them there ([Note: one block landing] in
+``tierd.optim.base``) and frees each as it is used. What else reads a
+gradient from the pool first has it written there (:meth:`GradBucket.spill`):
+a host read (``p.grad`` read, ``session.gradients()``), in-place changes
+of ``p.grad`` replayed at a forward, an optimizer that keeps its gradients
+after the update (clipping, a longer window), and the end of holding, where
+the measured plan does not keep the unit (the placer chooses which stay:
+[Note: held gradients at the first update] there). The placer measures the
+step's memory without them: they are the plan's, and its peak reading
+leaves them out from the moment each is made (``PeakReading``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -43,8 +69,17 @@ class GradBucket:
         self._bucket_bytes = bucket_bytes
         self._entries: list[tuple[TieredParam, torch.Tensor]] = []
         self._bytes = 0
+        #: the gradients of resident parameters are summed on the device
+        #: ([Note: the measuring step keeps its gradients on the device])
+        self.hold = False
+        self.held_bytes = 0
+        #: told each change of ``held_bytes``: before an allocation, after a free
+        self.on_held: Callable[[int], None] = lambda delta: None
 
     def add(self, tp: TieredParam, grad: torch.Tensor) -> None:
+        if tp.grad_on_device or (self.hold and tp.resident and not tp.grad_in_pool):
+            self._hold(tp, grad)
+            return
         self._entries.append((tp, grad))
         self._bytes += tp.grad_nbytes
         if self._bytes >= self._bucket_bytes:
@@ -87,6 +122,57 @@ class GradBucket:
                 tp.to_gradient_in_pool(grad_norm(accumulated[tp.grad_key]))
         self._write_back(keys, views, accumulated, on_device)
 
+    def _hold(self, tp: TieredParam, grad: torch.Tensor) -> None:
+        """Sum ``grad`` into ``tp``'s gradient on the device, as :meth:`flush`
+        sums into the pool (the first delivery as is, in the stored dtype)."""
+        with torch.no_grad():
+            if tp.grad_on_device:
+                acc = tp.device_grad
+                acc.add_(grad.detach().to(acc.dtype))
+            else:
+                self.on_held(tp.grad_nbytes)   # before the bytes are allocated
+                self.held_bytes += tp.grad_nbytes
+                acc = grad.detach().to(tp.grad_dtype)
+            tp.to_gradient_on_device(acc, grad_norm(acc))
+
+    def dropped(self, nbytes: int) -> None:
+        """A gradient held on the device was freed (``TieredParam``'s transitions)."""
+        self.held_bytes -= nbytes
+        self.on_held(-nbytes)
+
+    def spill(self, tps) -> None:
+        """Write the gradients of ``tps`` held on the device into the pool
+        (IN_POOL from here), a bucket's bytes at a time; the others are left
+        alone. Blocking: the device's bytes are freed once they have landed.
+        A failure leaves the gradients not yet written where they were."""
+        tps = [tp for tp in dict.fromkeys(tps) if tp.grad_on_device]
+        self.flush()
+        while tps:
+            batch, size = [], 0
+            while tps and (not batch or size + tps[0].grad_nbytes <= self._bucket_bytes):
+                size += tps[0].grad_nbytes
+                batch.append(tps.pop(0))
+            self._spill(batch)
+
+    def _spill(self, tps: list[TieredParam]) -> None:
+        self._create(tps)
+        keys = [tp.grad_key for tp in tps]
+        self._leases.acquire(keys)
+        try:
+            views = self._leases.views(keys)
+            pairs = [(views[tp.grad_key], tp.device_grad) for tp in tps]
+            if self._stream.on_device:
+                self._stream.copy_out_many(pairs, tuple(keys)).synchronize()
+            else:
+                for dst, src in pairs:
+                    dst.copy_(src)
+        except BaseException:
+            self._leases.release(keys)
+            raise
+        self._leases.release(keys, written=True)
+        for tp in tps:
+            tp.to_gradient_in_pool(tp.grad_norm)
+
     def _create(self, tps: list[TieredParam]) -> None:
         """Gradient keys are made on first use: a model trained with a fused
         optimizer never needs them."""
@@ -122,15 +208,18 @@ def unused_grads(session, tps: list[TieredParam]) -> list[TieredParam]:
         return []   # the node's ranks write gradient keys for each other
     fused = [f for f in session.optimizers
              if f.fusing and f.learned and (f.window or f.backwards) == 1]
-    return [tp for tp in tps if tp.grad_created
+    return [tp for tp in tps if (tp.grad_created or tp.grad_on_device)
             and any(tp in f.bucket_of and not f.bucket_of[tp].cpu for f in fused)]
 
 
 def free_grads(session, tps: list[TieredParam]) -> None:
     """Delete the gradient keys of ``tps`` (no lease on them, no write in
-    flight); their ``p.grad`` shows a consumed view until ``zero_grad``."""
-    session.drop_keys([tp.grad_key for tp in tps],
-                      {tp.grad_key: tp.grad_nbytes for tp in tps})
+    flight) and free those held on the device; their ``p.grad`` shows a
+    consumed view until ``zero_grad``."""
+    created = [tp for tp in tps if tp.grad_created]
+    if created:
+        session.drop_keys([tp.grad_key for tp in created],
+                          {tp.grad_key: tp.grad_nbytes for tp in created})
     for tp in tps:
         tp.grad_created = False
         tp.to_no_gradient()

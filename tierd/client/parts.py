@@ -60,6 +60,10 @@ class PoolGradients(Protocol):
     """What the gradient views (``tierd.client.grad_view``) need of the
     session: settled copies, and the pool's gradients through leases."""
 
+    #: its ``GradBucket``: gradients held on the device are written to the
+    #: pool (``spill``) before the pool's are changed in place
+    grads: Any
+
     def settle(self, *, synchronize: bool = True, write_resident: bool = True) -> None:
         """Every copy landed and every lease released."""
 

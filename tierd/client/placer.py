@@ -164,6 +164,21 @@ the smaller placed one; on the H200 the 70B LoRA capped at 24 GB read
 25.8 GB twice, counted 16.1 GB besides the plan instead of 11.1, placed
 again smaller and left the store 0.6 GiB short.
 
+[Note: held gradients at the first update]
+The measuring step keeps the gradients of the units the estimate kept on
+the device ([Note: the measuring step keeps its gradients on the device] in
+tierd.client.grads), and the measured plan is applied just before the first
+update reads them. The update frees each as it uses it, and no activation
+exists then, so the step's measured non-model bytes are free room: held
+gradients stay as far as that room takes them. A unit the plan keeps whole
+is updated first, its state made as its gradients go, which the plan
+counted: it costs only what its gradients exceed its state by (nothing
+for fp32 AdamW, whose state is three times the fp32 gradient); any other
+unit's cost all its gradients. The rest, and any gradient kept past the update
+(clipping, a longer window), are written to the pool first. Placing at a
+forward instead (a window of several backwards, new input shapes) writes
+them all there.
+
 [Note: the update window]
 The measured first step updates in ``opt.step()``, after its activations are
 freed, but every later backward runs the fused update ([Note: fused update]
@@ -237,6 +252,42 @@ def estimate_budget(cap: int, margin: int, free: int | None = None) -> int:
     return max(0, room - margin)
 
 
+class PeakReading:
+    """The allocator's peak since :meth:`reset`, less the bytes held for the
+    plan: the gradients the measuring step keeps on the device ([Note: the
+    measuring step keeps its gradients on the device] in tierd.client.grads).
+    Those come and go during the step, so at each change (:meth:`held`:
+    before bytes are allocated, after they are freed) the peak so far, less
+    what was held over that stretch, is kept and the allocator's peak starts
+    again; a step's peak before any was held is not hidden by them.
+
+    Example:
+        >>> peaks = iter([10, 12, 15])
+        >>> reading = PeakReading(lambda: next(peaks), lambda: None)
+        >>> reading.held(4)       # 10 so far; 4 bytes held from here
+        >>> reading.held(-4)      # 12 - 4 over that stretch
+        >>> reading.peak()        # 15 since
+        15
+    """
+
+    def __init__(self, read, reset) -> None:
+        self._read, self._reset = read, reset
+        self._max = 0        # the peak of the stretches before the last change
+        self._held = 0
+
+    def reset(self) -> None:
+        self._reset()
+        self._max = 0
+
+    def held(self, delta: int) -> None:
+        self._max = self.peak()
+        self._reset()
+        self._held += delta
+
+    def peak(self) -> int:
+        return max(self._max, self._read() - self._held)
+
+
 class PlacerState(enum.Enum):
     """What the placer does with the running step.
 
@@ -290,6 +341,11 @@ class Placer:
         self._warned_whole = False       # [Note: a model compiled whole] told once
         self.replans = 0
         self.cap, self._explicit = cap, explicit
+        device = session.device
+        self._peak = PeakReading(
+            (lambda: torch.cuda.max_memory_allocated(device)) if self._cuda else (lambda: 0),
+            (lambda: torch.cuda.reset_peak_memory_stats(device)) if self._cuda else (lambda: None))
+        session.grads.on_held = self._peak.held
         self.state = PlacerState.OFF     # under ranks until :meth:`join_ranks`
         if self._ranks is None:
             self._configure(cap, explicit)
@@ -368,7 +424,8 @@ class Placer:
                 or not self._ready():
             return
         non_model = max(self._read_step(), self._shapes.peak())
-        self._place(non_model, max(0, self.cap - non_model - self._margin), freed=freed)
+        self._place(non_model, max(0, self.cap - non_model - self._margin), freed=freed,
+                    first_update=True)
         self._reset_peak()   # [Note: placing before the first update]
 
     def _ready(self) -> bool:
@@ -390,15 +447,13 @@ class Placer:
     def _reset_peak(self) -> None:
         """The allocator's peak starts afresh: the next :meth:`_memory` reads
         from here."""
-        if self._cuda:
-            torch.cuda.reset_peak_memory_stats(self._session.device)
+        self._peak.reset()
 
     def _memory(self) -> tuple[int, int] | None:
         """The allocator's peak since the step began, and the bytes the device
         has free outside the allocator's cache (None on the CPU: not measured)."""
         device = self._session.device
-        return (torch.cuda.max_memory_allocated(device), torch.cuda.mem_get_info(device)[0]) \
-            if self._cuda else None
+        return (self._peak.peak(), torch.cuda.mem_get_info(device)[0]) if self._cuda else None
 
     def _read_step(self) -> int:
         """Non-model bytes of the step that just ended (0 on the CPU), with
@@ -465,6 +520,8 @@ class Placer:
         plan = weights_of(units, plan_placement(units, budget, held=self._held()))
         self._apply(plan, weights_only=True)
         self._adopt(plan, 0, budget, "placement estimated from sizes until a step is measured")
+        # [Note: the measuring step keeps its gradients on the device] in tierd.client.grads
+        self._session.grads.hold = True
 
     def _held(self) -> frozenset[int]:
         """Units whose weights the device holds now, placed ones kept first
@@ -500,7 +557,9 @@ class Placer:
                                      rank_state=tuple(o + k for o, k in zip(own, kept))))
         return out
 
-    def _place(self, non_model: int, budget: int, *, freed=()) -> None:
+    def _place(self, non_model: int, budget: int, *, freed=(), first_update: bool = False) -> None:
+        """Make and apply the plan for ``budget``; ``first_update``: ``step()``
+        is about to update, with ``freed`` freed as they are used."""
         units = self.unit_bytes()
         if self._ranks is not None:
             units = self._agreed(units)
@@ -516,6 +575,8 @@ class Placer:
             room += _room([tp for tp in freed if tp not in on_cpu])
             if stored(units, plan.places) > room:
                 self._refuse(units, plan, room)
+        self._end_holding(self._held_for_update(plan, units, non_model, freed)
+                          if first_update else ())
         self._apply(plan)
         self._plan_window, self._cpu_mode = self._window, cpu
         self.state = PlacerState.PLACED
@@ -718,9 +779,40 @@ class Placer:
             "TIERD_NVME_SIZE, or `tierd serve --pool/--nvme-size`), or the GPU more room "
             "(a larger gpu_memory_bytes, a smaller batch, activation checkpointing)")
 
+    def _end_holding(self, keep) -> None:
+        """The measuring step is over: no gradient is held on the device from
+        here, and those held are written to the pool but for ``keep``."""
+        session = self._session
+        session.grads.hold = False
+        keep = set(keep)
+        session.grads.spill(tp for tp in session.params.values()
+                            if tp.grad_on_device and tp not in keep)
+
+    def _held_for_update(self, plan: Placement, units: list[UnitBytes], non_model: int,
+                         freed) -> list:
+        """The gradients held on the device that stay there for the first
+        update ([Note: held gradients at the first update])."""
+        session, freed, seen = self._session, set(freed), set()
+        state = {u.index: u.state_bytes for u in units}
+        keep, room = [], non_model
+        for i, place in sorted(plan.places.items()):
+            if place not in (Place.RESIDENT, Place.WEIGHTS, Place.STREAM):
+                continue
+            tps = [tp for tp in session.registry.members(session.units[i])
+                   if tp.grad_on_device and tp in freed and tp not in seen]
+            seen.update(tps)
+            held = sum(tp.grad_nbytes for tp in tps)
+            # a whole unit's state, made as its gradients go, takes their room
+            cost = max(0, held - state[i]) if place is Place.RESIDENT else held
+            if tps and cost <= room:
+                keep += tps
+                room -= cost
+        return keep
+
     def _reset(self) -> None:
         """Stream everything the plan holds again (values written to the pool
         first), RESIDENT_ONLY parameters excepted."""
+        self._end_holding(())
         if self.plan is None:
             return
         session = self._session

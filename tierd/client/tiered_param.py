@@ -87,10 +87,14 @@ class GradState(enum.Enum):
         (the pool's bytes under ``grad_key``, if the key exists, mean nothing).
     IN_POOL: the gradient summed over this window's backwards is in the pool
         under ``grad_key``; ``grad_norm`` is its L2 norm.
+    ON_DEVICE: that sum is ``device_grad``, on the compute device, and not in
+        the pool (the measuring step's kept units: [Note: the measuring step
+        keeps its gradients on the device] in tierd.client.grads).
     """
 
     NONE = "none"
     IN_POOL = "in_pool"
+    ON_DEVICE = "on_device"
 
 
 class ParamState(enum.Enum):
@@ -222,8 +226,10 @@ class TieredParam:
         # forward: its modules hold ``outside`` meanwhile ([Note: updates
         # before the next forward] in tierd.updates.forward)
         self.update_waits = False
-        # IN_POOL: the 0-dim L2 norm of the gradient there (global clipping)
+        # IN_POOL, ON_DEVICE: the 0-dim L2 norm of the gradient (global clipping)
         self.grad_norm: torch.Tensor | None = None
+        # ON_DEVICE: the summed gradient itself
+        self.device_grad: torch.Tensor | None = None
         # Graph task that materialized it in backward (see Mover.free_task).
         self.backward_task = -1
         self._inflight: InflightCopy | None = None
@@ -383,21 +389,52 @@ class TieredParam:
 
     # ------------------------------------------------------ gradient changes
     def to_gradient_in_pool(self, norm: torch.Tensor) -> None:
-        """NONE/IN_POOL -> IN_POOL: the pool holds the summed gradient (a
-        bucket's write of it, or its in-place changes replayed), of L2 ``norm``."""
+        """NONE/IN_POOL/ON_DEVICE -> IN_POOL: the pool holds the summed gradient
+        (a bucket's write of it, its in-place changes replayed, or the device's
+        sum written there), of L2 ``norm``."""
+        self._drop_device_grad()
         self.grad_state = GradState.IN_POOL
+        self.grad_norm = norm
+
+    def to_gradient_on_device(self, grad: torch.Tensor, norm: torch.Tensor) -> None:
+        """NONE/ON_DEVICE -> ON_DEVICE: ``grad`` (on the compute device) is the
+        summed gradient, of L2 ``norm``; nothing of it is in the pool."""
+        if self.grad_state is GradState.IN_POOL:
+            raise StateError(f"the gradient of {self.name!r} is summed in the pool; "
+                             "its later deliveries are summed there too")
+        self.device_grad = grad
+        self.grad_state = GradState.ON_DEVICE
         self.grad_norm = norm
 
     def to_no_gradient(self) -> None:
         """-> NONE: the update used the gradient, or ``zero_grad`` / ``p.grad =
         None`` forgot it."""
+        self._drop_device_grad()
         self.grad_state = GradState.NONE
         self.grad_norm = None
+
+    def _drop_device_grad(self) -> None:
+        """Free an ON_DEVICE sum; the session's gradients hear of the bytes
+        once they are free (the placer's peak reading counts them)."""
+        if self.device_grad is None:
+            return
+        self.device_grad = None
+        self.session.grads.dropped(self.grad_nbytes)
 
     @property
     def grad_in_pool(self) -> bool:
         """The summed gradient is in the pool (:attr:`GradState.IN_POOL`)."""
         return self.grad_state is GradState.IN_POOL
+
+    @property
+    def grad_on_device(self) -> bool:
+        """The summed gradient is ``device_grad`` (:attr:`GradState.ON_DEVICE`)."""
+        return self.grad_state is GradState.ON_DEVICE
+
+    @property
+    def has_gradient(self) -> bool:
+        """tierd holds a summed gradient of this window, in the pool or on the device."""
+        return self.grad_state is not GradState.NONE
 
     # ------------------------------------------------------------- queries
     @property

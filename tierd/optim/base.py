@@ -85,6 +85,10 @@ def _nbytes(like: torch.Tensor) -> int:
 #: state made ahead of ``step()``'s first update a request at a time ([Note: one block landing])
 _MAKE_BYTES = 1 << 30
 
+#: the order of ``step()``'s blocks: resident with gradients on the device,
+#: other resident, streamed
+_HELD, _PINNED, _STREAMED = 0, 1, 2
+
 
 @dataclass
 class _Landing:
@@ -333,17 +337,24 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             session.settle(write_resident=False)
         # (not the gradients of units placement just put on the CPU: written every step)
         frees = {s: set(unused_grads(s, list(tps))) for s, tps in frees.items()}
+        for session, tps in sessions.items():   # kept after the update: from the pool
+            session.grads.spill(tp for tp in tps if tp not in frees.get(session, ()))
         coef = self._clip_coef()
         # resident blocks first: their values leave the store, which makes room for
         # the state the streamed ones make ([Note: state made when first needed] in
-        # tierd.optim.state)
+        # tierd.optim.state); first of all those whose gradients the device holds,
+        # their state made as those go ([Note: held gradients at the first update]
+        # in tierd.client.placer)
         work = []
         for group in self.param_groups:
-            tps = [p.tiered for p in group["params"] if p.tiered.grad_in_pool
+            tps = [p.tiered for p in group["params"] if p.tiered.has_gradient
                    and self._stepped.get(p.tiered) != p.tiered.session.counters.backwards]
             pinned = [tp for tp in tps if _pinned(self._fused, tp)]
-            work += [(0, group, block) for block in self._blocks(pinned)]
-            work += [(1, group, block) for block in self._blocks(
+            held = [tp for tp in pinned if tp.grad_on_device]
+            work += [(_HELD, group, block) for block in self._blocks(held)]
+            work += [(_PINNED, group, block) for block in self._blocks(
+                [tp for tp in pinned if not tp.grad_on_device])]
+            work += [(_STREAMED, group, block) for block in self._blocks(
                 [tp for tp in tps if tp not in set(pinned)])]
         work.sort(key=lambda w: w[0])
         # before any update: resident state onto the device (its store keys go),
@@ -354,13 +365,13 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         zeroed: set[str] = set()   # state keys put as zeros by this step()
         try:
             making: list[TieredParam] = []
-            for streamed, _, block in work:
-                if streamed and ahead:
+            for kind, _, block in work:
+                if kind == _STREAMED and ahead:
                     making += block
                     if self.unmade.nbytes(making) >= _MAKE_BYTES:
                         zeroed |= self.unmade.ensure_stored(making)
                         making = []
-                elif not streamed:
+                elif kind == _PINNED:
                     for tp in block:
                         _resident_work(self._fused, tp)
             zeroed |= self.unmade.ensure_stored(making)
@@ -507,7 +518,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         if self.max_grad_norm is None:
             self.last_grad_norm = None
             return None
-        norms = [tp.grad_norm for tp in self._all() if tp.grad_in_pool]
+        norms = [tp.grad_norm for tp in self._all() if tp.has_gradient]
         ranks = next((s.share.ranks for s in self._by_session(self._all()) if s.share), None)
         if ranks is not None:
             # each owner has the norms of its shard: sum the squares over the node
@@ -585,7 +596,11 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         zeroed |= self.unmade.ensure_stored([tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
-        views = session.leases.views(keys)
+        try:
+            views = session.leases.views(keys)
+        except CapacityError:   # nothing of the block updated: its leases go
+            session.leases.release(keys)
+            raise
         on_device = False
         for tp in block:
             on_device |= self._step_param(group, tp, views, coef, resident[tp], zeroed)
@@ -615,9 +630,10 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             self.needs_zero_grad = True   # a backward before zero_grad would miss them
 
     def _block_keys(self, tp: TieredParam, resident: dict | None) -> list[str]:
+        grad = [] if tp.grad_on_device else [tp.grad_key]
         if resident is not None:   # only the gradient comes from the pool
-            return [tp.grad_key]
-        keys = self.state_keys(tp) + [tp.grad_key]
+            return grad
+        keys = self.state_keys(tp) + grad
         if self.separate_master(tp):
             keys.append(tp.key)
         return keys
@@ -634,13 +650,17 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                  **{n: self.state_key(tp, n) for n in self.state_names}}
         if resident is not None:   # master and moments stay on the device, updated there
             names = {"grad": tp.grad_key}
+        held = tp.device_grad   # summed on the device, not in the pool
         # a shared key is never changed in place: its new version is published;
         # a master on the device is updated there (the store's copy is written)
         # state made as zeros now is made on the device, not copied in
         work = {n: (torch.zeros_like(views[k], device=device) if on_device and k in zeros
                     else views[k].to(device, non_blocking=True) if on_device
                     else views[k].clone() if k in shared else views[k])
-                for n, k in names.items() if not (in_place and n == "param")}
+                for n, k in names.items()
+                if not (in_place and n == "param") and not (held is not None and n == "grad")}
+        if held is not None:
+            work["grad"] = held.to(device)
         if resident is not None:
             work["param"] = resident[self.master_key(tp)]
             work.update({n: resident[self.state_key(tp, n)] for n in self.state_names})
@@ -656,7 +676,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                           {n: work[n] for n in self.state_names})
         changed = coef is not None or bool(ops)   # p.grad keeps the changed gradient
         written = [] if resident is not None else [n for n in names if n != "grad"]
-        written += ["grad"] if changed else []
+        written += ["grad"] if changed and held is None else []
         new = [(names[n], work[n]) for n in written]
         if self.separate_master(tp) and resident is None:
             new.append((tp.key, work["param"].to(tp.param.dtype)))

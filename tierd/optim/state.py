@@ -279,6 +279,7 @@ def set_grad_forms(opt) -> None:
     this form (the same values, rounded where it is bf16 now)."""
     for session, tps in opt._by_session(opt._owned()).items():
         other = [tp for tp in tps if tp.grad_dtype != opt.grad_dtype(tp)]
+        session.grads.spill(other)   # a sum held on the device is stored as below
         for tp in other:
             if not tp.grad_created:
                 tp.grad_dtype = opt.grad_dtype(tp)
