@@ -19,7 +19,7 @@ import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place, UnitBytes, plan_placement
-from tierd.client.placer import Placer, PlacerState, estimate_budget
+from tierd.client.placer import PeakReading, Placer, PlacerState, estimate_budget
 from tierd.client.store import LocalStore
 from tierd.errors import CapacityError, StateError
 from tests.client.models import assert_same_weights, batches, llama, train
@@ -260,6 +260,28 @@ def _record(spilled: list, spill, tps) -> None:
     tps = list(tps)
     spilled += [tp for tp in tps if tp.grad_on_device]
     spill(tps)
+
+
+def test_the_peak_reading_leaves_out_held_gradients_but_no_earlier_peak():
+    memory = {"now": 0, "peak": 0}
+
+    def alloc(n: int) -> None:
+        memory["now"] += n
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    reading = PeakReading(lambda: memory["peak"], lambda: memory.update(peak=memory["now"]))
+    alloc(100); alloc(-60)          # the forward's activations, then 40 left
+    reading.held(30); alloc(30)     # a gradient held on the device
+    alloc(50); alloc(-50)           # 90 besides it: under the earlier 100
+    assert reading.peak() == 100
+    alloc(80)                       # 120 besides it
+    assert reading.peak() == 120
+    alloc(-80); alloc(-30); reading.held(-30)   # the update freed it
+    alloc(110)                      # 150 now, nothing held
+    assert reading.peak() == 150
+    alloc(-110)
+    reading.reset()
+    assert reading.peak() == 40
 
 
 def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypatch):
