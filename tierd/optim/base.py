@@ -602,13 +602,25 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             session.leases.release(keys)
             raise
         on_device = False
-        for tp in block:
-            on_device |= self._step_param(group, tp, views, coef, resident[tp], zeroed)
+        try:
+            for tp in block:
+                on_device |= self._step_param(group, tp, views, coef, resident[tp], zeroed)
+        except BaseException:   # (out of device memory, say) its leases go, as written:
+            # detach and a later step() must not find them held
+            self._release_landed(session, keys, on_device)
+            raise
         event = None
         if on_device:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(session.device))
         return _Landing(block, keys, resident, event, self._leased_bytes(block))
+
+    @staticmethod
+    def _release_landed(session, keys: list[str], on_device: bool) -> None:
+        """Release ``keys`` once the copies into them queued so far have landed."""
+        if on_device:
+            torch.cuda.current_stream(session.device).synchronize()
+        session.leases.release(keys, written=True)
 
     def _end_block(self, landing: _Landing, frees: dict) -> None:
         """Once ``landing``'s copies out have landed ([Note: release after the
