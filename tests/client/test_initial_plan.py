@@ -573,3 +573,34 @@ def test_on_cuda_kept_frozen_units_live_on_the_device_only(daemon_factory):
     got = model.state_dict()
     assert all(torch.equal(got[k].cuda(), v) for k, v in ref.state_dict().items())
     detach(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_measuring_step_keeps_its_gradients_off_the_store(daemon_factory):
+    """[Note: the measuring step keeps its gradients on the device], with a
+    real daemon and the allocator's peak: the estimate keeps every unit, no
+    gradient key is made in the first step, and training follows torch."""
+    device = torch.device("cuda")
+    ref = llama().to(device)
+    client = tierd.connect(daemon_factory(pool="256MiB"))
+    model = attach(copy.deepcopy(ref), client=client, device=device)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    session = session_of(model)
+    data = [ids.to(device) for ids in batches(4)]
+    loss = model(input_ids=data[0], labels=data[0]).loss
+    loss.backward()
+    trained = list(session.params.values())
+    assert all(tp.resident and tp.grad_on_device for tp in trained)
+    assert session.grads.held_bytes == sum(tp.grad_nbytes for tp in trained)
+    assert not {tp.grad_key for tp in trained} & set(client.keys(session.keys.all))
+    opt.step(); opt.zero_grad()
+    assert session.grads.held_bytes == 0 and session.placer.state is PlacerState.PLACED
+    ref_loss = ref(input_ids=data[0], labels=data[0]).loss
+    ref_loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+    got = [loss.item()] + train(model, opt, data[1:])
+    want = [ref_loss.item()] + train(ref, ref_opt, data[1:])
+    assert got == pytest.approx(want, rel=1e-5)
+    assert_same_weights(model, ref, atol=1e-5)
+    detach(model)
