@@ -19,7 +19,8 @@ import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place, UnitBytes, plan_placement
-from tierd.client.placer import PeakReading, Placer, PlacerState, estimate_budget
+from tierd.client.held_grads import PeakReading, kept_for_update
+from tierd.client.placer import Placer, PlacerState, estimate_budget
 from tierd.client.store import LocalStore
 from tierd.errors import CapacityError, StateError
 from tests.client.models import assert_same_weights, batches, llama, train
@@ -304,13 +305,13 @@ def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypa
         places.update({held[0]: first, held[1]: second})
         return type(placer.plan)(places, 0, 0)
 
-    whole = placer._held_for_update(plan(Place.RESIDENT, Place.RESIDENT), units, 0, freed)
+    whole = kept_for_update(session, plan(Place.RESIDENT, Place.RESIDENT), units, 0, freed)
     assert set(whole) == set(freed)
-    some = placer._held_for_update(plan(Place.WEIGHTS, Place.STREAM), units, grads[held[0]],
+    some = kept_for_update(session, plan(Place.WEIGHTS, Place.STREAM), units, grads[held[0]],
                                    freed)
     assert set(some) == set(members[held[0]])   # the second does not fit what is left
-    assert placer._held_for_update(plan(Place.CPU, Place.STREAM), units, 0, freed) == []
-    assert placer._held_for_update(plan(Place.RESIDENT, Place.RESIDENT), units, 0, []) == []
+    assert kept_for_update(session, plan(Place.CPU, Place.STREAM), units, 0, freed) == []
+    assert kept_for_update(session, plan(Place.RESIDENT, Place.RESIDENT), units, 0, []) == []
 
 
 # ------------------------------------------------------------------ init=True, frozen

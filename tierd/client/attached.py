@@ -411,7 +411,8 @@ class AttachSession:
         the device: [Note: resident state leaves the store] in tierd.updates.resident)."""
         self.settle(write_resident=False)
         keys = list(dict.fromkeys(keys))
-        wanted = set(keys)   # [Note: the measuring step keeps its gradients on the device]
+        # [Note: the measuring step keeps its gradients on the device] in tierd.client.held_grads
+        wanted = set(keys)
         self.grads.spill(tp for tp in self.params.values()
                          if tp.grad_on_device and tp.grad_key in wanted)
         self.leases.acquire(keys)

@@ -16,29 +16,9 @@ the latest norms exactly like ``torch.nn.utils.clip_grad_norm_`` and applies
 the factor while it updates each block, so no extra pass over the gradients
 is needed.
 
-[Note: the measuring step keeps its gradients on the device]
-The first step runs the plan estimated from sizes ([Note: the plan before a
-step is measured] in tierd.client.placer), which keeps some units' compute
-copies on the GPU, and its update comes in ``step()``, after the backward.
-Sending every gradient to the store there cost the most of any step: on the
-H200 a 13.2B Llama sent 52.9 GB of fp32 gradients to a pool that held the
-masters too, 52.7 GB of it on to NVMe, and read them back for the update
-(a 90.6 s first step against 1.8 s steady). So while the placer says so
-(``hold``: from the estimate until the measured plan), the gradient of a
-resident parameter is summed on the compute device instead
-(``TieredParam.device_grad``, :attr:`GradState.ON_DEVICE`), in the stored
-dtype and order, so the sum is bitwise the pool's; no gradient key is made.
-The estimate counted each kept parameter's fp32 gradient, so they fit.
-The first update reads them there ([Note: one block landing] in
-``tierd.optim.base``) and frees each as it is used. What else reads a
-gradient from the pool first has it written there (:meth:`GradBucket.spill`):
-a host read (``p.grad`` read, ``session.gradients()``), in-place changes
-of ``p.grad`` replayed at a forward, an optimizer that keeps its gradients
-after the update (clipping, a longer window), and the end of holding, where
-the measured plan does not keep the unit (the placer chooses which stay:
-[Note: held gradients at the first update] there). The placer measures the
-step's memory without them: they are the plan's, and its peak reading
-leaves them out from the moment each is made (``PeakReading``).
+The measuring step may keep its gradients on the device instead: see
+[Note: the measuring step keeps its gradients on the device] in
+tierd.client.held_grads.
 """
 
 from __future__ import annotations
@@ -70,7 +50,7 @@ class GradBucket:
         self._entries: list[tuple[TieredParam, torch.Tensor]] = []
         self._bytes = 0
         #: the gradients of resident parameters are summed on the device
-        #: ([Note: the measuring step keeps its gradients on the device])
+        #: (tierd.client.held_grads: [Note: the measuring step keeps its gradients on the device])
         self.hold = False
         self.held_bytes = 0
         #: told each change of ``held_bytes``: before an allocation, after a free

@@ -164,21 +164,6 @@ the smaller placed one; on the H200 the 70B LoRA capped at 24 GB read
 25.8 GB twice, counted 16.1 GB besides the plan instead of 11.1, placed
 again smaller and left the store 0.6 GiB short.
 
-[Note: held gradients at the first update]
-The measuring step keeps the gradients of the units the estimate kept on
-the device ([Note: the measuring step keeps its gradients on the device] in
-tierd.client.grads), and the measured plan is applied just before the first
-update reads them. The update frees each as it uses it, and no activation
-exists then, so the step's measured non-model bytes are free room: held
-gradients stay as far as that room takes them. A unit the plan keeps whole
-is updated first, its state made as its gradients go, which the plan
-counted: it costs only what its gradients exceed its state by (nothing
-for fp32 AdamW, whose state is three times the fp32 gradient); any other
-unit's cost all its gradients. The rest, and any gradient kept past the update
-(clipping, a longer window), are written to the pool first. Placing at a
-forward instead (a window of several backwards, new input shapes) writes
-them all there.
-
 [Note: the update window]
 The measured first step updates in ``opt.step()``, after its activations are
 freed, but every later backward runs the fused update ([Note: fused update]
@@ -217,6 +202,7 @@ from tierd.client.capacity import DaemonRoom, device_room, record_bytes, size_te
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
                                     grow_placement, plan_placement, rebalance_host, stored,
                                     weights_of)
+from tierd.client.held_grads import PeakReading, kept_for_update
 from tierd.client.optimizers import UpdateEngine
 from tierd.errors import CapacityError
 
@@ -250,42 +236,6 @@ def estimate_budget(cap: int, margin: int, free: int | None = None) -> int:
     if free is not None:
         room = min(room, free)
     return max(0, room - margin)
-
-
-class PeakReading:
-    """The allocator's peak since :meth:`reset`, less the bytes held for the
-    plan: the gradients the measuring step keeps on the device ([Note: the
-    measuring step keeps its gradients on the device] in tierd.client.grads).
-    Those come and go during the step, so at each change (:meth:`held`:
-    before bytes are allocated, after they are freed) the peak so far, less
-    what was held over that stretch, is kept and the allocator's peak starts
-    again; a step's peak before any was held is not hidden by them.
-
-    Example:
-        >>> peaks = iter([10, 12, 15])
-        >>> reading = PeakReading(lambda: next(peaks), lambda: None)
-        >>> reading.held(4)       # 10 so far; 4 bytes held from here
-        >>> reading.held(-4)      # 12 - 4 over that stretch
-        >>> reading.peak()        # 15 since
-        15
-    """
-
-    def __init__(self, read, reset) -> None:
-        self._read, self._reset = read, reset
-        self._max = 0        # the peak of the stretches before the last change
-        self._held = 0
-
-    def reset(self) -> None:
-        self._reset()
-        self._max = 0
-
-    def held(self, delta: int) -> None:
-        self._max = self.peak()
-        self._reset()
-        self._held += delta
-
-    def peak(self) -> int:
-        return max(self._max, self._read() - self._held)
 
 
 class PlacerState(enum.Enum):
@@ -520,7 +470,7 @@ class Placer:
         plan = weights_of(units, plan_placement(units, budget, held=self._held()))
         self._apply(plan, weights_only=True)
         self._adopt(plan, 0, budget, "placement estimated from sizes until a step is measured")
-        # [Note: the measuring step keeps its gradients on the device] in tierd.client.grads
+        # [Note: the measuring step keeps its gradients on the device] in tierd.client.held_grads
         self._session.grads.hold = True
 
     def _held(self) -> frozenset[int]:
@@ -575,7 +525,7 @@ class Placer:
             room += _room([tp for tp in freed if tp not in on_cpu])
             if stored(units, plan.places) > room:
                 self._refuse(units, plan, room)
-        self._end_holding(self._held_for_update(plan, units, non_model, freed)
+        self._end_holding(kept_for_update(self._session, plan, units, non_model, freed)
                           if first_update else ())
         self._apply(plan)
         self._plan_window, self._cpu_mode = self._window, cpu
@@ -787,27 +737,6 @@ class Placer:
         keep = set(keep)
         session.grads.spill(tp for tp in session.params.values()
                             if tp.grad_on_device and tp not in keep)
-
-    def _held_for_update(self, plan: Placement, units: list[UnitBytes], non_model: int,
-                         freed) -> list:
-        """The gradients held on the device that stay there for the first
-        update ([Note: held gradients at the first update])."""
-        session, freed, seen = self._session, set(freed), set()
-        state = {u.index: u.state_bytes for u in units}
-        keep, room = [], non_model
-        for i, place in sorted(plan.places.items()):
-            if place not in (Place.RESIDENT, Place.WEIGHTS, Place.STREAM):
-                continue
-            tps = [tp for tp in session.registry.members(session.units[i])
-                   if tp.grad_on_device and tp in freed and tp not in seen]
-            seen.update(tps)
-            held = sum(tp.grad_nbytes for tp in tps)
-            # a whole unit's state, made as its gradients go, takes their room
-            cost = max(0, held - state[i]) if place is Place.RESIDENT else held
-            if tps and cost <= room:
-                keep += tps
-                room -= cost
-        return keep
 
     def _reset(self) -> None:
         """Stream everything the plan holds again (values written to the pool

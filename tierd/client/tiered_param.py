@@ -89,7 +89,7 @@ class GradState(enum.Enum):
         under ``grad_key``; ``grad_norm`` is its L2 norm.
     ON_DEVICE: that sum is ``device_grad``, on the compute device, and not in
         the pool (the measuring step's kept units: [Note: the measuring step
-        keeps its gradients on the device] in tierd.client.grads).
+        keeps its gradients on the device] in tierd.client.held_grads).
     """
 
     NONE = "none"

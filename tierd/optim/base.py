@@ -103,6 +103,13 @@ class _Landing:
     nbytes: int   # what its leases may pin in the pool
 
 
+def _release_landed(session, keys: list[str], on_device: bool) -> None:
+    """Release ``keys`` once the copies into them queued so far have landed."""
+    if on_device:
+        torch.cuda.current_stream(session.device).synchronize()
+    session.leases.release(keys, written=True)
+
+
 def _resident_work(fused: list[FusedUpdates], tp: TieredParam) -> dict | None:
     """The device tensors of ``tp``'s state when placement keeps it on the
     GPU ([Note: resident optimizer state] in tierd.updates.resident); None when it streams."""
@@ -344,7 +351,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         # the state the streamed ones make ([Note: state made when first needed] in
         # tierd.optim.state); first of all those whose gradients the device holds,
         # their state made as those go ([Note: held gradients at the first update]
-        # in tierd.client.placer)
+        # in tierd.client.held_grads)
         work = []
         for group in self.param_groups:
             tps = [p.tiered for p in group["params"] if p.tiered.has_gradient
@@ -607,20 +614,13 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 on_device |= self._step_param(group, tp, views, coef, resident[tp], zeroed)
         except BaseException:   # (out of device memory, say) its leases go, as written:
             # detach and a later step() must not find them held
-            self._release_landed(session, keys, on_device)
+            _release_landed(session, keys, on_device)
             raise
         event = None
         if on_device:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(session.device))
         return _Landing(block, keys, resident, event, self._leased_bytes(block))
-
-    @staticmethod
-    def _release_landed(session, keys: list[str], on_device: bool) -> None:
-        """Release ``keys`` once the copies into them queued so far have landed."""
-        if on_device:
-            torch.cuda.current_stream(session.device).synchronize()
-        session.leases.release(keys, written=True)
 
     def _end_block(self, landing: _Landing, frees: dict) -> None:
         """Once ``landing``'s copies out have landed ([Note: release after the
