@@ -211,6 +211,32 @@ def test_the_measuring_step_sums_the_kept_units_gradients_on_the_device(monkeypa
     assert_same_weights(model, ref)
 
 
+def test_with_a_daemon_the_kept_units_gradients_never_reach_the_store(monkeypatch,
+                                                                      daemon_factory):
+    extra = _fake_device(monkeypatch)
+    ref = llama()
+    client = tierd.connect(daemon_factory(pool="64MiB"))
+    cap = _everything(llama) * 2 + (1 << 30)
+    model = attach(copy.deepcopy(ref), client=client, device="cpu", gpu_memory_bytes=cap)
+    session = session_of(model)
+    weights = sorted(sum(tp.nbytes for tp in session.registry.members(u)) for u in session.units)
+    extra["free"] = weights[0] + weights[1]
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3)
+    got = [_backward(model, data[0])]
+    kept = [tp for tp in session.params.values() if tp.resident]
+    stored = set(client.keys(session.keys.all))
+    assert kept and not {tp.grad_key for tp in kept} & stored
+    assert {tp.grad_key for tp in session.params.values() if not tp.resident} <= stored
+    opt.step(); opt.zero_grad()
+    assert not {tp.grad_key for tp in kept} & set(client.keys(session.keys.all))
+    got += train(model, opt, data[1:])
+    assert got == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    detach(model)
+
+
 def test_held_gradients_read_through_p_grad_come_from_the_pool_as_torch_s(monkeypatch):
     """Reading them (``session.gradients()``, ``clip_grad_norm_``) writes
     them to the pool first; the update then keeps to the pool, as torch's."""
