@@ -20,6 +20,7 @@ import tierd.optim
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place, UnitBytes, plan_placement
 from tierd.client.held_grads import PeakReading, kept_for_update
+import tierd.client.placer as placer_module
 from tierd.client.placer import Placer, PlacerState, estimate_budget
 from tierd.client.store import LocalStore
 from tierd.errors import CapacityError, StateError
@@ -161,16 +162,19 @@ def test_the_estimate_keeps_within_the_free_memory_and_the_measured_plan_shrinks
 
 
 # ------------------------------------------------- the measuring step's gradients
-def _kept_first_step(monkeypatch, *, accumulate: int = 1):
-    """A Llama whose estimate keeps its two smallest units' weights; the step
-    needs 1 MiB besides the plan, so the measured plan keeps every unit whole."""
+def _kept_first_step(monkeypatch, *, whole: int = 1):
+    """A Llama of three units whose estimate counts its ``whole`` smallest
+    units whole (their weights and fp32 moments) and keeps the next one's
+    weights only; the step needs 1 MiB besides the plan, so the measured
+    plan keeps every unit whole."""
     extra = _fake_device(monkeypatch)
     ref = llama()
     cap = _everything(llama) * 2 + (1 << 30)
     model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu", gpu_memory_bytes=cap)
     session = session_of(model)
     weights = sorted(sum(tp.nbytes for tp in session.registry.members(u)) for u in session.units)
-    extra["free"] = weights[0] + weights[1]
+    assert len(weights) == 3
+    extra["free"] = 3 * sum(weights[:whole]) + weights[whole]   # fp32: moments are 2x weights
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     return model, ref, opt, ref_opt, session, extra
@@ -182,18 +186,29 @@ def _backward(model, ids) -> float:
     return loss.item()
 
 
+def _estimated_whole(session) -> list:
+    """The trainable parameters of the units the estimate counted whole."""
+    placer = session.placer
+    budget = estimate_budget(placer.cap, 0, placer._memory()[1])
+    whole = plan_placement(placer.sized_units(), budget).units_at(Place.RESIDENT)
+    return [tp for i in whole for tp in session.registry.members(session.units[i])]
+
+
 def test_the_measuring_step_sums_the_kept_units_gradients_on_the_device(monkeypatch):
-    """[Note: the measuring step keeps its gradients on the device]: no kept
-    unit's gradient reaches the store, the first update reads them where
-    they are and frees them, and training is torch's, bit for bit."""
+    """[Note: the measuring step keeps its gradients on the device]: no
+    gradient of a unit the estimate counted whole reaches the store, the
+    first update reads them where they are and frees them, and training is
+    torch's, bit for bit. A unit kept weights only (its gradients were not
+    counted) sends them to the store, as a streamed one does."""
     model, ref, opt, ref_opt, session, extra = _kept_first_step(monkeypatch)
     data = batches(4)
+    kept = _estimated_whole(session)
     got = [_backward(model, data[0])]
-    kept = [tp for tp in session.params.values() if tp.resident]
+    weights_only = [tp for tp in session.params.values() if tp.resident and tp not in kept]
     streamed = [tp for tp in session.params.values() if not tp.resident]
-    assert kept and streamed
-    assert all(tp.grad_on_device and not tp.grad_created for tp in kept)
-    assert all(tp.grad_in_pool for tp in streamed)
+    assert kept and weights_only and streamed
+    assert all(tp.resident and tp.grad_on_device and not tp.grad_created for tp in kept)
+    assert all(tp.grad_in_pool for tp in weights_only + streamed)
     assert session.grads.held_bytes == sum(tp.grad_nbytes for tp in kept)
     leased, acquire = [], session.leases.acquire
     monkeypatch.setattr(session.leases, "acquire",
@@ -220,15 +235,15 @@ def test_with_a_daemon_the_kept_units_gradients_never_reach_the_store(monkeypatc
     model = attach(copy.deepcopy(ref), client=client, device="cpu", gpu_memory_bytes=cap)
     session = session_of(model)
     weights = sorted(sum(tp.nbytes for tp in session.registry.members(u)) for u in session.units)
-    extra["free"] = weights[0] + weights[1]
+    extra["free"] = 3 * weights[0] + weights[1]   # as _kept_first_step's
     opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
     data = batches(3)
+    kept = _estimated_whole(session)
     got = [_backward(model, data[0])]
-    kept = [tp for tp in session.params.values() if tp.resident]
     stored = set(client.keys(session.keys.all))
     assert kept and not {tp.grad_key for tp in kept} & stored
-    assert {tp.grad_key for tp in session.params.values() if not tp.resident} <= stored
+    assert {tp.grad_key for tp in session.params.values() if tp not in kept} <= stored
     opt.step(); opt.zero_grad()
     assert not {tp.grad_key for tp in kept} & set(client.keys(session.keys.all))
     got += train(model, opt, data[1:])
@@ -314,11 +329,12 @@ def test_the_peak_reading_leaves_out_held_gradients_but_no_earlier_peak():
 def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypatch):
     """[Note: held gradients at the first update]: a unit kept whole costs
     what its gradients exceed its state by (nothing for AdamW); any other
-    unit all its gradients, within the step's non-model bytes."""
-    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch)
+    unit all its gradients, within the room given."""
+    model, ref, opt, ref_opt, session, _ = _kept_first_step(monkeypatch, whole=2)
     _backward(model, batches(1)[0])
     placer = session.placer
-    held = [i for i, p in placer.plan.places.items() if p is Place.WEIGHTS]
+    held = [i for i, u in enumerate(session.units)
+            if any(tp.grad_on_device for tp in session.registry.members(u))]
     assert len(held) == 2
     members = {i: [tp for tp in session.registry.members(session.units[i])
                    if tp.grad_on_device] for i in held}
@@ -338,6 +354,29 @@ def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypa
     assert set(some) == set(members[held[0]])   # the second does not fit what is left
     assert kept_for_update(session, plan(Place.CPU, Place.STREAM), units, 0, freed) == []
     assert kept_for_update(session, plan(Place.RESIDENT, Place.RESIDENT), units, 0, []) == []
+
+
+def test_the_first_update_leaves_the_update_window_to_the_streamed_blocks(monkeypatch):
+    """The room held gradients may take at the first update is the step's
+    non-model bytes less the update window they count, which the streamed
+    blocks' update takes ([Note: held gradients at the first update])."""
+    model, ref, opt, ref_opt, session, extra = _kept_first_step(monkeypatch)
+    extra["bytes"] = 3 << 20
+    offered = []
+    keep = placer_module.kept_for_update
+    monkeypatch.setattr(placer_module, "kept_for_update",
+                        lambda s, plan, units, room, freed: (offered.append(room),
+                                                             keep(s, plan, units, room, freed))[1])
+    data = batches(3)
+    assert _backward(model, data[0]) == _backward(ref, data[0])
+    window = session.updates.update_window()
+    assert 0 < window
+    opt.step(); ref_opt.step()
+    # the step's non-model bytes were 3 MiB measured and the window assumed
+    assert offered == [3 << 20]
+    opt.zero_grad(); ref_opt.zero_grad()
+    assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
+    assert_same_weights(model, ref)
 
 
 # ------------------------------------------------------------------ init=True, frozen
@@ -606,7 +645,7 @@ def test_on_cuda_kept_frozen_units_live_on_the_device_only(daemon_factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_measuring_step_keeps_its_gradients_off_the_store(daemon_factory):
     """[Note: the measuring step keeps its gradients on the device], with a
-    real daemon and the allocator's peak: the estimate keeps every unit, no
+    real daemon and the allocator's peak: the estimate counts every unit whole, no
     gradient key is made in the first step, and training follows torch."""
     device = torch.device("cuda")
     ref = llama().to(device)
@@ -630,4 +669,29 @@ def test_on_cuda_the_measuring_step_keeps_its_gradients_off_the_store(daemon_fac
     want = [ref_loss.item()] + train(ref, ref_opt, data[1:])
     assert got == pytest.approx(want, rel=1e-5)
     assert_same_weights(model, ref, atol=1e-5)
+    detach(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_estimate_counts_the_allocators_cache_as_free(monkeypatch, daemon_factory):
+    """A model built on the device leaves its parameters' blocks in the
+    allocator's cache once attach has stored them: the estimate counts them
+    free, as the cap does, not only the driver's free memory."""
+    device = torch.device("cuda")
+    cached = torch.empty(1 << 30, dtype=torch.uint8, device=device)   # 1 GiB left cached
+    del cached
+    model = attach(llama().to(device), client=tierd.connect(daemon_factory(pool="256MiB")),
+                   device=device)
+    given = []
+    budget = placer_module.estimate_budget
+    monkeypatch.setattr(placer_module, "estimate_budget",
+                        lambda cap, margin, free=None: (given.append(free),
+                                                        budget(cap, margin, free))[1])
+    unallocated = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert unallocated >= 1 << 30
+    ids = batches(1)[0].to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(given) == 1
+    assert given[0] >= torch.cuda.mem_get_info(device)[0] + (1 << 30)
     detach(model)

@@ -49,15 +49,15 @@ class GradBucket:
         self._bucket_bytes = bucket_bytes
         self._entries: list[tuple[TieredParam, torch.Tensor]] = []
         self._bytes = 0
-        #: the gradients of resident parameters are summed on the device
+        #: the parameters whose gradients are summed on the device while resident
         #: (tierd.client.held_grads: [Note: the measuring step keeps its gradients on the device])
-        self.hold = False
+        self.hold: frozenset[TieredParam] = frozenset()
         self.held_bytes = 0
         #: told each change of ``held_bytes``: before an allocation, after a free
         self.on_held: Callable[[int], None] = lambda delta: None
 
     def add(self, tp: TieredParam, grad: torch.Tensor) -> None:
-        if tp.grad_on_device or (self.hold and tp.resident and not tp.grad_in_pool):
+        if tp.grad_on_device or (tp in self.hold and tp.resident and not tp.grad_in_pool):
             self._hold(tp, grad)
             return
         self._entries.append((tp, grad))

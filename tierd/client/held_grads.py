@@ -13,7 +13,15 @@ masters too, 52.7 GB of it on to NVMe, and read them back for the update
 resident parameter is summed on the compute device instead
 (``TieredParam.device_grad``, :attr:`GradState.ON_DEVICE`), in the stored
 dtype and order, so the sum is bitwise the pool's; no gradient key is made.
-The estimate counted each kept parameter's fp32 gradient, so they fit.
+Only the units the estimate counted whole (``RESIDENT`` before
+``weights_of``: compute copy, fp32 master and moments) hold theirs: that
+state does not exist before the first update, and an fp32 gradient takes
+less than it, so they fit. A unit it kept weights only was counted its
+weights alone, so its gradients go to the pool, as a streamed unit's do.
+Holding those too, a 13.2B Llama's estimate on an H100 (80 GB) kept every
+compute copy (26.4 GB) and held every gradient (52.9 GB, from the plan's
+arithmetic), and the first update ran out of device memory (75.6 GiB
+allocated of 79.2, 2.4 reserved unused; below).
 The first update reads them there ([Note: one block landing] in
 ``tierd.optim.base``) and frees each as it is used. What else reads a
 gradient from the pool first has it written there (:meth:`GradBucket.spill`):
@@ -26,11 +34,16 @@ step's memory without them: they are the plan's, and its peak reading
 leaves them out from the moment each is made (:class:`PeakReading`).
 
 [Note: held gradients at the first update]
-The measuring step keeps the gradients of the units the estimate kept on
-the device (above), and the measured plan is applied just before the first
+The measuring step keeps the gradients of the units the estimate counted
+whole (above), and the measured plan is applied just before the first
 update reads them. The update frees each as it uses it, and no activation
-exists then, so the step's measured non-model bytes are free room: held
-gradients stay as far as that room takes them. A unit the plan keeps whole
+exists then, so the step's measured non-model bytes are free room, less
+the update window they count ([Note: the update window] in
+tierd.client.placer), which the streamed blocks' update takes: held
+gradients stay as far as that room takes them. Counted against the whole
+non-model bytes, they could fill the window too, and the update's blocks
+then had only the margin (that H100 run failed making the embedding's
+moments in the first update). A unit the plan keeps whole
 is updated first, its state made as its gradients go, which the plan
 counted: it costs only what its gradients exceed its state by (nothing
 for fp32 AdamW, whose state is three times the fp32 gradient); any other
@@ -82,15 +95,15 @@ class PeakReading:
         return max(self._max, self._read() - self._held)
 
 
-def kept_for_update(session, plan: Placement, units: list[UnitBytes], non_model: int,
+def kept_for_update(session, plan: Placement, units: list[UnitBytes], room: int,
                     freed) -> list[TieredParam]:
     """Of ``freed`` (freed as the first update uses them), the parameters
     whose gradients held on the device stay there for it under ``plan``
-    (``units``: its units' bytes; ``non_model``: the step's measured
-    non-model bytes): [Note: held gradients at the first update]."""
+    (``units``: its units' bytes; ``room``: the step's measured non-model
+    bytes less the update window): [Note: held gradients at the first update]."""
     freed, seen = set(freed), set()
     state = {u.index: u.state_bytes for u in units}
-    keep, room = [], non_model
+    keep = []
     for i, place in sorted(plan.places.items()):
         if place not in (Place.RESIDENT, Place.WEIGHTS, Place.STREAM):
             continue

@@ -39,7 +39,8 @@ frozen one only its compute copy), within :func:`estimate_budget`: three
 quarters of the cap (``device_room``, the GPU room the capacity check at
 attach already counted: [Note: the GPU counted] in
 ``tierd.client.capacity``), within the device's free memory (``_memory``,
-plus what the plan already holds), less the margin. Of that plan only the
+plus the allocator's cache unallocated, ``_cached``, and what the plan
+already holds), less the margin. Of that plan only the
 compute copies are applied (``weights_of``): optimizer state does not exist
 before the first update, which runs on the plan made from the measured step
 ([Note: placing before the first update]). So the first step holds at most
@@ -405,6 +406,17 @@ class Placer:
         device = self._session.device
         return (self._peak.peak(), torch.cuda.mem_get_info(device)[0]) if self._cuda else None
 
+    def _cached(self) -> int:
+        """Bytes the allocator's cache holds unallocated (0 on the CPU): free
+        to this process, as the cap counts them (a model built on the device
+        leaves its parameters' blocks there once attach has stored them: a
+        13.2B Llama built in fp32 left 53 GB of an H100's 85 cached, and an
+        estimate within the driver's free memory alone kept no unit whole)."""
+        if not self._cuda:
+            return 0
+        device = self._session.device
+        return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
     def _read_step(self) -> int:
         """Non-model bytes of the step that just ended (0 on the CPU), with
         the fused update's window if that step did not run it ([Note: the
@@ -464,14 +476,19 @@ class Placer:
         if act is not None and act.stage.name != "DONE":
             return   # [Note: placement and activation tiering share one budget]
         memory = self._memory()
-        free = None if memory is None else memory[1] + self.resident_bytes()
+        free = None if memory is None else memory[1] + self._cached() + self.resident_bytes()
         budget = estimate_budget(self.cap, self._margin, free)
         units = self.sized_units()
-        plan = weights_of(units, plan_placement(units, budget, held=self._held()))
+        whole = plan_placement(units, budget, held=self._held())
+        plan = weights_of(units, whole)
         self._apply(plan, weights_only=True)
         self._adopt(plan, 0, budget, "placement estimated from sizes until a step is measured")
-        # [Note: the measuring step keeps its gradients on the device] in tierd.client.held_grads
-        self._session.grads.hold = True
+        # [Note: the measuring step keeps its gradients on the device] in
+        # tierd.client.held_grads: those of the units it counted whole
+        session = self._session
+        session.grads.hold = frozenset(
+            tp for i in whole.units_at(Place.RESIDENT)
+            for tp in session.registry.members(session.units[i]) if tp.param.requires_grad)
 
     def _held(self) -> frozenset[int]:
         """Units whose weights the device holds now, placed ones kept first
@@ -525,7 +542,10 @@ class Placer:
             room += _room([tp for tp in freed if tp not in on_cpu])
             if stored(units, plan.places) > room:
                 self._refuse(units, plan, room)
-        self._end_holding(kept_for_update(self._session, plan, units, non_model, freed)
+        # the update's streamed blocks take the window ([Note: held gradients at
+        # the first update] in tierd.client.held_grads)
+        room = max(0, non_model - self._window)
+        self._end_holding(kept_for_update(self._session, plan, units, room, freed)
                           if first_update else ())
         self._apply(plan)
         self._plan_window, self._cpu_mode = self._window, cpu
@@ -733,7 +753,7 @@ class Placer:
         """The measuring step is over: no gradient is held on the device from
         here, and those held are written to the pool but for ``keep``."""
         session = self._session
-        session.grads.hold = False
+        session.grads.hold = frozenset()
         keep = set(keep)
         session.grads.spill(tp for tp in session.params.values()
                             if tp.grad_on_device and tp not in keep)
