@@ -88,13 +88,15 @@ def test_the_update_window_counts_the_largest_streamed_bucket_and_gradients():
 
     streamed, big_pinned = bucket(100), bucket(1000, pinned=True)
     # a pinned bucket's state is resident (not fetched), but its gradients are
-    # still held while it updates: 1000 x (fp32 + bf16); ahead of the one
-    # streamed bucket there is nothing to fetch
-    assert update_window([streamed, big_pinned], 64) == 6000 + 1200
-    assert update_window([streamed, bucket(100), big_pinned], 64) == 6000 + 2 * 64 + 1200
-    assert update_window([big_pinned], 64) == 6000          # nothing streams
-    assert update_window([bucket(10, cpu=True)], 64) == 60   # CPU updates fetch nothing
-    assert update_window([bucket(10, torch.float32)], 0) == 80 + 120
+    # held while it updates: 1000 x (fp32 + bf16 as delivered + the bf16 new
+    # value), and backward delivers the next bucket's meanwhile (1000 x bf16
+    # at most); ahead of the one streamed bucket there is nothing to fetch
+    grads = 1000 * (4 + 2 + 2) + 1000 * 2
+    assert update_window([streamed, big_pinned], 64) == grads + 1200
+    assert update_window([streamed, bucket(100), big_pinned], 64) == grads + 2 * 64 + 1200
+    assert update_window([big_pinned], 64) == grads          # nothing streams
+    assert update_window([bucket(10, cpu=True)], 64) == 100   # CPU updates fetch nothing
+    assert update_window([bucket(10, torch.float32)], 0) == 10 * (4 + 8 + 4) + 120
     # all the streamed state is less than the prefetch: no more than it is held
-    assert update_window([streamed, bucket(100)], 1 << 30) == 600 + 2 * 1200
+    assert update_window([streamed, bucket(100)], 1 << 30) == 1000 + 2 * 1200
     assert update_window([], 64) == 0
