@@ -1,6 +1,7 @@
 """The first step's plan, estimated from sizes ([Note: the plan before a step
 is measured] in tierd.client.placer), and frozen weights that init=True keeps
-only on the device ([Note: frozen weights kept only on the device]).
+only on the device ([Note: frozen weights kept only on the device] in
+tierd.client.kept_frozen).
 
 The device is faked: the compute device is the CPU, its free memory and the
 step's peak come through ``Placer._memory``.

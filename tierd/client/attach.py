@@ -241,7 +241,7 @@ def _keep_on_device(plan: InitPlan, config: AttachConfig, cap: int | None, devic
                     explicit: bool) -> frozenset[str]:
     """init=True: choose the units whose frozen parameters stay on the device,
     never stored ([Note: frozen weights kept only on the device] in
-    tierd.client.placer), and return those parameters' keys."""
+    tierd.client.kept_frozen), and return those parameters' keys."""
     if cap is None:
         return frozenset()
     budget = estimate_budget(cap, margin_for(cap, explicit=explicit,

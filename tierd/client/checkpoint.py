@@ -100,7 +100,7 @@ def commit(model: nn.Module, optimizer, step: int) -> dict:
         raise StateError("a fused update ran but opt.step() was not called yet; "
                          "commit after opt.step()")
     # frozen weights kept only on the GPU go into the store first ([Note: frozen
-    # weights kept only on the device] in tierd.client.placer)
+    # weights kept only on the device] in tierd.client.kept_frozen)
     session.placer.store_kept()
     session.settle()
     ranks = None if session.share is None else session.share.ranks

@@ -8,7 +8,7 @@ above it, else its module's ``reset_parameters``) before anything is stored;
 device, runs the model's init on it, stores it and frees it; the frozen
 parameters of the units the first step's estimated plan keeps on the device
 stay there instead, never stored ([Note: frozen weights kept only on the
-device] in ``tierd.client.placer``). The session is then built over the
+device] in ``tierd.client.kept_frozen``). The session is then built over the
 stored keys, as a resumed job's are.
 
 [Note: initializing unit by unit]
@@ -302,7 +302,7 @@ class InitPlan:
         parameters of the units ``keep`` (:func:`kept_units`), never stored:
         the model's meta parameter -> its value in the compute dtype, on
         ``device`` ([Note: frozen weights kept only on the device] in
-        ``tierd.client.placer``). On any failure the keys stored are deleted
+        ``tierd.client.kept_frozen``). On any failure the keys stored are deleted
         and the model holds its meta parameters again."""
         walk = _Walk(self, client, keys, compute_dtype, device, keep)
         try:

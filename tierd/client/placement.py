@@ -50,7 +50,7 @@ moves only the units it must: the greedy is not monotone in the budget (a
 small unit taken last in a tight budget loses its place to a block in a
 roomier one), and a frozen unit kept only on the device would have to be
 written to the store to leave ([Note: frozen weights kept only on the
-device] in ``tierd.client.placer``).
+device] in ``tierd.client.kept_frozen``).
 
 [Note: choosing CPU updates]
 Device bytes are spent first, as above: they save PCIe bytes at no other
@@ -147,7 +147,7 @@ class UnitBytes:
     stored_bytes: int = 0
     #: of ``param_bytes``: frozen compute copies only the device holds while
     #: the unit's weights stay there ([Note: frozen weights kept only on the
-    #: device] in ``tierd.client.placer``): in the store only once it streams
+    #: device] in ``tierd.client.kept_frozen``): in the store only once it streams
     kept_bytes: int = 0
     #: under a sharded GPU tier, the state bytes each local rank holds while
     #: the unit is ``RESIDENT`` ([Note: one budget on every rank]); empty:

@@ -17,7 +17,7 @@ peak is read again (less what the plan holds): past the margin, the plan is
 made again within less. Input shapes larger than every shape measured (a
 larger batch or sequence) may need far more, so everything streams again
 (frozen weights kept only on the device excepted: [Note: frozen weights kept
-only on the device]) and that step is measured: one slow step, never an
+only on the device] in tierd.client.kept_frozen) and that step is measured: one slow step, never an
 out-of-memory error.
 Each shape's peak is kept (``MeasuredShapes``) and the plan is for the
 largest, so shapes no larger than one measured (lengths that vary by batch)
@@ -55,45 +55,6 @@ scales the estimate down. The estimate is made once, at the first step
 final); the step is measured as before, and the measured plan replaces it
 at the first update, moving only the units whose place changes
 (``_apply``). From then on the rules below hold unchanged.
-
-[Note: frozen weights kept only on the device]
-A parameter's compute copy is in one of three places between steps:
-STREAMED (the store holds it, fetched per use; ``TieredParam.resident``
-False), RESIDENT_STORED (the device holds it for good, the store a copy,
-older for a trained one until written: [Note: kept weights are written when
-the store is read] in ``tierd.updates.resident``) and RESIDENT_ONLY (the
-device copy is its only copy: ``TieredParam.in_store`` False). Only a frozen
-parameter is RESIDENT_ONLY: nothing reads its store copy (no master, no
-gradient, no optimizer state) and it never changes, so storing it would
-only take store room the GPU already gives. ``init=True`` makes them: the
-estimate above, made at attach from the meta model's sizes
-(:func:`tierd.client.init_weights.kept_units`), names the units whose weights
-the first step keeps, and their frozen parameters are initialized on the
-device and kept there, never stored (``InitPlan.store``, the registry's
-``kept``); a model larger than pool + NVMe attaches when the GPU keeps the
-difference. A trainable parameter of a kept unit is stored as before: its
-fp32 master is made from the stored compute copy, and its gradients and
-optimizer state pass through the store until a plan pins them ([Note:
-resident state leaves the store] in ``tierd.updates.resident``). The
-placer adopts the RESIDENT_ONLY ones as placed. The transitions out, each
-owned here:
-
-- RESIDENT_ONLY -> STREAMED: a plan that no longer keeps the unit (the
-  measured plan, a shrink) writes them into the store first
-  (:meth:`Placer.store_kept`), and stops if the store cannot take them: a
-  CapacityError naming the sizes, raised before anything moved.
-- RESIDENT_ONLY -> RESIDENT_STORED: a commit writes them (``tierd.commit``
-  calls :meth:`Placer.store_kept`), since a commit is read without this
-  process; they stay stored after (their copy never ages).
-- A reset (new input shapes, a plan made again) streams every stored unit
-  to measure, but keeps RESIDENT_ONLY ones where they are: they cost only
-  their bytes, counted as the plan's, and streaming them would take the
-  store room they were kept to save. Detach reads their values from the
-  device; nothing is stored.
-
-Reads (``state_dict``, detach) take their device copy; a write sets it.
-Making one trainable is refused (its master would be made from a store copy
-it does not have): unfreeze before attach.
 
 [Note: one plan for every rank]
 Under torch.distributed the units placed whole are replicas on every rank
@@ -169,11 +130,18 @@ again smaller and left the store 0.6 GiB short.
 The measured first step updates in ``opt.step()``, after its activations are
 freed, but every later backward runs the fused update ([Note: fused update]
 in ``tierd.updates.fused``) beside them: streamed buckets' state fetched ahead
-(up to twice ``prefetch_bytes``, plus the running bucket) and one bucket's
-fp32 gradients. Uncounted, that ran 13B (H200) out of memory in its second
-step (a 318M-parameter layer: 3.8 GB of state and 1.9 GB of gradients besides
-4 GiB of window, past the margin). So a measured step that ran no fused
-update adds the optimizers' window (``tierd.updates.buckets.update_window``).
+(up to twice ``prefetch_bytes``, plus the running bucket), the running
+bucket's gradients (as delivered, in fp32) and new compute values, and the
+next bucket's gradients as backward delivers them. Uncounted, that ran 13B
+(H200) out of memory in its second step (a 318M-parameter layer: 3.8 GB of
+state and 1.9 GB of gradients besides 4 GiB of window, past the margin). So
+a measured step that ran no fused update adds the optimizers' window
+(``tierd.updates.buckets.update_window``). Counting the running bucket's
+gradients alone, a 13.2B Llama at the default cap on an H100 still ran out
+in its second step; counting both (7.2 GB of window), its fused steps read
+12.4-12.5 GB besides the plan against 11.1 assumed: the margin (3.4 GB)
+took the rest, as it takes the blocks back-to-back steps hold longer
+([Note: a plan changes for memory, not for a different reading]).
 
 [Note: growing the plan]
 That window is an upper bound: backward frees activations while the state
@@ -199,7 +167,8 @@ import logging
 
 import torch
 
-from tierd.client.capacity import DaemonRoom, device_room, record_bytes, size_text
+from tierd.client.capacity import DaemonRoom, device_room, size_text
+from tierd.client.kept_frozen import store_kept
 from tierd.client.placement import (MeasuredShapes, Place, Placement, UnitBytes,
                                     grow_placement, plan_placement, rebalance_host, stored,
                                     weights_of)
@@ -272,7 +241,7 @@ class Placer:
         self._cuda = session.device.type == "cuda"
         self.plan: Placement | None = None
         # TieredParams made resident by the plan; RESIDENT_ONLY ones from the
-        # start ([Note: frozen weights kept only on the device])
+        # start ([Note: frozen weights kept only on the device] in tierd.client.kept_frozen)
         self._placed: list = [tp for tp in session.params.values() if not tp.in_store]
         self._base = (torch.cuda.memory_allocated(session.device)
                       - sum(tp.nbytes for tp in self._placed)) if self._cuda else 0
@@ -696,7 +665,7 @@ class Placer:
 
     def _demote(self, tps: list) -> None:
         """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
-        ([Note: frozen weights kept only on the device])."""
+        ([Note: frozen weights kept only on the device] in tierd.client.kept_frozen)."""
         if not tps:
             return
         self.store_kept(tps)   # raises before anything moved
@@ -706,48 +675,10 @@ class Placer:
         self._placed = [tp for tp in self._placed if tp not in gone]
 
     def store_kept(self, tps: list | None = None) -> None:
-        """Write the RESIDENT_ONLY parameters of ``tps`` (every one: None) into
-        the store; they stay resident ([Note: frozen weights kept only on the
-        device]). A CapacityError naming the sizes, before anything is
-        written, when the store cannot take them all."""
-        session = self._session
-        only = [tp for tp in (self._placed if tps is None else tps) if not tp.in_store]
-        if not only:
-            return
-        values = {tp.key: tp.compute for tp in only}
-        job = getattr(session.client, "job", None)
-        total = sum(record_bytes(k, v.nbytes, job) for k, v in values.items())
-        room = DaemonRoom.from_stats(session.client.stats())
-        largest = max(record_bytes(k, v.nbytes, job) for k, v in values.items())
-        if room is not None and total > room.free(largest):
-            raise self._no_room_to_store(only, total, size_text(room.free()))
-        try:
-            placed = session.client.reserve_async(values).result()
-        except CapacityError as exc:   # a store that does not report its room
-            raise self._no_room_to_store(only, total, f"less ({exc})") from exc
-        try:
-            if session.copy.on_device:
-                session.copy.copy_out_many([(lease.tensor, values[lease.key])
-                                            for lease in placed], tuple(values)).synchronize()
-            else:
-                for lease in placed:
-                    lease.tensor.copy_(values[lease.key])
-            session.client.publish_async(list(values)).result()
-        except BaseException:
-            session.client.abort(list(values))   # the device keeps the values
-            raise
-        for tp in only:
-            tp.in_store = True
-
-    @staticmethod
-    def _no_room_to_store(only: list, total: int, free: str) -> CapacityError:
-        return CapacityError(
-            f"{len(only)} frozen parameters kept only on the GPU ({only[0].name!r}...: "
-            f"{size_text(total)}) must go into the store (a plan that streams their unit, "
-            f"or a commit), and it has {free} free. Nothing was moved or written: they stay "
-            "on the GPU. Give the daemon that much more pool or NVMe (TIERD_POOL / "
-            "TIERD_NVME_SIZE, or `tierd serve --pool/--nvme-size`), or the GPU more room "
-            "(a larger gpu_memory_bytes, a smaller batch, activation checkpointing)")
+        """Write the RESIDENT_ONLY parameters of ``tps`` (every one placed:
+        None) into the store; they stay resident (:func:`tierd.client.kept_frozen.store_kept`)."""
+        store_kept([tp for tp in (self._placed if tps is None else tps) if not tp.in_store],
+                   self._session)
 
     def _end_holding(self, keep) -> None:
         """The measuring step is over: no gradient is held on the device from
@@ -768,7 +699,8 @@ class Placer:
         session.settle()
         self._updates.drop_replicas()
         self._updates.unplace(self._placed)
-        # RESIDENT_ONLY ones stay ([Note: frozen weights kept only on the device])
+        # RESIDENT_ONLY ones stay ([Note: frozen weights kept only on the device] in
+        # tierd.client.kept_frozen)
         stored = [tp for tp in self._placed if tp.in_store]
         if stored:
             session.registry.set_resident(stored, False)

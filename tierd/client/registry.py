@@ -206,7 +206,7 @@ class ParamRegistry:
         self._unit_index: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._watch_handles: list = []
         # frozen parameters whose compute copy (on the device) is their only
-        # copy ([Note: frozen weights kept only on the device] in tierd.client.placer)
+        # copy ([Note: frozen weights kept only on the device] in tierd.client.kept_frozen)
         self._kept = kept or {}
         self._take(session, store, stored, on_grad, source)
 

@@ -220,7 +220,7 @@ class TieredParam:
         # in tierd.updates.resident).
         self.stale_in_store = False
         # False: resident, and its device copy is its only copy ([Note: frozen
-        # weights kept only on the device] in tierd.client.placer)
+        # weights kept only on the device] in tierd.client.kept_frozen)
         self.in_store = True
         # resident, and an optimizer update of it waits for its unit's next
         # forward: its modules hold ``outside`` meanwhile ([Note: updates
@@ -256,7 +256,7 @@ class TieredParam:
             raise StateError(
                 f"making {self.name!r} trainable: init=True kept it frozen on the GPU "
                 "only, with no copy in the store to make its fp32 master from "
-                "([Note: frozen weights kept only on the device] in tierd.client.placer); "
+                "([Note: frozen weights kept only on the device] in tierd.client.kept_frozen); "
                 "set requires_grad before tierd.attach")
         if unfrozen and self.session.share is not None:
             raise StateError(

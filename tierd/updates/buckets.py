@@ -189,9 +189,7 @@ def update_window(buckets: list[Bucket], prefetch_bytes: int) -> int:
     prefetch); and the gradients: the bucket updating holds its own as
     delivered and in fp32, and its new compute-dtype values, while backward,
     which goes on meanwhile ([Note: fused update] in tierd.updates.fused),
-    delivers the next one's. Counting the updating bucket's alone, a 13.2B
-    Llama's second step on an H100 needed ~1.3 GB more than the plan left
-    (a 202M-parameter layer: 0.8 GB of it these two terms)."""
+    delivers the next one's ([Note: the update window] in tierd.client.placer)."""
     if not buckets:
         return 0
     computed = [sum(tp.param.numel() * tp.param.element_size() for tp in b.tps)
