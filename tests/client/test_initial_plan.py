@@ -710,3 +710,26 @@ def test_on_cuda_the_estimate_counts_the_allocators_cache_as_free(monkeypatch, d
     assert len(given) == 1
     assert given[0] >= torch.cuda.mem_get_info(device)[0] + (1 << 30)
     detach(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_first_update_counts_the_bytes_it_copies(daemon_factory):
+    """The first update in ``step()`` copies every streamed parameter's master
+    in and its master and new moments out: the session's copy counters (what
+    benches report as PCIe bytes) count them."""
+    device = torch.device("cuda")
+    model = attach(llama().to(device), client=tierd.connect(daemon_factory(pool="256MiB")),
+                   device=device, gpu_memory_bytes=0)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    session = session_of(model)
+    ids = batches(1)[0].to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = session.stats()
+    opt.step()
+    torch.cuda.synchronize()
+    after = session.stats()
+    params = sum(tp.param.numel() for tp in session.params.values())
+    assert after["h2d_bytes"] - before["h2d_bytes"] >= 4 * params           # the masters
+    assert after["d2h_bytes"] - before["d2h_bytes"] >= 12 * params          # masters, moments
+    detach(model)

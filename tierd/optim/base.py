@@ -671,6 +671,9 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                     else views[k].clone() if k in shared else views[k])
                 for n, k in names.items()
                 if not (in_place and n == "param") and not (held is not None and n == "grad")}
+        if on_device:   # the session's copy counters ([Note: two copy streams])
+            tp.session.copy.h2d_bytes += sum(views[names[n]].nbytes for n in work
+                                             if names[n] not in zeros)
         if held is not None:
             work["grad"] = held.to(device)
         if resident is not None:
@@ -696,6 +699,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         for k, t in new:
             if k not in shared and views[k].data_ptr() != t.data_ptr():
                 views[k].copy_(t, non_blocking=on_device)
+                if t.device.type != "cpu":
+                    tp.session.copy.d2h_bytes += t.nbytes
         if publish:
             tp.session.share.publish(publish)
         if tp.resident and not in_place:
