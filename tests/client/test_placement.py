@@ -15,6 +15,7 @@ import tierd.updates.engine as engine_mod
 from tierd.client.attach import attach, detach, is_attached, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, stored)
+from tierd.client.capacity import size_text
 from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
@@ -804,3 +805,31 @@ def test_decoding_places_once_though_the_attention_mask_grows_each_token(caplog)
         model(torch.cat([prompt, prompt], dim=1))
     assert placer.state is PlacerState.MEASURING
     detach(model)
+
+
+def test_a_placed_step_that_makes_the_allocator_retry_is_told_once_and_keeps_the_plan(
+        monkeypatch, caplog):
+    """[Note: the allocator's retries]: a step on the plan whose allocations
+    made the caching allocator free its cache and retry (device figures
+    faked through ``Placer._retries`` and ``_memory``) is logged once with the figures; the plan stays,
+    and training is unchanged."""
+    retries = {"n": 0}
+    monkeypatch.setattr(Placer, "_retries", lambda self: retries["n"])
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + (1 << 20),
+                                                         1 << 40))
+    model, ref, opt, ref_opt = _train_placed(llama, cap=1 << 30, data=None)
+    placer = session_of(model).placer
+    data = batches(7)
+    losses = train(model, opt, data[:3])
+    assert placer.state is PlacerState.PLACED
+    plan = placer.plan
+    with caplog.at_level("WARNING", logger="tierd.placement"):
+        losses += train(model, opt, data[3:4])
+        assert "retry" not in caplog.text   # none yet
+        for i in range(4, 7):
+            retries["n"] += 3                 # each step's allocations retried three times
+            losses += train(model, opt, data[i:i + 1])
+    told = [r for r in caplog.records if "retry 3 times" in r.getMessage()]
+    assert len(told) == 1 and f"cap {size_text(1 << 30)}," in told[0].getMessage()
+    assert placer.plan is plan and placer.replans == 0
+    assert losses == train(ref, ref_opt, data)

@@ -85,6 +85,20 @@ peak (what it needed besides the plan, plus what the plan holds) came within
 half the margin of the cap: the one reading that says the next step may not
 fit. New input shapes larger than any measured stream and measure, as before.
 
+[Note: the allocator's retries]
+The plan counts allocated bytes; the caching allocator reserves more, since
+a block cached for one stream serves no other (tierd allocates fetched
+state on its copy-in stream so the copy waits for no compute kernel). Where
+reserved memory meets the device's, an allocation frees the whole cache and
+retries, and each retry synchronizes every stream. A Llama 8.4B at the free
+memory of an H100 (plan 70.1 GB, steps peaking at 79.2 GB allocated under an
+84.2 GB cap) reserved 83.9 GB and retried 7 times a step; the step took
+1.27 s against its 0.925 s PCIe floor, the compute stream idle 0.41 s
+waiting for copies in. The peak is under the cap less half the margin, so
+the plan stays; a placed step that made the allocator retry is told once (``_tell_retries``) with those figures. Not
+shrunk on it: a smaller plan streams more every step, and whether it ends
+the retries is not measured.
+
 [Note: a model compiled whole]
 ``torch.compile(model)`` runs backward as one compiled node per frame, and
 that node hands autograd every gradient at its end (a checkpointed 8-layer
@@ -259,6 +273,8 @@ class Placer:
         self._rebalanced = False         # ... or chose its CPU updates again
         self._ran_fused = False          # the last step read ran the fused update
         self._warned_whole = False       # [Note: a model compiled whole] told once
+        self._warned_retries = False     # [Note: the allocator's retries] told once
+        self._retries_at = 0             # the allocator's retries when the step began
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         device = session.device
@@ -368,12 +384,37 @@ class Placer:
         """The allocator's peak starts afresh: the next :meth:`_memory` reads
         from here."""
         self._peak.reset()
+        self._retries_at = self._retries()
 
     def _memory(self) -> tuple[int, int] | None:
         """The allocator's peak since the step began, and the bytes the device
         has free outside the allocator's cache (None on the CPU: not measured)."""
         device = self._session.device
         return (self._peak.peak(), torch.cuda.mem_get_info(device)[0]) if self._cuda else None
+
+    def _retries(self) -> int:
+        """The caching allocator's retries so far (0 on the CPU): each freed
+        its cache and synchronized every stream to satisfy an allocation."""
+        if not self._cuda:
+            return 0
+        return torch.cuda.memory_stats(self._session.device).get("num_alloc_retries", 0)
+
+    def _tell_retries(self, peak: int) -> None:
+        """[Note: the allocator's retries]: once, where a step on the plan made
+        the allocator retry."""
+        retries = self._retries() - self._retries_at
+        if not retries or self._warned_retries or self.state is not PlacerState.PLACED:
+            return
+        self._warned_retries = True
+        reserved = torch.cuda.max_memory_reserved(self._session.device) if self._cuda else 0
+        log.warning(
+            "tierd placement: a step on the plan made the CUDA caching allocator free its "
+            "cache and retry %d times; each retry synchronizes every stream, so the copies "
+            "that overlap compute stall. It reserved %s at the step's peak for %s allocated "
+            "(the plan holds %s; cap %s, margin %s): blocks cached for one stream are not "
+            "reused by another. A smaller gpu_memory_bytes leaves it room",
+            retries, size_text(reserved), size_text(peak), size_text(self.resident_bytes()),
+            size_text(self.cap), size_text(self._margin))
 
     def _cached(self) -> int:
         """Bytes the allocator's cache holds unallocated (0 on the CPU): free
@@ -404,6 +445,7 @@ class Placer:
             log.debug("tierd placement read a step: peak %d, before attach %d, the plan %d, "
                       "update window %d, free %d -> %d besides the plan", memory[0],
                       self._base, self.resident_bytes(), self._window, memory[1], non_model)
+            self._tell_retries(memory[0])
         if self._on_final_activations:   # a step on a plan activation tiering left is no guide
             self._shapes.record(self._signature, non_model, estimated=self._window > 0)
         return non_model
