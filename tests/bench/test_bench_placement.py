@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tierd.bench import placement, steploop
 
@@ -160,3 +161,24 @@ def test_case_is_a_regular_expression_so_one_row_can_be_chosen_alone(capsys):
     with pytest.raises(SystemExit):
         placement.main(["--out", "unused", "--case", "cap (48"])
     assert "--case 'cap (48' is not a regular expression" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cache_is_split_by_the_stream_its_blocks_serve():
+    """``cache_by_stream``: a block allocated and freed on a side stream stays
+    cached for that stream only, and is reported there, not under the
+    compute stream."""
+    device = torch.device("cuda")
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    kept = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del block
+    torch.cuda.synchronize()
+    got = placement.cache_by_stream(device, {"compute": torch.cuda.current_stream(device),
+                                             "side": side, "absent": None})
+    assert got["side"]["reserved_gb"] >= (256 << 20) / placement.GB
+    assert got["side"]["allocated_gb"] == 0
+    assert got["compute"]["allocated_gb"] >= (64 << 20) / placement.GB
+    del kept

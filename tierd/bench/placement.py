@@ -88,7 +88,9 @@ synchronizations, then two diagnostic steps.
   waits' host seconds per synchronized step (lease waits also split by the
   kind of key: compute copies, gradients, state; and the seconds new pool
   segments took to map and page-lock here) and the caching allocator's
-  reserved peak, retries and cudaMalloc/cudaFree over them;
+  reserved peak, retries and cudaMalloc/cudaFree over them, and after them
+  the GB each stream's cached segments reserve and hold allocated
+  (``by_stream``: a cached block serves only its own stream);
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way and of new pool segments it mapped,
   and the daemon's pool over it: GB
@@ -286,6 +288,25 @@ def allocator(device: torch.device) -> dict:
                                             "num_device_alloc", "num_device_free")}}
 
 
+def cache_by_stream(device: torch.device, streams: dict[str, object]) -> dict:
+    """The caching allocator's segments now, by the stream they serve (a
+    cached block serves only its own stream): GB reserved and allocated for
+    each of ``streams`` (name -> torch.cuda.Stream, None skipped) and for any
+    other stream ("other"); {} on the CPU."""
+    if device.type != "cuda":
+        return {}
+    names = {s.cuda_stream: n for n, s in streams.items() if s is not None}
+    out: dict[str, dict[str, float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index or 0) != (device.index or 0):
+            continue
+        row = out.setdefault(names.get(seg["stream"], "other"),
+                             {"reserved_gb": 0.0, "allocated_gb": 0.0})
+        row["reserved_gb"] += seg["total_size"] / GB
+        row["allocated_gb"] += seg["allocated_size"] / GB
+    return out
+
+
 def diagnose(fn, model, opt, ids, trace: Path | None = None,
              steps: int = 1) -> dict | None:
     """Where one step's time goes (CUDA only): phases, then the streams of
@@ -396,6 +417,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         (before, alloc_before), after = marks[0], session.stats()
         alloc = {k: v if k == "reserved_peak_gb" else v - alloc_before[k]
                  for k, v in allocator(device).items()}   # over the synchronized steps
+        if device.type == "cuda":   # what each stream keeps cached after them
+            alloc["by_stream"] = cache_by_stream(device, {
+                "compute": torch.cuda.current_stream(device), **session.copy.streams})
         trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", case.name) + ".trace.json.gz") \
             if args.trace else None
         diag = diagnose(fn, built, opt, ids, trace, args.profile_steps)

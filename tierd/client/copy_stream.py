@@ -100,6 +100,11 @@ class CopyStream:
     def on_device(self) -> bool:
         return self._in is not None
 
+    @property
+    def streams(self) -> dict[str, torch.cuda.Stream | None]:
+        """tierd's own streams by role (None each on the CPU)."""
+        return {"copy_in": self._in, "copy_out": self._out, "update": self._update}
+
     def _after_writes(self, keys: tuple[str, ...]) -> None:
         for key in keys:
             event = self._written.get(key)
