@@ -15,7 +15,6 @@ import tierd.updates.engine as engine_mod
 from tierd.client.attach import attach, detach, is_attached, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, stored)
-from tierd.client.capacity import size_text
 from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.client.tiered_param import ParamState
@@ -807,29 +806,33 @@ def test_decoding_places_once_though_the_attention_mask_grows_each_token(caplog)
     detach(model)
 
 
-def test_a_placed_step_that_makes_the_allocator_retry_is_told_once_and_keeps_the_plan(
-        monkeypatch, caplog):
+def test_a_placed_step_that_made_the_allocator_retry_is_read_at_its_reserved_peak(monkeypatch):
     """[Note: the allocator's retries]: a step on the plan whose allocations
-    made the caching allocator free its cache and retry (device figures
-    faked through ``Placer._retries`` and ``_memory``) is logged once with the figures; the plan stays,
-    and training is unchanged."""
-    retries = {"n": 0}
-    monkeypatch.setattr(Placer, "_retries", lambda self: retries["n"])
+    made the caching allocator free its cache and retry (device figures faked
+    through ``Placer._retries``, ``_reserved_peak`` and ``_memory``) is read
+    at what the allocator reserved, which met the device: the plan is made
+    again once, smaller by that, and stays; steps that reserve past the cap
+    without retrying change nothing; training is bitwise torch's."""
+    cap = 1 << 30
+    device = {"retries": 0, "reserved": 0}
+    monkeypatch.setattr(Placer, "_retries", lambda self: device["retries"])
+    monkeypatch.setattr(Placer, "_reserved_peak", lambda self: device["reserved"])
     monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + (1 << 20),
                                                          1 << 40))
-    model, ref, opt, ref_opt = _train_placed(llama, cap=1 << 30, data=None)
+    model, ref, opt, ref_opt = _train_placed(llama, cap=cap, data=None)
     placer = session_of(model).placer
-    data = batches(7)
+    data = batches(9)
     losses = train(model, opt, data[:3])
     assert placer.state is PlacerState.PLACED
     plan = placer.plan
-    with caplog.at_level("WARNING", logger="tierd.placement"):
-        losses += train(model, opt, data[3:4])
-        assert "retry" not in caplog.text   # none yet
-        for i in range(4, 7):
-            retries["n"] += 3                 # each step's allocations retried three times
-            losses += train(model, opt, data[i:i + 1])
-    told = [r for r in caplog.records if "retry 3 times" in r.getMessage()]
-    assert len(told) == 1 and f"cap {size_text(1 << 30)}," in told[0].getMessage()
+    device["reserved"] = cap + (64 << 20)   # cached past the cap, no retry: no reason
+    losses += train(model, opt, data[3:5])
     assert placer.plan is plan and placer.replans == 0
+    device["retries"] += 3                  # this step retried: the device was full
+    losses += train(model, opt, data[5:6])
+    losses += train(model, opt, data[6:7])
+    assert placer.replans == 1 and placer.plan.device_bytes < plan.device_bytes
+    smaller = placer.plan
+    losses += train(model, opt, data[7:])   # no more retries: the plan stays
+    assert placer.plan is smaller and placer.replans == 1
     assert losses == train(ref, ref_opt, data)

@@ -88,16 +88,23 @@ fit. New input shapes larger than any measured stream and measure, as before.
 [Note: the allocator's retries]
 The plan counts allocated bytes; the caching allocator reserves more, since
 a block cached for one stream serves no other (tierd allocates fetched
-state on its copy-in stream so the copy waits for no compute kernel). Where
-reserved memory meets the device's, an allocation frees the whole cache and
-retries, and each retry synchronizes every stream. A Llama 8.4B at the free
-memory of an H100 (plan 70.1 GB, steps peaking at 79.2 GB allocated under an
-84.2 GB cap) reserved 83.9 GB and retried 7 times a step; the step took
-1.27 s against its 0.925 s PCIe floor, the compute stream idle 0.41 s
-waiting for copies in. The peak is under the cap less half the margin, so
-the plan stays; a placed step that made the allocator retry is told once (``_tell_retries``) with those figures. Not
-shrunk on it: a smaller plan streams more every step, and whether it ends
-the retries is not measured.
+state on its copy-in stream so the copy waits for no compute kernel), and
+where reserved memory meets the device's, an allocation frees the whole
+cache and retries, each retry synchronizing every stream. A Llama 8.4B at
+the free memory of an H100 (plan 70.1 GB, steps peaking at 79.2 GB
+allocated under an 84.2 GB cap, margin 3.4) reserved 83.9 GB and retried 7
+times a step: 1.27 s against its 0.925 s PCIe floor, the compute stream
+idle 0.41 s waiting for copies in. The allocated peak was under the cap less
+half the margin, so the plan stayed. Retries cost every step time, so a
+step on the plan that made the allocator retry is read at its reserved peak
+(``_read_step`` adds what the allocator reserved past the allocated peak to
+the step's non-model bytes): that peak met the device, so the plan is made
+again within less ([Note: a plan changes for memory, not for a different
+reading]), just enough for the cache the step kept, and the allocator's
+cache is emptied once there, so that the next reading is of the new plan
+and not of blocks the old one left cached. Predicted for that 8B step: the
+plan 3.1 GB smaller (6 GB more PCIe a step), no retries, ~1.0-1.05 s; not
+measured yet.
 
 [Note: a model compiled whole]
 ``torch.compile(model)`` runs backward as one compiled node per frame, and
@@ -273,8 +280,8 @@ class Placer:
         self._rebalanced = False         # ... or chose its CPU updates again
         self._ran_fused = False          # the last step read ran the fused update
         self._warned_whole = False       # [Note: a model compiled whole] told once
-        self._warned_retries = False     # [Note: the allocator's retries] told once
         self._retries_at = 0             # the allocator's retries when the step began
+        self._gap = 0                    # [Note: the allocator's retries] of the last reading
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         device = session.device
@@ -339,11 +346,14 @@ class Placer:
         elif grew:
             self.replans += 1
             log.info("tierd placement: the step's peak, %d bytes (%d besides the plan, %d "
-                     "planned), came within half the margin (%d) of the cap %d; placing again "
-                     "within less", peak, non_model, self._non_model, self._margin, self.cap)
+                     "planned; %d of it cached by the allocator past its allocations), came "
+                     "within half the margin (%d) of the cap %d; placing again within less",
+                     peak, non_model, self._non_model, self._gap, self._margin, self.cap)
             self._reset()
             if ready:
                 self._place(non_model, budget)
+            if self._gap and self._cuda:   # [Note: the allocator's retries]
+                torch.cuda.empty_cache()
         else:
             self._grow(non_model, budget)
         self._signature = signature
@@ -399,22 +409,23 @@ class Placer:
             return 0
         return torch.cuda.memory_stats(self._session.device).get("num_alloc_retries", 0)
 
-    def _tell_retries(self, peak: int) -> None:
-        """[Note: the allocator's retries]: once, where a step on the plan made
-        the allocator retry."""
+    def _reserved_peak(self) -> int:
+        """The allocator's reserved peak since the step began (0 on the CPU)."""
+        return torch.cuda.max_memory_reserved(self._session.device) if self._cuda else 0
+
+    def _cache_gap(self, peak: int) -> int:
+        """[Note: the allocator's retries]: where a step on the plan made the
+        allocator retry, the bytes it reserved past the step's allocated
+        ``peak``; else 0."""
         retries = self._retries() - self._retries_at
-        if not retries or self._warned_retries or self.state is not PlacerState.PLACED:
-            return
-        self._warned_retries = True
-        reserved = torch.cuda.max_memory_reserved(self._session.device) if self._cuda else 0
-        log.warning(
-            "tierd placement: a step on the plan made the CUDA caching allocator free its "
-            "cache and retry %d times; each retry synchronizes every stream, so the copies "
-            "that overlap compute stall. It reserved %s at the step's peak for %s allocated "
-            "(the plan holds %s; cap %s, margin %s): blocks cached for one stream are not "
-            "reused by another. A smaller gpu_memory_bytes leaves it room",
-            retries, size_text(reserved), size_text(peak), size_text(self.resident_bytes()),
-            size_text(self.cap), size_text(self._margin))
+        if not retries or self.state is not PlacerState.PLACED:
+            return 0
+        gap = max(0, self._reserved_peak() - peak)
+        log.info("tierd placement: the step made the CUDA caching allocator free its cache and "
+                 "retry %d times (each synchronizes every stream): it reserved %d bytes past "
+                 "its allocated peak %d; reading the step at its reserved peak",
+                 retries, gap, peak)
+        return gap
 
     def _cached(self) -> int:
         """Bytes the allocator's cache holds unallocated (0 on the CPU): free
@@ -439,13 +450,13 @@ class Placer:
             return 0
         if memory is not None and not self._ran_fused:
             self._window = self._updates.update_window()
+        self._gap = 0 if memory is None else self._cache_gap(memory[0])
         non_model = 0 if memory is None else \
-            max(0, memory[0] - self._base - self.resident_bytes()) + self._window
+            max(0, memory[0] - self._base - self.resident_bytes()) + self._window + self._gap
         if memory is not None:
             log.debug("tierd placement read a step: peak %d, before attach %d, the plan %d, "
                       "update window %d, free %d -> %d besides the plan", memory[0],
                       self._base, self.resident_bytes(), self._window, memory[1], non_model)
-            self._tell_retries(memory[0])
         if self._on_final_activations:   # a step on a plan activation tiering left is no guide
             self._shapes.record(self._signature, non_model, estimated=self._window > 0)
         return non_model
