@@ -13,7 +13,7 @@ from tierd.bench import compiled
 
 FIELDS = {"case", "model", "compiled", "allgpu_s", "tierd_s", "floor_s", "ratio", "ratio_to",
           "recompiles", "graph_breaks", "frames", "frames_per_step", "allgpu_frames_per_step",
-          "peak_gb", "error", "allgpu_error"}
+          "peak_gb", "reserved_gb", "alloc_retries", "error", "allgpu_error"}
 SMOKE = ["--tiny", "--device", "cpu", "--backend", "aot_eager", "--layers", "1", "--steps",
          "2", "--warmup", "2", "--pool-gib", "1", "--nvme-gib", "1"]
 

@@ -56,7 +56,9 @@ compiled during tierd's timed steps; ``allgpu_recompiles`` likewise),
 ``frames_per_step`` (compiled frames one step after the timed ones runs, from
 the profiler: 1 where the model compiled into one graph, about one a block
 where the forward is split at its blocks; ``allgpu_frames_per_step``), ``peak_gb`` (tierd's
-peak allocated over the timed steps; ``allgpu_peak_gb``), ``worst_s``,
+peak allocated over the timed steps; ``allgpu_peak_gb``), ``reserved_gb`` (the
+allocator's reserved peak over them) and ``alloc_retries`` (the times it freed
+its cache and retried in them, each synchronizing every stream), ``worst_s``,
 ``replans`` (placement changes in the timed steps), ``planned_pcie_gb`` and
 ``error`` / ``allgpu_error`` (an out-of-memory is recorded, not fatal).
 
@@ -204,6 +206,7 @@ class Clock:
             step()
         self.sync()
         frames = dynamo_frames_compiled()
+        retries = self.retries()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -222,11 +225,21 @@ class Clock:
         got = {"step_s": statistics.median(times), "worst_s": max(times),
                "peak_gb": torch.cuda.max_memory_allocated(self.device) / GB
                if self.cuda else None,
+               "reserved_gb": torch.cuda.max_memory_reserved(self.device) / GB
+               if self.cuda else None,
+               "alloc_retries": self.retries() - retries if self.cuda else None,
                "recompiles": dynamo_frames_compiled() - frames,
                "frames": dynamo_frames_compiled()}
         got["frames_per_step"] = compiled_regions_run(step)
         self.sync()
         return got
+
+    def retries(self) -> int:
+        """The caching allocator's retries so far (each freed its cache and
+        synchronized every stream); 0 on the CPU."""
+        if not self.cuda:
+            return 0
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def free(self) -> None:
         gc.collect()
@@ -331,7 +344,8 @@ def row(case: Case, spec: Model, way: str, cls: str, ref: dict, got: dict,
             "recompiles": got.get("recompiles"), "graph_breaks": got.get("graph_breaks"),
             "frames": got.get("frames"), "frames_per_step": got.get("frames_per_step"),
             "allgpu_frames_per_step": ref.get("frames_per_step"),
-            "peak_gb": got.get("peak_gb"), "worst_s": got.get("worst_s"),
+            "peak_gb": got.get("peak_gb"), "reserved_gb": got.get("reserved_gb"),
+            "alloc_retries": got.get("alloc_retries"), "worst_s": got.get("worst_s"),
             "replans": got.get("replans"), "planned_pcie_gb": got.get("planned_pcie_gb"),
             "compute_busy_s": got.get("compute_busy_s"),
             "allgpu_recompiles": ref.get("recompiles"),
