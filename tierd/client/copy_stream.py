@@ -72,23 +72,6 @@ class CopyStream:
     update stream; every entry waits for the compute stream first, so memory
     the update stream allocates is never reused while compute still reads it.
 
-    [Note: one cache for what is copied in]
-    The caching allocator keeps a freed block for the stream it was allocated
-    on. Allocated on the copy-in stream, parameters' compute copies and the
-    fused update's fetched state made a second cache beside the compute
-    stream's, each holding its own peak: a Llama 8.4B at an H100's free
-    memory reserved 83.9 GB for 79.2 allocated, and the allocator freed its
-    cache and retried 42 times in 6 steps, each retry synchronizing every
-    stream. So they are allocated from the compute stream's memory, and the
-    copy in first waits for the compute stream as the host has queued it
-    (the block may hold a tensor freed earlier whose kernels are queued). A
-    copy for a unit k ahead then starts once compute is k units behind it,
-    which costs nothing while the window holds two units or more. A
-    parameter's compute copy is freed only after the compute stream waited
-    for its copy (``TieredParam.free`` needs DEVICE, reached through
-    ``finish_swap_in``), so no other stream is recorded on it; fetched state
-    is recorded on the copy-in stream (a bucket may be dropped unused).
-
     Example:
         >>> import torch
         >>> cs = CopyStream(torch.device("cpu"))

@@ -87,8 +87,8 @@ fit. New input shapes larger than any measured stream and measure, as before.
 
 [Note: the allocator's retries]
 The plan counts allocated bytes; the caching allocator reserves more, since
-a block cached for one stream serves no other ([Note: one cache for what
-is copied in] in tierd.client.copy_stream), and
+a block cached for one stream serves no other (tierd allocates fetched
+state on its copy-in stream so the copy waits for no compute kernel), and
 where reserved memory meets the device's, an allocation frees the whole
 cache and retries, each retry synchronizing every stream. A Llama 8.4B at
 the free memory of an H100 (plan 70.1 GB, steps peaking at 79.2 GB
