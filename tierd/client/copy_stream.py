@@ -120,15 +120,12 @@ class CopyStream:
         return self.copy_in_many([(dst, src)], keys, after_compute=True)
 
     def copy_in_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                     keys: tuple[str, ...], *, after_compute: bool = False,
-                     recorded: bool = True) -> InflightCopy:
+                     keys: tuple[str, ...], *, after_compute: bool = False) -> InflightCopy:
         """Queue ``dst.copy_(src)`` for each (device dst, pool src) pair; one event.
 
         ``after_compute``: dst was allocated on the compute stream, whose queued
         kernels may still read its memory (a tensor freed earlier): start after
-        them, and (``recorded``) record our stream on dst, so its memory is not
-        reused before the copy is done. Buffers allocated with
-        :meth:`empty_for_copy_in` need neither.
+        them. Buffers allocated with :meth:`empty_for_copy_in` need no such wait.
         """
         self.h2d_bytes += sum(_nbytes(s) for _, s in pairs if s.device.type == "cpu")
         dsts = tuple(d for d, _ in pairs)
@@ -145,7 +142,7 @@ class CopyStream:
                 d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._in)
-        if after_compute and recorded:
+        if after_compute:
             # dst's memory is written on our stream: keep it from being reused
             # for another tensor before that write is done.
             for d in dsts:
@@ -154,24 +151,37 @@ class CopyStream:
 
     def copy_in_new(self, srcs: list[torch.Tensor],
                     keys: tuple[str, ...]) -> tuple[list[torch.Tensor], InflightCopy]:
-        """New device tensors filled from ``srcs`` (pool views), one event,
-        allocated from the compute stream's memory ([Note: one cache for
-        what is copied in]) in one entry to the copy-in stream (each entry
-        costs the host more than a copy's launch, and a bucket's update queues
-        several: [Note: small state stays on the device] in tierd.updates.fused)."""
-        device = self.device if self._in is not None else None
-        dsts = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in srcs]
-        return dsts, self.copy_in_many(list(zip(dsts, srcs)), keys, after_compute=True)
+        """New device tensors filled from ``srcs`` (pool views), one event:
+        :meth:`empty_for_copy_in` and :meth:`copy_in_many` in one entry to the
+        copy-in stream (each entry costs the host more than a copy's launch,
+        and a bucket's update queues several: [Note: small state stays on the
+        device] in tierd.updates.fused)."""
+        if self._in is None:
+            dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+            return dsts, self.copy_in_many(list(zip(dsts, srcs)), keys)
+        self.h2d_bytes += sum(_nbytes(s) for s in srcs)
+        self._after_writes(keys)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._in):
+            dsts = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in srcs]
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._in)
+        for d in dsts:   # (see empty_for_copy_in)
+            d.record_stream(compute)
+        return dsts, InflightCopy(tuple(dsts), tuple(srcs), keys, event)
 
-    def swap_in(self, tensor: torch.Tensor, nbytes: int, source: torch.Tensor,
-                keys: tuple[str, ...]) -> InflightCopy:
-        """Give ``tensor``'s (empty) storage ``nbytes`` from the compute
-        stream's memory and queue its copy in from ``source`` ([Note: one
-        cache for what is copied in]). The caller makes the compute stream
-        :meth:`wait` for the copy before it frees the storage (a parameter
-        is freed only once used), so no other stream is recorded on it."""
-        tensor.untyped_storage().resize_(nbytes)
-        return self.copy_in_many([(tensor, source)], keys, after_compute=True, recorded=False)
+    def allocate_for_copy_in(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Give ``tensor``'s (empty) storage ``nbytes`` from the copy-in stream's
+        memory, so the copy that fills it waits for no compute kernel; the
+        compute stream is recorded as a user for when the storage is freed."""
+        if self._in is None:
+            tensor.untyped_storage().resize_(nbytes)
+            return
+        with torch.cuda.stream(self._in):
+            tensor.untyped_storage().resize_(nbytes)
+        tensor.record_stream(torch.cuda.current_stream(self.device))
 
     def empty_for_copy_in(self, like: torch.Tensor) -> torch.Tensor:
         """A device buffer shaped like ``like`` (fp32), allocated on the copy-in

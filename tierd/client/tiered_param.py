@@ -336,7 +336,8 @@ class TieredParam:
         lease's keys) alive until :meth:`finish_swap_in`.
         """
         self._expect(ParamState.HOST, action="swap in")
-        self._inflight = stream.swap_in(self.compute, self.nbytes, source, keys)
+        stream.allocate_for_copy_in(self.compute, self.nbytes)
+        self._inflight = stream.copy_in_many([(self.compute, source)], keys)
         self.state = ParamState.H2D_INFLIGHT
         return self._inflight
 
