@@ -811,8 +811,9 @@ def test_a_placed_step_that_made_the_allocator_retry_is_read_at_its_reserved_pea
     made the caching allocator free its cache and retry (device figures faked
     through ``Placer._retries``, ``_reserved_peak`` and ``_memory``) is read
     at what the allocator reserved, which met the device: the plan is made
-    again once, smaller by that, and stays; steps that reserve past the cap
-    without retrying change nothing; training is bitwise torch's."""
+    again once, smaller by that, and stays, also when later steps retry (once
+    per measured shape); steps that reserve past the cap without retrying
+    change nothing; training is bitwise torch's."""
     cap = 1 << 30
     device = {"retries": 0, "reserved": 0}
     monkeypatch.setattr(Placer, "_retries", lambda self: device["retries"])
@@ -829,10 +830,13 @@ def test_a_placed_step_that_made_the_allocator_retry_is_read_at_its_reserved_pea
     losses += train(model, opt, data[3:5])
     assert placer.plan is plan and placer.replans == 0
     device["retries"] += 3                  # this step retried: the device was full
+    device["reserved"] = cap + (1 << 20)    # (the smaller plan keeps something resident)
     losses += train(model, opt, data[5:6])
     losses += train(model, opt, data[6:7])
     assert placer.replans == 1 and placer.plan.device_bytes < plan.device_bytes
     smaller = placer.plan
-    losses += train(model, opt, data[7:])   # no more retries: the plan stays
+    assert smaller.device_bytes > 0
+    device["retries"] += 2                  # the step after the change retries too
+    losses += train(model, opt, data[7:])   # ... and the plan stays
     assert placer.plan is smaller and placer.replans == 1
     assert losses == train(ref, ref_opt, data)

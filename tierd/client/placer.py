@@ -86,25 +86,23 @@ half the margin of the cap: the one reading that says the next step may not
 fit. New input shapes larger than any measured stream and measure, as before.
 
 [Note: the allocator's retries]
-The plan counts allocated bytes; the caching allocator reserves more, since
-a block cached for one stream serves no other (tierd allocates fetched
-state on its copy-in stream so the copy waits for no compute kernel), and
-where reserved memory meets the device's, an allocation frees the whole
-cache and retries, each retry synchronizing every stream. A Llama 8.4B at
-the free memory of an H100 (plan 70.1 GB, steps peaking at 79.2 GB
-allocated under an 84.2 GB cap, margin 3.4) reserved 83.9 GB and retried 7
-times a step: 1.27 s against its 0.925 s PCIe floor, the compute stream
-idle 0.41 s waiting for copies in. The allocated peak was under the cap less
-half the margin, so the plan stayed. Retries cost every step time, so a
-step on the plan that made the allocator retry is read at its reserved peak
-(``_read_step`` adds what the allocator reserved past the allocated peak to
-the step's non-model bytes): that peak met the device, so the plan is made
-again within less ([Note: a plan changes for memory, not for a different
-reading]), just enough for the cache the step kept, and the allocator's
-cache is emptied once there, so that the next reading is of the new plan
-and not of blocks the old one left cached. Predicted for that 8B step: the
-plan 3.1 GB smaller (6 GB more PCIe a step), no retries, ~1.0-1.05 s; not
-measured yet.
+The plan counts allocated bytes; the caching allocator reserves more (a
+block cached for one stream serves no other, and blocks of many sizes
+fragment its segments), and where reserved memory meets the device's, an
+allocation frees the whole cache and retries, each retry synchronizing every
+stream. A Llama 8.4B at the free memory of an H100 (plan 70.1 GB, steps
+peaking at 79.2 GB allocated under an 84.2 GB cap, margin 3.4) reserved
+83.9 GB and retried 7 times a step: 1.27 s against its 0.925 s PCIe floor.
+So the first step on a plan that made the allocator retry is read at its
+reserved peak (``_read_step`` adds what the allocator reserved past the
+allocated peak to the step's non-model bytes): that peak met the device, so
+the plan is made again within less ([Note: a plan changes for memory, not
+for a different reading]), and the allocator's cache is emptied once there.
+Once per measured shape: the steps after a change reserve what the change
+freed besides (that 8B case read 9.7 GB past its allocations on the smaller
+plan, 5.7 on the first), so reading each retry again shrank the plan at
+steps 3, 5 and 10, from 70.1 to 55.6 GB, and the changes took up to 23 s a
+step. Retries left after that one change cost time, not memory.
 
 [Note: a model compiled whole]
 ``torch.compile(model)`` runs backward as one compiled node per frame, and
@@ -282,6 +280,7 @@ class Placer:
         self._warned_whole = False       # [Note: a model compiled whole] told once
         self._retries_at = 0             # the allocator's retries when the step began
         self._gap = 0                    # [Note: the allocator's retries] of the last reading
+        self._gap_placed = False         # ... placed again since the inputs changed
         self.replans = 0
         self.cap, self._explicit = cap, explicit
         device = session.device
@@ -337,7 +336,7 @@ class Placer:
             log.info("tierd placement: the inputs changed (%s -> %s); streaming everything "
                      "and measuring this step", self._signature, signature)
             self._reset()
-            self._grown = self._rebalanced = False
+            self._grown = self._rebalanced = self._gap_placed = False
         elif self.state is PlacerState.MEASURING:
             if ready:
                 self._place(non_model, budget)
@@ -352,8 +351,10 @@ class Placer:
             self._reset()
             if ready:
                 self._place(non_model, budget)
-            if self._gap and self._cuda:   # [Note: the allocator's retries]
-                torch.cuda.empty_cache()
+            if self._gap:   # [Note: the allocator's retries]
+                self._gap_placed = True
+                if self._cuda:
+                    torch.cuda.empty_cache()
         else:
             self._grow(non_model, budget)
         self._signature = signature
@@ -415,10 +416,11 @@ class Placer:
 
     def _cache_gap(self, peak: int) -> int:
         """[Note: the allocator's retries]: where a step on the plan made the
-        allocator retry, the bytes it reserved past the step's allocated
-        ``peak``; else 0."""
+        allocator retry (and no such step placed again since the inputs
+        changed), the bytes it reserved past the step's allocated ``peak``;
+        else 0."""
         retries = self._retries() - self._retries_at
-        if not retries or self.state is not PlacerState.PLACED:
+        if not retries or self.state is not PlacerState.PLACED or self._gap_placed:
             return 0
         gap = max(0, self._reserved_peak() - peak)
         log.info("tierd placement: the step made the CUDA caching allocator free its cache and "
