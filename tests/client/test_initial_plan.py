@@ -22,7 +22,8 @@ from tierd.client.attach import attach, detach, session_of
 from tierd.client.placement import Place, Placement, UnitBytes, plan_placement
 from tierd.client.held_grads import PeakReading, held_units, kept_for_update
 import tierd.client.placer as placer_module
-from tierd.client.placer import Placer, PlacerState, estimate_budget
+from tierd.client.capacity import estimate_budget
+from tierd.client.placer import Placer, PlacerState
 from tierd.client.store import LocalStore
 from tierd.errors import CapacityError, StateError
 from tests.client.models import assert_same_weights, batches, llama, train

@@ -12,6 +12,7 @@ import torch
 import tierd
 import tierd.optim
 import tierd.updates.engine as engine_mod
+import tierd.updates.fused as fused_mod
 from tierd.client.attach import attach, detach, is_attached, session_of
 from tierd.client.placement import (Costs, Place, Placement, UnitBytes, grow_placement,
                                     plan_placement, stored)
@@ -769,6 +770,48 @@ def test_back_to_back_readings_under_the_cap_keep_the_plan_and_a_peak_near_it_re
     losses += train(model, opt, data[10:])
     assert placer.replans == 1 and placer.plan.device_bytes < plan.device_bytes
     assert losses == train(ref, ref_opt, data)   # bitwise, across the change of plan
+    assert_same_weights(model, ref)
+
+
+def test_a_plan_made_again_within_less_moves_only_the_units_that_change(monkeypatch):
+    """[Note: a plan made again moves what changes]: a step whose peak came
+    near the cap makes the plan again from the one applied: only the units
+    no longer kept whole write their state to the store; those that stay keep
+    it on the device, and training is bitwise torch's across the change."""
+    make = lambda: gpt2(n_layer=6)
+    probe = attach(make(), client=LocalStore(), device="cpu")
+    everything = sum(u.nbytes for u in session_of(probe).units) * 7   # weights + fp32 state
+    detach(probe)
+    cap = everything + (64 << 20)
+    extra = {"bytes": 1 << 20}
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra["bytes"],
+                                                         1 << 40))
+    written = []
+    monkeypatch.setattr(fused_mod, "write_back",
+                        (lambda real: lambda session, opt, b: (written.append(set(b.tps)),
+                                                               real(session, opt, b)))(
+                            fused_mod.write_back))
+    model, ref, opt, ref_opt = _train_placed(make, cap=cap, data=None)
+    session, placer = session_of(model), session_of(model).placer
+    data = batches(8)
+    losses = train(model, opt, data[:4])
+    plan = placer.plan
+    whole = set(plan.units_at(Place.RESIDENT))
+    assert placer.state is PlacerState.PLACED and len(whole) == len(session.units)
+    state = max(u.state_bytes for u in placer.unit_bytes())
+    extra["bytes"] = cap - plan.device_bytes + 3 * state // 2   # 1.5 units' state over the cap
+    written.clear()
+    losses += train(model, opt, data[4:5])
+    assert placer.replans == 1 and placer.plan.device_bytes < plan.device_bytes
+    stays = set(placer.plan.units_at(Place.RESIDENT))
+    assert stays and stays < whole
+    members = lambda units: {tp for i in units
+                             for tp in session.registry.members(session.units[i])}
+    assert written and all(tps & members(whole - stays) for tps in written)
+    assert not any(tps & members(stays) for tps in written)
+    extra["bytes"] = 1 << 20
+    losses += train(model, opt, data[5:])
+    assert losses == train(ref, ref_opt, data)
     assert_same_weights(model, ref)
 
 

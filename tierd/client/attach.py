@@ -21,14 +21,14 @@ from torch import nn
 from tierd.client import distributed
 from tierd.client.attach_config import AttachConfig, check_cap, resolve_cap
 from tierd.client.attached import AttachSession, Resumed, is_attached, session_of
-from tierd.client.capacity import StoreNeed, device_room, model_need
+from tierd.client.capacity import (StoreNeed, device_room, estimate_budget, margin_for,
+                                   model_need)
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
 from tierd.client.embedded import ensure_daemon, node_socket, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.init_weights import InitPlan, kept_units, plan_init
 from tierd.client.keys import ModelKeys, random_name
-from tierd.client.placer import estimate_budget, margin_for
 from tierd.client.registry import expected_keys
 from tierd.client.weights import CheckpointReader, WeightsPlan, plan_load
 from tierd.errors import CapacityError, StateError

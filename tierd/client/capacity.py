@@ -105,6 +105,8 @@ OLD_POOL_CAP = 32 * GiB   # the embedded daemon's sizes before they came from th
 OLD_NVME_CAP = 256 * GiB
 MIN_NVME = 1 * GiB
 _JOB_ESTIMATE = "j" * 64   # a job name's length bounds its share of a record header
+_MARGIN_MIN = 1 << 30       # CUDA: fragmentation and allocator slack
+_MARGIN_FRACTION = 0.04
 
 KINDS = ("params", "master", "optimizer", "gradients")
 
@@ -347,6 +349,30 @@ def embedded_sizes(need: StoreNeed, machine: Machine, *, commits: bool = False,
 def device_room(cap: int | None) -> int:
     """The GPU room counted for state under a placement cap ([Note: the GPU counted])."""
     return 0 if cap is None else cap * 3 // 4
+
+
+def margin_for(cap: int | None, *, explicit: bool, cuda: bool) -> int:
+    """Device bytes a plan leaves free under ``cap``: a fraction of it, and
+    on free memory (no explicit cap) at least the allocator's slack; none on
+    the CPU (nothing is measured)."""
+    fraction = int(_MARGIN_FRACTION * (cap or 0))
+    return 0 if not cuda else fraction if explicit else max(_MARGIN_MIN, fraction)
+
+
+def estimate_budget(cap: int, margin: int, free: int | None = None) -> int:
+    """Device bytes a plan estimated from sizes may hold ([Note: the plan
+    before a step is measured] in tierd.client.placer): three quarters of
+    ``cap``, within ``free`` (the device's free memory and what the plan holds
+    already), less ``margin``.
+
+    Example:
+        >>> estimate_budget(40, 2), estimate_budget(40, 2, free=20)
+        (28, 18)
+    """
+    room = device_room(cap)
+    if free is not None:
+        room = min(room, free)
+    return max(0, room - margin)
 
 
 def model_need(model, compute_dtype, keys, *, job: str | None = None,
