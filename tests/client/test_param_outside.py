@@ -234,3 +234,68 @@ def test_a_model_returning_a_namespace_brings_its_rest_back_for_backward():
             o.zero_grad()
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
+def test_a_checkpointed_block_recomputes_on_its_compute_tensors(monkeypatch, reentrant):
+    """[Note: a unit's modules in its backward]: whether transformers
+    checkpoints a layer's ``__call__`` (hooks inside) or its ``forward``
+    (5.2x: hooks outside), its recompute in backward reads no parameter from
+    the tiers; training is bitwise torch's, and between steps the modules
+    hold the tensors for between uses again."""
+    import tierd.client.values as values
+
+    reads = []
+    real = values.run_op
+    monkeypatch.setattr(values, "run_op", lambda func, args, kwargs: (
+        reads.append(func), real(func, args, kwargs))[1])
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    ref = llama().train()
+    ref.gradient_checkpointing_enable(**kwargs)
+    model = llama().train()
+    model.gradient_checkpointing_enable(**kwargs)
+    model = attach(model, client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert reads == []
+    assert all(isinstance(p, TieredParameter) for p in model.parameters())
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
+
+
+_BACKWARD_HOOK = textwrap.dedent("""
+    import torch, tierd.optim
+    from tierd.client.attach import attach
+    from tierd.client.store import LocalStore
+    from tests.client.models import batches, llama, train
+    ref = llama().train()
+    model = llama().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = attach(model, client=LocalStore(), device="cpu")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    seen = []
+    model.model.layers[1].register_full_backward_hook(
+        lambda mod, gin, gout: seen.append(mod.mlp.up_proj.weight.detach().clone()))
+    for ids in batches(2):
+        before = ref.model.layers[1].mlp.up_proj.weight.detach().clone()
+        train(ref, ref_opt, [ids])
+        after = ref.model.layers[1].mlp.up_proj.weight.detach()
+        train(model, opt, [ids])
+        assert torch.equal(seen[-1], before) or torch.equal(seen[-1], after)
+    print("same values")
+""")
+
+
+def test_a_backward_hook_reads_a_parameter_its_backward_freed():
+    """[Note: a unit's modules in its backward]: a block's backward hook
+    reading its weights after autograd accumulated (and tierd freed) them
+    reads a value (the step's, or the updated one: the fused update runs in
+    backward), never freed memory. In its own process: a crash fails it."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _BACKWARD_HOOK],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "same values" in done.stdout, (
+        f"exit {done.returncode}\n{done.stderr[-3000:]}")

@@ -32,6 +32,22 @@ backward]), else when the backward graph task that brought it in ends (an
 engine callback). Freeing resizes the storage to 0, see [Note: why resize
 the storage instead of swapping ``.data``] in ``tiered_param``.
 
+[Note: a unit's modules in its backward]
+transformers 5.24 checkpoints a decoder layer's ``forward``, not its
+``__call__`` as 5.17 did (so FSDP2's module hooks stay outside the
+checkpoint): the recompute in backward runs no pre-forward hook, and the
+layer's modules held the tensors for between uses, so every op of the
+recompute read its parameter from the tiers (``tierd.client.values``),
+settling the session each time: 576 such reads a step for a 64-layer Llama,
+whose step on the CPU took 4.3 s against 3.5 s without them. So, as FSDP2's
+pre-backward unshards, a unit's pre-backward puts its compute tensors into
+its modules, and the next unit's pre-backward (or the end of backward, or
+the next step) puts the tensors for between uses back; a parameter freed
+in its unit's backward gets its tensor for between uses back at once, so a
+backward hook reading it reads its value, not freed memory. Autograd reads
+saved tensors, not modules; only the recompute reads the modules, and it
+runs inside the unit's own backward.
+
 [Note: frozen parameters freed after their unit's backward]
 A frozen parameter gets no gradient, so nothing autograd does says when the
 last node that reads it has run. Held until the backward ended, a LoRA step
@@ -176,6 +192,10 @@ class AttachSession:
                            leases=self.leases, releases=self.releases,
                            counters=self.counters, optimizers=self.optimizers, plans=plans)
         self.backward = BackwardTracker(on_begin=self._begin_backward, on_end=self._end_backward)
+        # [Note: a unit's modules in its backward]: units so installed, and
+        # where the last one's modules hold its parameters
+        self._installed_for_backward: set[int] = set()
+        self._backward_holders: dict[TieredParam, list] = {}
         self.share = None if ranks is None else RankShare(
             ranks, self.registry, store=client, leases=self.leases, releases=self.releases,
             copy=self.copy, counters=self.counters, device=self.device,
@@ -256,6 +276,7 @@ class AttachSession:
         self.client.check_alive()
         self.grad_views.apply_ops()   # p.grad changed in place since the backward
         self.counters.steps += 1
+        self._install_for_backward(None)   # a backward that raised left them
         self.settle(synchronize=False)
         self.placer.begin_step(signature)
         self.mover.begin_step()
@@ -287,12 +308,36 @@ class AttachSession:
         task = self.backward.enter()
         self.mover.observe(unit)
         self.mover.enter_backward(unit, task)
+        self._install_for_backward(unit)
         for opt in self.optimizers:
             opt.prefetch()
+
+    def _install_for_backward(self, unit: Unit | None) -> None:
+        """[Note: a unit's modules in its backward]: ``unit``'s modules hold
+        its compute tensors, every other unit's so installed before its
+        tensors for between uses (``None``: no unit's)."""
+        for index in self._installed_for_backward:
+            if unit is None or index != unit.index:
+                self.registry.install(self.units[index], running=False)
+        self._installed_for_backward, self._backward_holders = set(), {}
+        if unit is not None and unit.params:
+            self.registry.install(unit, running=True)
+            self._installed_for_backward.add(unit.index)
+            self._backward_holders = self.registry.holders(unit)
+
+    def _uninstall_freed(self, tp: TieredParam) -> None:
+        """``tp`` was freed in its unit's backward: its modules hold its
+        tensor for between uses again (a backward hook reading it reads the
+        value, not freed memory)."""
+        if tp.state is ParamState.HOST:
+            for module, attr in self._backward_holders.pop(tp, ()):
+                module._parameters[attr] = tp.outside
 
     def post_backward(self, unit: Unit) -> None:
         self.backward.enter()
         self.mover.after_backward(unit)
+        for tp in unit.params:   # frozen ones freed now
+            self._uninstall_freed(tp)
 
     def on_grad(self, param: torch.Tensor) -> None:
         """Autograd accumulated a gradient into ``param`` (either tensor of a
@@ -308,6 +353,7 @@ class AttachSession:
             else:
                 self._deliver_grad(tp, grad)
         self.mover.done_with(tp)
+        self._uninstall_freed(tp)
         self.counters.hook_seconds += time.perf_counter() - t0
 
     def _deliver_grad(self, tp: TieredParam, grad: torch.Tensor) -> None:
@@ -328,6 +374,7 @@ class AttachSession:
         self.grads.flush()
         self.mover.free_task(task, outermost=outermost)
         if outermost:
+            self._install_for_backward(None)
             self.counters.backwards += 1
             for opt in self.optimizers:
                 opt.end_backward()

@@ -404,6 +404,14 @@ class ParamRegistry:
             if not tp.resident:
                 module._parameters[attr] = tp.param if running else tp.outside
 
+    def holders(self, unit: Unit) -> dict[TieredParam, list[tuple[nn.Module, str]]]:
+        """Where ``unit``'s modules hold each of its streamed parameters."""
+        out: dict[TieredParam, list[tuple[nn.Module, str]]] = {}
+        for module, attr, tp in self._unit_holders[unit.index]:
+            if not tp.resident:
+                out.setdefault(tp, []).append((module, attr))
+        return out
+
     def reinstall(self, tps: list[TieredParam]) -> None:
         """Put into every module holding one of ``tps`` its tensor for between
         uses (``TieredParam.between_uses``: it changed)."""
