@@ -192,9 +192,9 @@ class AttachSession:
                            leases=self.leases, releases=self.releases,
                            counters=self.counters, optimizers=self.optimizers, plans=plans)
         self.backward = BackwardTracker(on_begin=self._begin_backward, on_end=self._end_backward)
-        # [Note: a unit's modules in its backward]: units so installed, and
-        # where the last one's modules hold its parameters
-        self._installed_for_backward: set[int] = set()
+        # [Note: a unit's modules in its backward]: the unit so installed, and
+        # where its modules hold its parameters
+        self._backward_unit: Unit | None = None
         self._backward_holders: dict[TieredParam, list] = {}
         self.share = None if ranks is None else RankShare(
             ranks, self.registry, store=client, leases=self.leases, releases=self.releases,
@@ -314,16 +314,14 @@ class AttachSession:
 
     def _install_for_backward(self, unit: Unit | None) -> None:
         """[Note: a unit's modules in its backward]: ``unit``'s modules hold
-        its compute tensors, every other unit's so installed before its
-        tensors for between uses (``None``: no unit's)."""
-        for index in self._installed_for_backward:
-            if unit is None or index != unit.index:
-                self.registry.install(self.units[index], running=False)
-        self._installed_for_backward, self._backward_holders = set(), {}
+        its compute tensors, the unit so installed before its tensors for
+        between uses (``None``: no unit's)."""
+        if self._backward_unit is not None and self._backward_unit is not unit:
+            self.registry.install(self._backward_unit, running=False)
+        self._backward_unit, self._backward_holders = None, {}
         if unit is not None and unit.params:
             self.registry.install(unit, running=True)
-            self._installed_for_backward.add(unit.index)
-            self._backward_holders = self.registry.holders(unit)
+            self._backward_unit, self._backward_holders = unit, self.registry.holders(unit)
 
     def _uninstall_freed(self, tp: TieredParam) -> None:
         """``tp`` was freed in its unit's backward: its modules hold its
