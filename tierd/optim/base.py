@@ -376,13 +376,16 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if kind == _STREAMED and ahead:
                     making += block
                     if self.unmade.nbytes(making) >= _MAKE_BYTES:
-                        zeroed |= self.unmade.ensure_stored(making)
+                        zeroed |= self._ensure_stored(making)
                         making = []
                 elif kind == _PINNED:
                     for tp in block:
                         _resident_work(self._fused, tp)
-            zeroed |= self.unmade.ensure_stored(making)
-        except CapacityError as exc:   # nothing updated
+            zeroed |= self._ensure_stored(making)
+        except BaseException as exc:   # nothing updated, nor any master stored without bytes
+            self.unmade.forget_cast()
+            if not isinstance(exc, CapacityError):
+                raise
             if not self.keeps_gradients:
                 exc.add_note(
                     "tierd: this first update makes the optimizer state while every gradient "
@@ -390,7 +393,25 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                     "updates keep them); pass accumulation_steps=N (or max_grad_norm) to the "
                     "optimizer so that its construction checks the room, or give the daemon more")
             raise
-        landing = None   # the block whose copies out are in flight ([Note: one block landing])
+        try:
+            self._update_blocks(work, frees, coef, zeroed, ahead)
+        except BaseException:   # masters stored without bytes and not written go
+            self.unmade.forget_cast()
+            raise
+        self._stepped.clear()
+        for f in self._fused:
+            f.after_step()
+        if touched:
+            self._stop_fusing()
+        self._finish_update()
+        return loss
+
+    def _update_blocks(self, work: list, frees: dict, coef: torch.Tensor | None,
+                       zeroed: set[str], ahead: bool) -> None:
+        """Update ``work``'s blocks in order, one block's copies out landing
+        while the next is queued ([Note: one block landing]), where the lease
+        cap has room for both."""
+        landing = None   # the block whose copies out are in flight
         try:
             for _, group, block in work:
                 if landing is not None and not (
@@ -404,13 +425,6 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         finally:
             if landing is not None:
                 self._end_block(landing, frees)
-        self._stepped.clear()
-        for f in self._fused:
-            f.after_step()
-        if touched:
-            self._stop_fusing()
-        self._finish_update()
-        return loss
 
     def _stop_fusing(self) -> None:
         """Update in ``step()`` (deferred) from now on: the loop changes gradients
@@ -600,7 +614,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         copied in."""
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
-        zeroed |= self.unmade.ensure_stored([tp for tp in block if resident[tp] is None])
+        zeroed |= self._ensure_stored([tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         try:
@@ -621,6 +635,15 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(session.device))
         return _Landing(block, keys, resident, event, self._leased_bytes(block))
+
+    def _ensure_stored(self, tps: list[TieredParam]) -> frozenset[str]:
+        """The state of ``tps`` not made yet stored (:meth:`UnmadeState.ensure_stored`),
+        their masters to be cast by the update ([Note: masters cast where they
+        are updated]) but under torch.distributed, where ranks read the owners' keys."""
+        cast = [tp for tp in tps if tp.session.share is None]
+        mine = set(cast)
+        return (self.unmade.ensure_stored(cast, cast_masters=True)
+                | self.unmade.ensure_stored([tp for tp in tps if tp not in mine]))
 
     def _end_block(self, landing: _Landing, frees: dict) -> None:
         """Once ``landing``'s copies out have landed ([Note: release after the
@@ -665,14 +688,19 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         held = tp.device_grad   # summed on the device, not in the pool
         # a shared key is never changed in place: its new version is published;
         # a master on the device is updated there (the store's copy is written)
-        # state made as zeros now is made on the device, not copied in
+        # state made as zeros now is made on the device, not copied in, and a
+        # master not made yet is cast there ([Note: masters cast where they are updated])
+        cast = resident is None and names["param"] in self.unmade.cast
+        read = {n: tp.key if cast and n == "param" else k for n, k in names.items()}
         work = {n: (torch.zeros_like(views[k], device=device) if on_device and k in zeros
-                    else views[k].to(device, non_blocking=True) if on_device
+                    else views[read[n]].to(device, non_blocking=True) if on_device
                     else views[k].clone() if k in shared else views[k])
                 for n, k in names.items()
                 if not (in_place and n == "param") and not (held is not None and n == "grad")}
+        if cast:
+            work["param"] = work["param"].float()
         if on_device:   # the session's copy counters ([Note: two copy streams])
-            tp.session.copy.h2d_bytes += sum(views[names[n]].nbytes for n in work
+            tp.session.copy.h2d_bytes += sum(views[read[n]].nbytes for n in work
                                              if names[n] not in zeros)
         if held is not None:
             work["grad"] = held.to(device)
@@ -703,6 +731,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                     tp.session.copy.d2h_bytes += t.nbytes
         if publish:
             tp.session.share.publish(publish)
+        if cast:   # its bytes are on their way
+            self.unmade.made([names["param"]])
         if tp.resident and not in_place:
             tp.session.refresh_resident(tp, work["param"])
         return on_device
