@@ -84,3 +84,65 @@ def test_a_failed_attach_gives_a_bf16_model_its_values_back():
     assert not is_attached(model) and store.keys() == []
     for k, p in model.named_parameters():
         assert p is before[k][0] and torch.equal(p, before[k][1]), k
+
+
+def _spy_puts(session) -> list[str]:
+    """Keys the client is given bytes other than zeros for from now on
+    (put_many; the in-process store's put_zeros puts zeros through it)."""
+    put, client = [], session.client
+    original = client.put_many
+
+    def put_many(items, *args, **kwargs):
+        put.extend(k for k, t in items.items() if t.any())
+        return original(items, *args, **kwargs)
+
+    client.put_many = put_many
+    return put
+
+
+def test_the_first_update_casts_each_streamed_master_where_it_runs():
+    """[Note: masters cast where they are updated]: no master is cast on the
+    host and put before the update; each is written once, by its update, with
+    the values a stored master gives."""
+    lazy, eager = _bf16_exact()
+    runs = []
+    for model in (lazy, eager):
+        model = attach(model, client=LocalStore(), device="cpu", compute_dtype="bf16")
+        runs.append((model, tierd.optim.AdamW(model.parameters(), lr=1e-3)))
+    (lazy, lazy_opt), (eager, eager_opt) = runs
+    put = _spy_puts(session_of(lazy))
+    data = batches(3)
+    assert train(lazy, lazy_opt, data) == train(eager, eager_opt, data)
+    _same(lazy, eager)
+    assert not [k for k in put if "/master/" in k]
+    assert len(_masters(lazy)) == len(_masters(eager)) and not lazy_opt.unmade.cast
+
+
+def test_a_failed_first_update_stores_no_master_it_did_not_write():
+    model, _ = _bf16_exact()
+    model = attach(model, client=LocalStore(), device="cpu", compute_dtype="bf16")
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls, update = [], opt.update_param
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (injected)")
+        return update(*args, **kwargs)
+
+    opt.update_param = failing
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    session = session_of(model)
+    written = {tp.master_key for tp in session.params.values() if tp.master_made}
+    assert len(written) == 2 and set(_masters(model)) == written
+    after = model.state_dict()
+    untouched = [n for n, tp in session.params.items() if not tp.master_made]
+    assert untouched and all(torch.equal(after[n], before[n]) for n in untouched)
+    opt.update_param = update   # the next step makes the rest
+    opt.step()
+    assert all(tp.master_made for tp in session.params.values() if tp.param.requires_grad)
+    assert not opt.unmade.cast

@@ -694,7 +694,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         read = {n: tp.key if cast and n == "param" else k for n, k in names.items()}
         work = {n: (torch.zeros_like(views[k], device=device) if on_device and k in zeros
                     else views[read[n]].to(device, non_blocking=True) if on_device
-                    else views[k].clone() if k in shared else views[k])
+                    else views[k].clone() if k in shared else views[read[n]])
                 for n, k in names.items()
                 if not (in_place and n == "param") and not (held is not None and n == "grad")}
         if cast:
