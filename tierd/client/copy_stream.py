@@ -243,6 +243,15 @@ class CopyStream:
             self._written[key] = event
         return InflightCopy(dsts, srcs, keys, event)
 
+    def out_after_compute(self) -> "torch.cuda.Event":
+        """An event after every copy out queued so far and every kernel the
+        compute stream has queued (the host waits on it before it releases
+        the pool views those read or wrote)."""
+        self._out.wait_stream(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        event.record(self._out)
+        return event
+
     def pending_writes(self, keys) -> tuple:
         """The events of copies out into ``keys`` that have not landed yet:
         the host waits on them before it reads those pool views (or copies
