@@ -381,12 +381,12 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if kind == _STREAMED and ahead:
                     making += block
                     if self.unmade.nbytes(making) >= _MAKE_BYTES:
-                        zeroed |= self._ensure_stored(making)
+                        zeroed |= self.unmade.ensure_stored(making, cast_masters=True)
                         making = []
                 elif kind == _PINNED:
                     for tp in block:
                         _resident_work(self._fused, tp)
-            zeroed |= self._ensure_stored(making)
+            zeroed |= self.unmade.ensure_stored(making, cast_masters=True)
         except BaseException as exc:   # nothing updated, nor any master stored without bytes
             self.unmade.forget_cast()
             if not isinstance(exc, CapacityError):
@@ -398,8 +398,21 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                     "updates keep them); pass accumulation_steps=N (or max_grad_norm) to the "
                     "optimizer so that its construction checks the room, or give the daemon more")
             raise
+        landing = None   # the block whose copies out are in flight ([Note: one block landing])
         try:
-            self._update_blocks(work, frees, coef, zeroed, ahead)
+            try:
+                for _, group, block in work:
+                    if landing is not None and not (
+                            ahead and landing.nbytes + self._leased_bytes(block)
+                            <= block[0].session.lease_cap):
+                        done, landing = landing, None
+                        self._end_block(done, frees)
+                    done, landing = landing, self._begin_block(group, block, coef, zeroed)
+                    if done is not None:
+                        self._end_block(done, frees)
+            finally:
+                if landing is not None:
+                    self._end_block(landing, frees)
         except BaseException:   # masters stored without bytes and not written go
             self.unmade.forget_cast()
             raise
@@ -410,26 +423,6 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             self._stop_fusing()
         self._finish_update()
         return loss
-
-    def _update_blocks(self, work: list, frees: dict, coef: torch.Tensor | None,
-                       zeroed: set[str], ahead: bool) -> None:
-        """Update ``work``'s blocks in order, one block's copies out landing
-        while the next is queued ([Note: one block landing]), where the lease
-        cap has room for both."""
-        landing = None   # the block whose copies out are in flight
-        try:
-            for _, group, block in work:
-                if landing is not None and not (
-                        ahead and landing.nbytes + self._leased_bytes(block)
-                        <= block[0].session.lease_cap):
-                    done, landing = landing, None
-                    self._end_block(done, frees)
-                done, landing = landing, self._begin_block(group, block, coef, zeroed)
-                if done is not None:
-                    self._end_block(done, frees)
-        finally:
-            if landing is not None:
-                self._end_block(landing, frees)
 
     def _stop_fusing(self) -> None:
         """Update in ``step()`` (deferred) from now on: the loop changes gradients
@@ -619,7 +612,8 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         copied in."""
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
-        zeroed |= self._ensure_stored([tp for tp in block if resident[tp] is None])
+        zeroed |= self.unmade.ensure_stored([tp for tp in block if resident[tp] is None],
+                                             cast_masters=True)
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         try:
@@ -637,15 +631,6 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             raise
         landed = session.copy.out_after_compute() if on_device else None
         return _Landing(block, keys, resident, landed, self._leased_bytes(block))
-
-    def _ensure_stored(self, tps: list[TieredParam]) -> frozenset[str]:
-        """The state of ``tps`` not made yet stored (:meth:`UnmadeState.ensure_stored`),
-        their masters to be cast by the update ([Note: masters cast where they
-        are updated]) but under torch.distributed, where ranks read the owners' keys."""
-        cast = [tp for tp in tps if tp.session.share is None]
-        mine = set(cast)
-        return (self.unmade.ensure_stored(cast, cast_masters=True)
-                | self.unmade.ensure_stored([tp for tp in tps if tp not in mine]))
 
     def _end_block(self, landing: _Landing, frees: dict) -> None:
         """Once ``landing``'s copies out have landed ([Note: release after the

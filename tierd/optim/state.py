@@ -233,16 +233,18 @@ class UnmadeState:
         leased; the moments put as zeros are returned. ``cast_masters``: the
         caller's update casts the masters of ``tps`` from their compute
         copies ([Note: masters cast where they are updated]); they are stored
-        without bytes (:attr:`cast`) and made once written."""
+        without bytes (:attr:`cast`) and made once written, but under
+        torch.distributed, where ranks read the owners' keys."""
         zeroed: set[str] = set()
         if not self.keys:
             return frozenset()
         for session, mine in self.opt._by_session(tps).items():
             masters = [tp for tp in mine if tp.has_master and tp.master_key in self.keys]
+            cast_here = cast_masters and session.share is None
             cast = {tp.master_key: self.likes[tp.master_key] for tp in masters
-                    if cast_masters and tp.master_key not in self.cast}
-            fresh = {} if cast_masters else self.values(masters, torch.device("cpu"),
-                                                          moments=False)
+                    if cast_here and tp.master_key not in self.cast}
+            fresh = {} if cast_here else self.values(masters, torch.device("cpu"),
+                                                       moments=False)
             wanted = set(mine)
             zeros = {k: self.likes[k] for k, tp in self.keys.items() if tp in wanted
                      and k not in fresh and k not in cast and k not in self.cast}
