@@ -72,24 +72,6 @@ class CopyStream:
     update stream; every entry waits for the compute stream first, so memory
     the update stream allocates is never reused while compute still reads it.
 
-    [Note: copy-in memory reused in stream order]
-    A buffer a copy in fills is allocated on the copy-in stream and read by
-    the compute stream. Recording the compute stream on it
-    (``record_stream``) keeps its memory from the allocator until the compute
-    stream has passed the point where the host freed it; a host running a
-    step ahead of the device (steps back to back) then holds every streamed
-    unit's buffer of that step at once, so the allocator reserves past the
-    plan, meets the device and frees its cache, and each cudaFree waits for
-    the whole device. The Llama 13B default case on the H200 made ~70
-    cudaMalloc and ~67 cudaFree calls a step and was bound by the host. So,
-    as FSDP2 does for its all-gather buffers, nothing is recorded: before it
-    allocates, the copy-in stream waits for the compute stream as the host
-    has queued it (:meth:`_in_after_compute`). A buffer the host freed has
-    had its last compute read queued by then, so its memory is handed to the
-    next copy in at once and written only after that read; the memory tierd
-    holds is what the host holds, whatever the device's lag. Reads on the
-    update and copy-out streams are still recorded on those streams.
-
     Example:
         >>> import torch
         >>> cs = CopyStream(torch.device("cpu"))
@@ -179,38 +161,39 @@ class CopyStream:
             return dsts, self.copy_in_many(list(zip(dsts, srcs)), keys)
         self.h2d_bytes += sum(_nbytes(s) for s in srcs)
         self._after_writes(keys)
-        self._in_after_compute()
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._in):
             dsts = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in srcs]
             for d, s in zip(dsts, srcs):
                 d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._in)
+        for d in dsts:   # (see empty_for_copy_in)
+            d.record_stream(compute)
         return dsts, InflightCopy(tuple(dsts), tuple(srcs), keys, event)
 
-    def _in_after_compute(self) -> None:
-        """The copy-in stream waits for the compute stream as queued so far,
-        before it allocates ([Note: copy-in memory reused in stream order])."""
-        self._in.wait_stream(torch.cuda.current_stream(self.device))
-
     def allocate_for_copy_in(self, tensor: torch.Tensor, nbytes: int) -> None:
-        """Give ``tensor``'s (empty) storage ``nbytes`` from the copy-in
-        stream's memory ([Note: copy-in memory reused in stream order])."""
+        """Give ``tensor``'s (empty) storage ``nbytes`` from the copy-in stream's
+        memory, so the copy that fills it waits for no compute kernel; the
+        compute stream is recorded as a user for when the storage is freed."""
         if self._in is None:
             tensor.untyped_storage().resize_(nbytes)
             return
-        self._in_after_compute()
         with torch.cuda.stream(self._in):
             tensor.untyped_storage().resize_(nbytes)
+        tensor.record_stream(torch.cuda.current_stream(self.device))
 
     def empty_for_copy_in(self, like: torch.Tensor) -> torch.Tensor:
-        """A device buffer shaped like ``like``, from the copy-in stream's
-        memory ([Note: copy-in memory reused in stream order])."""
+        """A device buffer shaped like ``like`` (fp32), allocated on the copy-in
+        stream so filling it waits for nothing on the compute stream; the
+        compute stream is recorded as a user, so its memory is not reused before
+        the compute stream is done with it."""
         if self._in is None:
             return torch.empty(like.shape, dtype=like.dtype)
-        self._in_after_compute()
         with torch.cuda.stream(self._in):
-            return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+            out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        out.record_stream(torch.cuda.current_stream(self.device))
+        return out
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor,
                  keys: tuple[str, ...]) -> InflightCopy:
