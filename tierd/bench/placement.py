@@ -63,8 +63,8 @@ synchronizations, then two diagnostic steps.
   (``allgpu_worst_step_s``): the slowest back-to-back step after the first
   ``--warmup``; ``first_step_s`` (``allgpu_first_step_s``): the first step;
   ``tierd_steps_s``: every back-to-back step; ``tierd_retries``: the CUDA
-  caching allocator's retries in each (counted as the host queued it; null
-  on the CPU); ``steady_steps``: how many steps the medians are of;
+  caching allocator's retries in each and ``tierd_mallocs`` its cudaMalloc
+  calls (counted as the host queued it; null on the CPU); ``steady_steps``: how many steps the medians are of;
 - ``plan_changes``: how many steps ended on another placement plan than the
   step before, not counting the first plan made (streaming everything for a
   step counts as a plan); ``plan_changed_at``: the step numbers (1-based,
@@ -308,12 +308,13 @@ def cache_by_stream(device: torch.device, streams: dict[str, object]) -> dict:
     return out
 
 
-def alloc_retries(device: torch.device) -> int | None:
-    """The caching allocator's retries so far (each freed its cache and
-    synchronized every stream); None on the CPU."""
+def alloc_counts(device: torch.device) -> tuple[int, int] | None:
+    """The caching allocator's retries (each freed its cache and
+    synchronized every stream) and cudaMalloc calls so far; None on the CPU."""
     if device.type != "cuda":
         return None
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
 
 
 def diagnose(fn, model, opt, ids, trace: Path | None = None,
@@ -413,13 +414,13 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         before_plan, start, first = plan_of(session), session.stats(), {}
         pool = {"start": session.client.stats()}   # the daemon's, after the optimizer told it
 
-        retries = [alloc_retries(device)]   # the allocator's, after each step
+        counts = [alloc_counts(device)]   # the allocator's, after each step
 
         def observe():
             if not first:   # the host's counters over the first (measuring) step
                 first.update(session.stats())
                 pool["first"] = session.client.stats()
-            retries.append(alloc_retries(device))
+            counts.append(alloc_counts(device))
             return plan_of(session)
 
         marks = []   # the counters and the allocator's after the back-to-back steps
@@ -450,8 +451,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "tierd_sync_s": figures["sync_s"], "worst_step_s": figures["worst_step_s"],
                 "first_step_s": figures["first_step_s"], "steady_steps": figures["steady_steps"],
                 "tierd_steps_s": figures["steps_s"], "clock": figures["clock"],
-                "tierd_retries": None if retries[0] is None else
-                [b - a for a, b in zip(retries, retries[1:args.steps + 1])],
+                **({"tierd_retries": None, "tierd_mallocs": None} if counts[0] is None else
+                   {name: [b[i] - a[i] for a, b in zip(counts, counts[1:args.steps + 1])]
+                    for i, name in enumerate(("tierd_retries", "tierd_mallocs"))}),
                 "tierd_peak_gb": figures["peak_gb"], "plan_changes": changes,
                 "plan_changed_at": at, "placement_replans": after.get("placement_replans"),
                 "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / n / GB,
@@ -556,9 +558,9 @@ ROW_FIELDS = ("model", "params", "batch", "seq", "options", "allgpu_s", "allgpu_
               "allgpu_sync_s", "allgpu_worst_step_s", "allgpu_first_step_s",
               "allgpu_steady_steps", "allgpu_peak_gb", "allgpu_diag", "allgpu_error",
               "tierd_s", "tierd_run_s", "tierd_sync_s", "worst_step_s", "first_step_s",
-              "steady_steps", "tierd_steps_s", "tierd_retries", "clock", "tierd_peak_gb",
-              "plan_changes", "plan_changed_at", "placement_replans", "pcie_in_gb",
-              "pcie_out_gb", "planned_pcie_gb", "resident_gb", "placement", "tierd_diag",
+              "steady_steps", "tierd_steps_s", "tierd_retries", "tierd_mallocs", "clock",
+              "tierd_peak_gb", "plan_changes", "plan_changed_at", "placement_replans",
+              "pcie_in_gb", "pcie_out_gb", "planned_pcie_gb", "resident_gb", "placement", "tierd_diag",
               "first_step_diag", "floor_s")
 
 
