@@ -91,7 +91,10 @@ synchronizations, then two diagnostic steps.
   segments took to map and page-lock here) and the caching allocator's
   reserved peak, retries and cudaMalloc/cudaFree over them, and after them
   the GB each stream's cached segments reserve and hold allocated
-  (``by_stream``: a cached block serves only its own stream);
+  (``by_stream``: a cached block serves only its own stream), and
+  ``mallocs``: over two more steps recorded apart, the cudaMalloc and
+  cudaFree calls by stream and by the code whose allocation made them
+  (``malloc_sites``);
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way and of new pool segments it mapped,
   and the daemon's pool over it: GB
@@ -330,6 +333,73 @@ def diagnose(fn, model, opt, ids, trace: Path | None = None,
     return out
 
 
+def segment_sites(events: list[dict], streams: dict[int, str], top: int = 8) -> dict:
+    """The caching allocator's cudaMalloc and cudaFree calls among ``events``
+    (a memory snapshot's device trace): for each, the count, GB, by stream
+    (``streams``: CUDA stream handle -> name, else "other") and the ``top``
+    code sites whose allocation made them (the innermost tierd frame, else
+    transformers', else the innermost frame outside torch).
+
+    >>> ev = [{"action": "segment_alloc", "size": 2 << 30, "stream": 7, "frames": [
+    ...     {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+    ...     {"filename": "/x/tierd/updates/fused.py", "line": 537, "name": "_fetch"}]},
+    ...     {"action": "alloc", "size": 1, "stream": 7, "frames": []}]
+    >>> segment_sites(ev, {7: "copy_in"})["segment_alloc"]["sites"]
+    {'tierd/updates/fused.py:537 _fetch': [1, 2.147]}
+    """
+    def site(frames: list[dict]) -> str:
+        for want in ("/tierd/", "/transformers/", ""):
+            for f in frames:
+                name = f.get("filename", "")
+                if want in name and (want or "/torch/" not in name):
+                    short = name[name.rfind(want) + 1:] if want else name
+                    return f"{short}:{f.get('line')} {f.get('name')}"
+        return "unknown"
+
+    out = {}
+    for action in ("segment_alloc", "segment_free"):
+        mine = [e for e in events if e.get("action") == action]
+        by_stream: dict[str, int] = {}
+        sites: dict[str, list] = {}
+        for e in mine:
+            name = streams.get(e.get("stream"), "other")
+            by_stream[name] = by_stream.get(name, 0) + 1
+            row = sites.setdefault(site(e.get("frames") or []), [0, 0.0])
+            row[0] += 1
+            row[1] += e.get("size", 0) / GB
+        ranked = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+        out[action] = {"count": len(mine), "gb": round(sum(e.get("size", 0) for e in mine) / GB, 3),
+                       "by_stream": by_stream,
+                       "sites": {k: [n, round(gb, 3)] for k, (n, gb) in ranked}}
+    return out
+
+
+def malloc_sites(fn, device: torch.device, streams: dict, steps: int = 2) -> dict | None:
+    """Where ``steps`` steps back to back, then a synchronize, made the
+    caching allocator call cudaMalloc and cudaFree (:func:`segment_sites`),
+    with its retries; None on the CPU. Recorded apart from the timed steps
+    (recording costs host time)."""
+    if device.type != "cuda":
+        return None
+    names = {s.cuda_stream: n for n, s in streams.items() if s is not None}
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                             max_entries=200_000)
+    try:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snapshot.get("device_traces") or [[]]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    out = segment_sites(traces[index] if index < len(traces) else [], names)
+    out["steps"] = steps
+    out["retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
+    return out
+
+
 def timed(fn, steps: int, args, device: torch.device, observe=None, between=None):
     """``steps`` back to back, then ``--sync-steps`` synchronized (``between()``
     called between the two): the figures of both (see the module docstring)
@@ -436,6 +506,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         trace = args.out / (re.sub(r"[^A-Za-z0-9.]+", "-", case.name) + ".trace.json.gz") \
             if args.trace else None
         diag = diagnose(fn, built, opt, ids, trace, args.profile_steps)
+        if diag is not None:
+            diag["mallocs"] = malloc_sites(fn, device, {
+                "compute": torch.cuda.current_stream(device), **session.copy.streams})
         n = args.sync_steps
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
