@@ -383,8 +383,11 @@ def malloc_sites(fn, device: torch.device, streams: dict, steps: int = 2) -> dic
         return None
     names = {s.cuda_stream: n for n, s in streams.items() if s is not None}
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
-                                             max_entries=200_000)
+    try:   # a diagnostic: the row stands without it
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                                 max_entries=200_000)
+    except (RuntimeError, TypeError) as exc:
+        return {"error": f"recording the allocator's history: {exc}"[:300]}
     try:
         for _ in range(steps):
             fn()
