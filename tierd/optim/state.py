@@ -34,7 +34,10 @@ made (``master_made`` is False: the compute copy is the value everywhere),
 and a failed update deletes those it did not write
 (:meth:`UnmadeState.forget_cast`), so no commit holds one. Under
 torch.distributed, where ranks read the owners' keys, masters are made as
-before.
+before. Measured on an H100 (a Llama 8.4B at its free memory, with the
+update's copies back moved to the copy-out stream at the same time: [Note:
+one block landing] in tierd.optim.base): the first update's host time 3.06
+-> 2.77 s; the 13B case is not measured yet.
 """
 
 from __future__ import annotations
