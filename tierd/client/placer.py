@@ -598,13 +598,14 @@ class Placer:
         margin ([Note: growing the plan])."""
         if self._ranks is not None or self._grown or not self._ran_fused:
             return
-        units, plan = self.unit_bytes(), self.plan
+        plan = self.plan   # (the units' bytes are read only where a plan is made:
+        # a read each step cost ~0.2 s on the CPU at 64 layers)
         cpu, costs = self._updates.host_choice()
         if cpu == "auto" and not self._rebalanced and plan.units_at(Place.CPU):
             if not self._updates.host_measured():
                 return   # no host update ended yet: choose (and grow) once one has
             self._rebalanced = True
-            again = rebalance_host(units, plan, costs)
+            again = rebalance_host(self.unit_bytes(), plan, costs)
             if again.places != plan.places:
                 self._apply(again, grow=True)
                 self._adopt(again, non_model, budget, "placement chose CPU updates again")
@@ -616,7 +617,7 @@ class Placer:
             return
         self._grown = True
         budget = plan.device_bytes + room
-        grown = grow_placement(units, plan, budget, whole=self._cpu_mode == "all")
+        grown = grow_placement(self.unit_bytes(), plan, budget, whole=self._cpu_mode == "all")
         if grown.device_bytes > plan.device_bytes:
             self._apply(grown, grow=True)
             self._adopt(grown, non_model, budget, "placement grew")

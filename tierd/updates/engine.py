@@ -54,7 +54,12 @@ class SessionUpdates:
     # ------------------------------------------------------------- sizes
     def unit_state(self, members: Iterable) -> UnitState:
         members = set(members)
-        mine = [(f, b) for f in self._updates for b in f.buckets
+
+        def buckets(f) -> list:   # the buckets of f with a parameter among members
+            return list({id(b): b for tp in members
+                         if (b := f.bucket_of.get(tp)) is not None}.values())
+
+        mine = [(f, b) for f in self._updates for b in buckets(f)
                 if all(tp in members for tp in b.tps)]
 
         def state(f, b) -> int:   # (a master that is the compute copy adds nothing)
@@ -80,10 +85,11 @@ class SessionUpdates:
     def master_bytes(self, tps: Iterable) -> int:
         # an fp32 master of its own, unless an optimizer keeps the compute
         # copy as the master ([Note: compact optimizer state] in tierd.optim.compact)
-        in_compute = {tp for f in self._updates for tp in f.bucket_of
-                      if f.opt.master_in_compute(tp)}
-        return sum(4 * tp.param.numel() for tp in tps
-                   if tp.has_master and tp not in in_compute)
+        def own_master(tp) -> bool:
+            return tp.has_master and not any(tp in f.bucket_of and f.opt.master_in_compute(tp)
+                                             for f in self._updates)
+
+        return sum(4 * tp.param.numel() for tp in tps if own_master(tp))
 
     def resident_bytes(self) -> int:
         sharded = self._sharded()
