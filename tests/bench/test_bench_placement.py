@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tierd.bench import placement, steploop
+from tierd.bench import allocator, placement, steploop
 
 FIELDS = ("case", "model", "allgpu_s", "tierd_s", "floor_s", "plan_changes", "worst_step_s",
           "first_step_s", "tierd_sync_s", "allgpu_sync_s", "tierd_run_s", "allgpu_run_s",
@@ -177,7 +177,7 @@ def test_the_cache_is_split_by_the_stream_its_blocks_serve():
     kept = torch.empty(64 << 20, dtype=torch.uint8, device=device)
     del block
     torch.cuda.synchronize()
-    got = placement.cache_by_stream(device, {"compute": torch.cuda.current_stream(device),
+    got = allocator.cache_by_stream(device, {"compute": torch.cuda.current_stream(device),
                                              "side": side, "absent": None})
     assert got["side"]["reserved_gb"] >= (256 << 20) / placement.GB
     assert got["side"]["allocated_gb"] == 0
