@@ -41,13 +41,19 @@ def cache_by_stream(device: torch.device, streams: dict[str, object]) -> dict:
     return out
 
 
-def alloc_counts(device: torch.device) -> tuple[int, int] | None:
-    """The caching allocator's retries (each freed its cache and
-    synchronized every stream) and cudaMalloc calls so far; None on the CPU."""
+ALLOC_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def alloc_counts(device: torch.device) -> tuple[int, ...] | None:
+    """The caching allocator's counters so far, in ``ALLOC_COUNTS``' order:
+    its retries (each freed its whole cache and synchronized every stream),
+    cudaMalloc calls, and cudaFree calls (each synchronizes the device; the
+    allocator also frees cached blocks without counting a retry, where a
+    cudaMalloc finds the device full); None on the CPU."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats(device)
-    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
+    return tuple(stats.get(k, 0) for k in ALLOC_COUNTS)
 
 
 def segment_sites(events: list[dict], streams: dict[int, str], top: int = 8) -> dict:

@@ -63,8 +63,9 @@ synchronizations, then two diagnostic steps.
   (``allgpu_worst_step_s``): the slowest back-to-back step after the first
   ``--warmup``; ``first_step_s`` (``allgpu_first_step_s``): the first step;
   ``tierd_steps_s``: every back-to-back step; ``tierd_retries``: the CUDA
-  caching allocator's retries in each and ``tierd_mallocs`` its cudaMalloc
-  calls (counted as the host queued it; null on the CPU); ``steady_steps``: how many steps the medians are of;
+  caching allocator's retries in each, ``tierd_mallocs`` its cudaMalloc
+  calls and ``tierd_frees`` its cudaFree calls, each a device-wide
+  synchronize (counted as the host queued it; null on the CPU); ``steady_steps``: how many steps the medians are of;
 - ``plan_changes``: how many steps ended on another placement plan than the
   step before, not counting the first plan made (streaming everything for a
   step counts as a plan); ``plan_changed_at``: the step numbers (1-based,
@@ -418,9 +419,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "tierd_sync_s": figures["sync_s"], "worst_step_s": figures["worst_step_s"],
                 "first_step_s": figures["first_step_s"], "steady_steps": figures["steady_steps"],
                 "tierd_steps_s": figures["steps_s"], "clock": figures["clock"],
-                **({"tierd_retries": None, "tierd_mallocs": None} if counts[0] is None else
-                   {name: [b[i] - a[i] for a, b in zip(counts, counts[1:args.steps + 1])]
-                    for i, name in enumerate(("tierd_retries", "tierd_mallocs"))}),
+                **{name: None if counts[0] is None else
+                   [b[i] - a[i] for a, b in zip(counts, counts[1:args.steps + 1])]
+                   for i, name in enumerate(("tierd_retries", "tierd_mallocs", "tierd_frees"))},
                 "tierd_peak_gb": figures["peak_gb"], "plan_changes": changes,
                 "plan_changed_at": at, "placement_replans": after.get("placement_replans"),
                 "pcie_in_gb": (after["h2d_bytes"] - before["h2d_bytes"]) / n / GB,
@@ -525,7 +526,8 @@ ROW_FIELDS = ("model", "params", "batch", "seq", "options", "allgpu_s", "allgpu_
               "allgpu_sync_s", "allgpu_worst_step_s", "allgpu_first_step_s",
               "allgpu_steady_steps", "allgpu_peak_gb", "allgpu_diag", "allgpu_error",
               "tierd_s", "tierd_run_s", "tierd_sync_s", "worst_step_s", "first_step_s",
-              "steady_steps", "tierd_steps_s", "tierd_retries", "tierd_mallocs", "clock",
+              "steady_steps", "tierd_steps_s", "tierd_retries", "tierd_mallocs", "tierd_frees",
+              "clock",
               "tierd_peak_gb", "plan_changes", "plan_changed_at", "placement_replans",
               "pcie_in_gb", "pcie_out_gb", "planned_pcie_gb", "resident_gb", "placement", "tierd_diag",
               "first_step_diag", "floor_s")
