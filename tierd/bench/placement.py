@@ -95,7 +95,9 @@ synchronizations, then two diagnostic steps.
   (``by_stream``: a cached block serves only its own stream), and
   ``mallocs``: over two more steps recorded apart, the cudaMalloc and
   cudaFree calls by stream and by the code whose allocation made them
-  (``malloc_sites``);
+  (``malloc_sites``), and ``host``: a cProfile of two more steps back to
+  back, the host's top functions by own time and tierd's by cumulative
+  time, per step (``tierd.bench.host_profile``);
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way and of new pool segments it mapped,
   and the daemon's pool over it: GB
@@ -134,6 +136,7 @@ import tierd
 import tierd.optim
 from tierd.bench import steploop
 from tierd.bench.allocator import alloc_counts, allocator, cache_by_stream, malloc_sites
+from tierd.bench.host_profile import host_profile
 from tierd.bench.bigmodel_models import Shape, checkpointed, llama_config
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
@@ -404,6 +407,7 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
         if diag is not None:
             diag["mallocs"] = malloc_sites(fn, device, {
                 "compute": torch.cuda.current_stream(device), **session.copy.streams})
+            diag["host"] = host_profile(fn, 2, lambda: torch.cuda.synchronize(device))
         n = args.sync_steps
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
