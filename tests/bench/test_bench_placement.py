@@ -53,6 +53,8 @@ def test_every_case_has_a_row_with_the_issues_fields(tiny):
         # the optimizer mapped the segments made for the first step as it was built
         assert first["pool_mapped_ahead_gb_at_start"] > 0 and r["optimizer_build_s"] > 0
         assert min(first[k] for k in ("host_forward_s", "host_backward_s", "host_step_s")) > 0
+        samples = first["host_samples"]   # the lines the first step's host was on
+        assert samples["samples"] > 0 and samples["lines"] and samples["interval_s"] > 0
         if "cap" in case.name:
             # on the CPU an explicit cap places, once, from the first step's measurement
             assert r["placement"] == "placed" and r["plan_changed_at"][0] <= 2

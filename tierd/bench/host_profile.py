@@ -1,30 +1,39 @@
-"""Where the host's time goes in steps back to back: a cProfile of them,
-ranked, for a bench row's diagnostics. On a GPU the host bounds a streamed
-step when it cannot queue copies and kernels ahead of the device; this says
-which Python (tierd's, torch's, the model's) and which blocking calls
-(event and stream synchronizes, allocations that free the allocator's cache)
-take that time. cProfile roughly doubles the cost of Python-heavy code, so
-read the ranking, not the absolute seconds."""
+"""Where the host's time goes, for a bench row's diagnostics. On a GPU the
+host bounds a streamed step when it cannot queue copies and kernels ahead of
+the device; these say which Python (tierd's, torch's, the model's) and which
+blocking calls (event and stream synchronizes, allocations that free the
+allocator's cache) take that time.
+
+- :func:`host_profile`: a cProfile of steps back to back, ranked. cProfile
+  roughly doubles the cost of Python-heavy code: read the ranking, not the
+  seconds.
+- :class:`Sampler`: the lines one thread is on, sampled from a helper thread
+  every few milliseconds: cheap enough to leave a timed step's time as it is
+  (a measuring first step, say), and it sees a blocking call as the line
+  that made it."""
 
 from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
+import threading
 import time
+from collections import Counter
+
+
+def _short(path: str) -> str:
+    for root in ("/tierd/", "/torch/", "/transformers/"):
+        if root in path:
+            path = path[path.rfind(root) + 1:]
+            break
+    return path.rsplit("/", 1)[-1]
 
 
 def _name(func: tuple[str, int, str]) -> str:
     """'tierd/client/hooks.py:120 pre_forward', or '{built-in ...}'."""
     path, line, name = func
-    if path == "~":   # a builtin
-        return name
-    for root in ("/tierd/", "/torch/", "/transformers/"):
-        if root in path:
-            path = path[path.rfind(root) + 1:]
-            break
-    else:
-        path = path.rsplit("/", 1)[-1]
-    return f"{path}:{line} {name}"
+    return name if path == "~" else f"{_short(path)}:{line} {name}"
 
 
 def ranked(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
@@ -61,3 +70,57 @@ def host_profile(fn, steps: int = 2, sync=None, top: int = 25) -> dict:
     wall = time.perf_counter() - t0
     return {"steps": steps, "wall_s": round(wall / steps, 4),
             **ranked(pstats.Stats(prof), steps, top)}
+
+
+class Sampler:
+    """Samples the Python stack of the thread that makes it, every
+    ``interval`` seconds, while entered; :meth:`top` ranks the lines it was on
+    (the innermost frame: a blocking call shows as the line that made it) and
+    the innermost tierd frames, in seconds (samples x interval).
+
+    >>> def wait():
+    ...     time.sleep(0.05)   # a blocking call: sampled as this line
+    >>> with Sampler(0.001) as s:
+    ...     wait()
+    >>> top = s.top(3); top["samples"] > 10, top["lines"][0][0].endswith(":2 wait")
+    (True, True)
+    """
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.target = threading.get_ident()
+        self.lines: Counter = Counter()
+        self.tierd: Counter = Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierd-bench-sampler", daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.target)
+            if frame is None:
+                continue
+            self.samples += 1
+            code = frame.f_code
+            self.lines[f"{_short(code.co_filename)}:{frame.f_lineno} {code.co_name}"] += 1
+            while frame is not None and "/tierd/" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None and "/tierd/bench/" not in frame.f_code.co_filename:
+                code = frame.f_code
+                self.tierd[f"{_short(code.co_filename)}:{frame.f_lineno} {code.co_name}"] += 1
+
+    def top(self, n: int = 20) -> dict:
+        """The ``n`` lines and innermost tierd frames sampled most, each
+        [site, seconds]."""
+        def ranked(counts: Counter) -> list:
+            return [[site, round(k * self.interval, 3)] for site, k in counts.most_common(n)]
+        return {"samples": self.samples, "interval_s": self.interval,
+                "lines": ranked(self.lines), "tierd": ranked(self.tierd)}

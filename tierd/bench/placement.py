@@ -136,7 +136,7 @@ import tierd
 import tierd.optim
 from tierd.bench import steploop
 from tierd.bench.allocator import alloc_counts, allocator, cache_by_stream, malloc_sites
-from tierd.bench.host_profile import host_profile
+from tierd.bench.host_profile import Sampler, host_profile
 from tierd.bench.bigmodel_models import Shape, checkpointed, llama_config
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.embedded import start_daemon
@@ -442,7 +442,8 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
 def first_step_marked(step, model, opt):
     """``step``, recording in ``host_phases`` the host's seconds in the first
     call's forward, backward and ``step()`` (no synchronization: where the
-    host itself spent or waited them)."""
+    host itself spent or waited them), and ``host_samples``: the lines the
+    host was on through it, sampled (``tierd.bench.host_profile.Sampler``)."""
     phases: dict = {}
 
     def marked():
@@ -464,7 +465,8 @@ def first_step_marked(step, model, opt):
 
         model.forward, opt.step = fwd, upd
         try:
-            step()
+            with Sampler() as sampler:
+                step()
         finally:
             for o, name in ((model, "forward"), (opt, "step")):
                 if own[o] is None:
@@ -472,7 +474,7 @@ def first_step_marked(step, model, opt):
                 else:
                     setattr(o, name, own[o])
         phases.update(host_forward_s=t[1] - t[0], host_backward_s=t[2] - t[1],
-                      host_step_s=t[3] - t[2])
+                      host_step_s=t[3] - t[2], host_samples=sampler.top(25))
 
     marked.host_phases = phases
     return marked
