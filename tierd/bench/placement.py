@@ -97,7 +97,8 @@ synchronizations, then two diagnostic steps.
   cudaFree calls by stream and by the code whose allocation made them
   (``malloc_sites``), and ``host``: a cProfile of two more steps back to
   back, the host's top functions by own time and tierd's by cumulative
-  time, per step (``tierd.bench.host_profile``);
+  time, per step (``tierd.bench.host_profile``), and ``host_samples``: the
+  lines the host was on over four more, sampled;
   ``first_step_diag``: the same host counters over the first (measuring)
   step, with the GB it copied each way and of new pool segments it mapped,
   and the daemon's pool over it: GB
@@ -408,6 +409,11 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
             diag["mallocs"] = malloc_sites(fn, device, {
                 "compute": torch.cuda.current_stream(device), **session.copy.streams})
             diag["host"] = host_profile(fn, 2, lambda: torch.cuda.synchronize(device))
+            with Sampler() as sampler:
+                for _ in range(4):
+                    fn()
+                torch.cuda.synchronize(device)
+            diag["host_samples"] = sampler.top(25)
         n = args.sync_steps
         if diag is not None:
             diag.update({k: (after[k] - before[k]) / n
