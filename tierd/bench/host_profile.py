@@ -59,7 +59,10 @@ def host_profile(fn, steps: int = 2, sync=None, top: int = 25) -> dict:
     """
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()
+    try:   # a diagnostic: the row stands without it
+        prof.enable()
+    except ValueError as exc:   # another profiler is active
+        return {"error": f"profiling the host: {exc}"[:300]}
     try:
         for _ in range(steps):
             fn()
