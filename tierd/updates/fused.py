@@ -89,7 +89,7 @@ from tierd.updates.buckets import Bucket, BucketState
 from tierd.updates.cpu_update import HostUpdates
 from tierd.updates.forward import ForwardUpdates
 from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
-from tierd.errors import StateError
+from tierd.errors import CapacityError, StateError
 
 
 #: a unit's parameters with at most this fraction of its largest one's elements
@@ -531,7 +531,7 @@ class FusedUpdates:
         ahead = self._ahead.pop(b.index, None)
         if ahead:   # granted early ([Note: leases asked ahead]): the fetch's reference stays
             session.leases.release(ahead)
-        views = session.leases.views(b.keys)
+        views = self._leased_views(b)
         copy = session.copy
         if copy.on_device:
             dsts, done = copy.copy_in_new([views[k] for k in read], tuple(read))
@@ -544,6 +544,33 @@ class FusedUpdates:
         if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
         self._fetched_bytes += b.nbytes
+
+    def _leased_views(self, b: Bucket) -> dict[str, torch.Tensor]:
+        """The pool views of ``b``'s keys (acquired).
+
+        [Note: a fetch that finds no room]
+        The pool hands out contiguous slots in segments, so bytes free are not
+        room: a 1 MiB tensor found none in a 20 MiB pool of 1.25 MiB segments
+        with 6 MB free, every segment holding a leased tensor and a hole
+        under 0.8 MiB (tests/optim/test_resident_store.py, a GPT-2 of 1 MiB
+        matrices). What this updater leased ahead of need (keys asked ahead,
+        buckets fetched before their gradients were final) is given back
+        then, once its copies have landed, and the fetch asks once more;
+        those buckets are fetched again when their update comes."""
+        leases = self.session.leases
+        try:
+            return leases.views(b.keys)
+        except CapacityError:
+            if not self._ahead and not any(x.state is BucketState.FETCHED for x in self.buckets):
+                raise
+        leases.release(b.keys)   # the failed request's references
+        for copy, _ in self._outstanding:
+            copy.synchronize()
+        self._reclaim()
+        self._release_fetched()
+        self.session.releases.drain(block=True)
+        leases.acquire(b.keys)
+        return leases.views(b.keys)
 
     @torch.no_grad()
     def _update(self, b: Bucket) -> None:
