@@ -286,3 +286,22 @@ def test_the_first_update_queues_a_block_while_the_last_one_lands(
             "none": set(behind) == {0}}[overlap], behind
     assert train(model, opt, data[1:]) == train(ref, ref_opt, data[1:])
     assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("pool, units", [("6MiB", _owns_parameters), ("7MiB", None)])
+def test_a_lease_that_finds_no_hole_gets_the_room_leased_ahead(daemon_factory, pool, units):
+    # the pool's segments are 1 MiB here (the daemon's least), so each 1 MiB
+    # weight or moment needs a segment of its own, with 1-2 MB free in
+    # holes smaller than that: a unit's weights, asked at its backward, found
+    # no room (its moments fetched ahead, other units prefetched) until what
+    # the mover and the updater had leased ahead of need went back
+    # ([Note: a fetch that finds no room] in tierd.updates.fused)
+    d = daemon_factory(pool=pool, nvme_size="96MiB", extra=("--segment-size", "4MiB"))
+    ref = _model()
+    options = {} if units is None else {"unit_modules": units}
+    model = attach(copy.deepcopy(ref), client=tierd.connect(d), device="cpu", **options)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, block_bytes=4 << 20)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    data = batches(3, vocab=1000)
+    assert train(model, opt, data) == train(ref, ref_opt, data)
+    assert_same_weights(model, ref)

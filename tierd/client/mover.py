@@ -26,6 +26,7 @@ from tierd.client.planner import PrefetchPlanner
 from tierd.client.registry import ParamRegistry, Unit
 from tierd.client.releases import PendingReleases
 from tierd.client.tiered_param import ParamState, TieredParam
+from tierd.errors import CapacityError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,7 @@ class Mover:
         self._leased: set[TieredParam] = set()       # leases asked for, not copied
         self._announced: list[TieredParam] = []      # prefetched, copy not started
         self._device_bytes = 0                       # [Note: the device budget]
+        self._requiring: Unit | None = None          # the unit :meth:`require` is making usable
         # new values kept on the device for the next step's first units
         # ([Note: new values kept for the next step] in tierd.updates.fused)
         self._kept: set[TieredParam] = set()
@@ -173,6 +175,13 @@ class Mover:
     # ------------------------------------------------------------- movement
     def require(self, unit: Unit) -> None:
         """Make every parameter of ``unit`` usable on the compute device."""
+        self._requiring = unit
+        try:
+            self._require(unit)
+        finally:
+            self._requiring = None
+
+    def _require(self, unit: Unit) -> None:
         for tp in unit.params:   # a failed prefetch falls back to on-demand
             if tp in self._leased and self.leases.view(tp.key) is None:
                 self._drop_lease(tp)
@@ -180,7 +189,7 @@ class Mover:
                      if tp.state is ParamState.HOST and tp not in self._leased]
         if on_demand:
             self._lease(on_demand)
-            self.leases.views([tp.key for tp in on_demand])   # raises if no room
+            self._leased_views([tp.key for tp in on_demand])
         for tp in unit.params:
             if tp.state is ParamState.HOST:
                 self._start_swap_in(tp)
@@ -188,6 +197,38 @@ class Mover:
             if tp.state is ParamState.H2D_INFLIGHT:
                 tp.finish_swap_in(self.copy)
         self.releases.drain()
+
+    def _leased_views(self, keys: list[str]) -> None:
+        """Wait for the leases of ``keys`` (acquired); if the pool had no room,
+        ask once more after :meth:`give_back_ahead` (a 6 MiB pool refused a
+        1 MiB weight at its backward with 1.8 MB free)."""
+        try:
+            self.leases.views(keys)
+            return
+        except CapacityError:
+            if not self.give_back_ahead():
+                raise
+        self.leases.release(keys)   # the failed request's references
+        self.leases.acquire(keys)
+        self.leases.views(keys)
+
+    def give_back_ahead(self) -> bool:
+        """Give back every lease of this session held ahead of need, once its
+        copies have landed: prefetched parameters whose copy has not started
+        (but the unit being required now's) and the optimizers' ([Note: a
+        fetch that finds no room] in tierd.updates.fused). False if there was
+        none: a request that found no room then fails."""
+        keep = set(self._requiring.params) if self._requiring is not None else set()
+        ahead = [tp for tp in self._leased if tp not in keep]
+        givers = [opt for opt in self.optimizers if opt.holds_ahead()]
+        if not ahead and not givers:
+            return False
+        for tp in ahead:   # asked again when their unit is used
+            self._drop_lease(tp)
+        for opt in givers:
+            opt.give_back_ahead()
+        self.releases.drain(block=True)
+        return True
 
     def settle(self, *, synchronize: bool) -> None:
         """Bring every parameter back to rest: freed, no lease pending; with

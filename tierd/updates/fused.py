@@ -553,24 +553,41 @@ class FusedUpdates:
         room: a 1 MiB tensor found none in a 20 MiB pool of 1.25 MiB segments
         with 6 MB free, every segment holding a leased tensor and a hole
         under 0.8 MiB (tests/optim/test_resident_store.py, a GPT-2 of 1 MiB
-        matrices). What this updater leased ahead of need (keys asked ahead,
-        buckets fetched before their gradients were final) is given back
-        then, once its copies have landed, and the fetch asks once more;
-        those buckets are fetched again when their update comes."""
+        matrices). What the session leased ahead of need is given back then,
+        once its copies have landed, and the fetch asks once more
+        (:meth:`tierd.client.mover.Mover.give_back_ahead`): parameters
+        prefetched whose copy has not started, the updaters' keys asked ahead
+        and buckets fetched before their gradients were final. All of them
+        are asked again when they are used. A parameter's lease at its unit's
+        forward or backward falls back the same way (6 MiB pools, below)."""
         leases = self.session.leases
         try:
             return leases.views(b.keys)
         except CapacityError:
-            if not self._ahead and not any(x.state is BucketState.FETCHED for x in self.buckets):
+            if not self.session.mover.give_back_ahead():
                 raise
         leases.release(b.keys)   # the failed request's references
+        leases.acquire(b.keys)
+        return leases.views(b.keys)
+
+    def holds_ahead(self) -> bool:
+        """Whether this updater holds leases asked or fetched ahead of need."""
+        return bool(self._ahead) or any(b.state is BucketState.FETCHED for b in self.buckets)
+
+    def give_back_ahead(self) -> None:
+        """Give back, once their copies have landed, the leases this updater
+        holds ahead of need ([Note: a fetch that finds no room]): keys asked
+        ahead and buckets fetched before their gradients were final (those
+        are fetched again when their update comes). The session's mover
+        calls this, then drains the releases."""
         for copy, _ in self._outstanding:
             copy.synchronize()
         self._reclaim()
+        for b in self.buckets:
+            if b.state is BucketState.FETCHED:
+                for reader in b.readers:   # compute copies cast from its work
+                    reader.synchronize()
         self._release_fetched()
-        self.session.releases.drain(block=True)
-        leases.acquire(b.keys)
-        return leases.views(b.keys)
 
     @torch.no_grad()
     def _update(self, b: Bucket) -> None:
