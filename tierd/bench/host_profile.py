@@ -23,10 +23,14 @@ from collections import Counter
 
 
 def _short(path: str) -> str:
+    """A source path from its package's directory on, else its file name.
+
+    >>> _short("/venv/site-packages/torch/utils/checkpoint.py"), _short("/x/y.py")
+    ('torch/utils/checkpoint.py', 'y.py')
+    """
     for root in ("/tierd/", "/torch/", "/transformers/"):
         if root in path:
-            path = path[path.rfind(root) + 1:]
-            break
+            return path[path.rfind(root) + 1:]
     return path.rsplit("/", 1)[-1]
 
 
