@@ -102,7 +102,20 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
     return total
 
 
-def stream_summary(trace: dict) -> dict:
+def busy_slices(spans: list[tuple[float, float]], start: float, end: float,
+                n: int) -> list[float]:
+    """The fraction of each of ``n`` equal slices of [start, end) that a
+    union of ``spans`` covers.
+
+    >>> busy_slices([(0.0, 1.0), (3.0, 3.5)], 0.0, 4.0, 4)
+    [1.0, 0.0, 0.0, 0.5]
+    """
+    width = (end - start) / n
+    return [round(_overlap(spans, [(start + i * width, start + (i + 1) * width)]) / width, 2)
+            for i in range(n)]
+
+
+def stream_summary(trace: dict, slices: int = 20) -> dict:
     """Where the compute stream's time went in a profiled step (seconds).
 
     The compute stream is the one with the most kernel time. Its idle time
@@ -110,13 +123,21 @@ def stream_summary(trace: dict) -> dict:
     ``idle_h2d``: a copy in was running (the step waited for bytes);
     ``idle_d2h``: only a copy out was running; ``idle_none``: no copy either
     (the GPU waited for the host: hooks, requests, launches).
+    ``timeline``: that window cut in ``slices`` equal parts, each
+    ``[compute, h2d, d2h]``, the fraction of it each was busy: when in the
+    step a copy engine idles (a forward starved of bytes, copies out left
+    for the end of backward). ``backward_at``: where in that window the
+    backward began (its first loss-gradient kernel), as a fraction, or None.
     """
     by_stream: dict[int, list] = {}
     h2d, d2h = [], []
+    backward = float("inf")
     for e in trace["traceEvents"]:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         span = (e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)
+        if "nll_loss_backward" in e["name"]:
+            backward = min(backward, span[0])
         if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]:
             h2d.append(span)
         elif e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]:
@@ -136,7 +157,11 @@ def stream_summary(trace: dict) -> dict:
             "idle_d2h_s": idle_any - idle_h2d,
             "idle_none_s": sum(b - a for a, b in idle) - idle_any,
             "h2d_busy_s": sum(b - a for a, b in h2d),
-            "d2h_busy_s": sum(b - a for a, b in d2h)}
+            "d2h_busy_s": sum(b - a for a, b in d2h),
+            "timeline": [list(x) for x in zip(*(busy_slices(spans, start, end, slices)
+                                                for spans in (busy, h2d, d2h)))],
+            "backward_at": (round((backward - start) / (end - start), 3)
+                            if start <= backward < end else None)}
 
 
 def profile(fn, keep: Path | None = None, steps: int = 1) -> dict:
@@ -156,7 +181,8 @@ def profile(fn, keep: Path | None = None, steps: int = 1) -> dict:
     if keep is not None:
         with gzip.open(keep, "wt") as out:
             json.dump(trace, out)
-    return {k: v / steps for k, v in stream_summary(trace).items()}
+    return {k: v if k in ("timeline", "backward_at") or v is None else v / steps
+            for k, v in stream_summary(trace).items()}
 
 
 def phases(model, opt, ids) -> dict:
