@@ -84,7 +84,8 @@ synchronizations, then two diagnostic steps.
 - ``tierd_diag`` / ``allgpu_diag`` (CUDA only): one step split into forward,
   backward and ``step()`` seconds, and one profiled step (``--profile-steps
   N``: N back to back, per step) into compute-stream busy time and the idle
-  time beside copies or beside nothing (``attach_step.profile``; with
+  time beside copies or beside nothing, and when in the step each engine
+  was busy (``timeline``, ``backward_at``) (``attach_step.profile``; with
   ``--trace`` its host and device trace in ``DIR/<model>/CASE.trace.json.gz``);
   tierd's also has its hooks', optimizer's and
   waits' host seconds per synchronized step (lease waits also split by the
