@@ -176,3 +176,15 @@ def test_compiled_regions_counted_and_forgotten_code_traced_again():
 
 def test_free_pinned_host_cache_needs_cuda():
     assert ti.free_pinned_host_cache() is torch.cuda.is_available()
+
+
+def test_allocator_settings_are_read_back_as_set():
+    before = ti.allocator_settings()
+    assert before is not None   # this torch can say; else wants_expandable reads env only
+    try:
+        ti.set_allocator_settings("expandable_segments:False")
+        assert "expandable_segments:False" in ti.allocator_settings()
+        ti.set_allocator_settings("expandable_segments:True")
+        assert "expandable_segments:True" in ti.allocator_settings()
+    finally:
+        ti.set_allocator_settings(before or "expandable_segments:False")

@@ -25,6 +25,7 @@ from tierd.client.capacity import (StoreNeed, device_room, estimate_budget, marg
                                    model_need)
 from tierd.client.checkpoint import resumable_keys
 from tierd.client.connection import connect
+from tierd.client.device_allocator import use_expandable_segments
 from tierd.client.embedded import ensure_daemon, node_socket, room_problem
 from tierd.client.hooks import refuse_compiled
 from tierd.client.init_weights import InitPlan, kept_units, plan_init
@@ -221,6 +222,7 @@ def _connect_and_build(model: nn.Module, client, config: AttachConfig, *, job, r
             if explicit:
                 _check_agreed_cap(model, config, -low)
         _check_room(model, client, config, ranks, gpu, kept)
+        use_expandable_segments(device, config.expandable_segments)
         return _build(model, client, config, owns_client=owns_client, resume=resume,
                       ranks=ranks, plan=plan)
     except BaseException:

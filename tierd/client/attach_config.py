@@ -110,6 +110,13 @@ class AttachConfig:
     #: interconnect; [Note: resident state sharded by unit] in
     #: ``tierd.client.sharded``). Needs a process group.
     gpu_tier: str = "replicated"
+    #: On CUDA, the caching allocator's segments made from attach on are
+    #: expandable (grown and shrunk by pages), which spares a step near the
+    #: cap the allocator's synchronizing retries ([Note: expandable
+    #: segments] in ``tierd.client.device_allocator``). None (the default):
+    #: unless the process's allocator settings (``PYTORCH_CUDA_ALLOC_CONF``)
+    #: already name them; True: always; False: the allocator as it is.
+    expandable_segments: bool | None = None
 
     def __post_init__(self) -> None:
         dtype = self.compute_dtype
@@ -156,6 +163,9 @@ class AttachConfig:
         if self.optimizer_placement not in _PLACEMENTS:
             raise ValueError(f"optimizer_placement={self.optimizer_placement!r}; "
                              f"use one of {_PLACEMENTS}")
+        if not (self.expandable_segments is None or isinstance(self.expandable_segments, bool)):
+            raise ValueError(f"expandable_segments={self.expandable_segments!r} must be True, "
+                             "False or None (on unless PYTORCH_CUDA_ALLOC_CONF names them)")
         if self.gpu_tier not in _GPU_TIERS:
             raise ValueError(f"gpu_tier={self.gpu_tier!r}; use one of {_GPU_TIERS}")
         units = self.unit_modules

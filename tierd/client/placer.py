@@ -112,7 +112,9 @@ Once per measured shape: the steps after a change reserve what the change
 freed besides (that 8B case read 9.7 GB past its allocations on the smaller
 plan, 5.7 on the first), so reading each retry again shrank the plan at
 steps 3, 5 and 10, from 70.1 to 55.6 GB, and the changes took up to 23 s a
-step. Retries left after that one change cost time, not memory.
+step. Retries left after that one change cost time, not memory; attach
+makes the allocator's segments expandable, which leaves fewer of them
+([Note: expandable segments] in tierd.client.device_allocator).
 
 [Note: a model compiled whole]
 ``torch.compile(model)`` runs backward as one compiled node per frame, and

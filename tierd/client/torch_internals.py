@@ -36,6 +36,10 @@ What each is for:
   ([Note: hooks under torch.compile] in ``tierd.client.hooks``).
 - ``free_pinned_host_cache``: gives the caching host allocator's pinned
   memory back (the activation benchmark measures host memory).
+- ``allocator_settings`` / ``set_allocator_settings``: the caching
+  allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``'s syntax), read and
+  changed while the process runs ([Note: expandable segments] in
+  ``tierd.client.device_allocator``).
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef as StorageRef
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["StorageRef", "checkpoint_without_reentrant", "compiled_regions_run",
+__all__ = ["StorageRef", "allocator_settings", "checkpoint_without_reentrant", "compiled_regions_run",
            "current_graph_task", "dynamo_frames_compiled", "dynamo_graph_breaks", "dynamo_reset",
            "foreach_adamw", "forget_compiled_code", "free_pinned_host_cache", "fused_adamw",
-           "in_backward", "in_torch_machinery",
-           "is_compiled_module", "queue_engine_callback", "storage_id", "tree_flatten", "tree_map"]
+           "in_backward", "in_torch_machinery", "is_compiled_module", "queue_engine_callback",
+           "set_allocator_settings", "storage_id", "tree_flatten", "tree_map"]
 
 
 def current_graph_task() -> int:
@@ -219,3 +223,21 @@ def free_pinned_host_cache() -> bool:
             fn()
             return True
     return False
+
+
+def allocator_settings() -> str | None:
+    """The caching allocator's settings as ``PYTORCH_CUDA_ALLOC_CONF`` spells
+    them (those changed while running included); None where this torch
+    cannot say."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return get() if get is not None else None
+
+
+def set_allocator_settings(settings: str) -> None:
+    """Change the caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``'s
+    syntax, e.g. ``"expandable_segments:True"``) while the process runs; the
+    segments it makes from then on follow them."""
+    set_ = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_ is None:   # torch before the accelerator-wide allocator config
+        set_ = torch.cuda.memory._set_allocator_settings
+    set_(settings)
