@@ -101,7 +101,25 @@ def test_a_setting_runs_beside_the_defaults_in_rows_of_its_own(tiny, tmp_path):
     assert kept.name == "c" and kept.options == {"prefetch_bytes": 1}
 
 
-@pytest.mark.parametrize("bad", ["forward_update_share", "=1", "x=not a literal"])
+def test_an_optim_setting_goes_to_the_optimizer(tiny, monkeypatch):
+    out, _ = tiny
+    made = []
+    real = placement.tierd.optim.AdamW
+
+    def adamw(params, **kwargs):
+        made.append(kwargs)
+        return real(params, **kwargs)
+    monkeypatch.setattr(placement.tierd.optim, "AdamW", adamw)
+    placement.main(["--out", str(out), "--tiny", "--case", "tiny GPT-2 B=2, cap",
+                    "--set", "optim.prefetch_bytes=131072", "--commit", "2" * 40])
+    rows = {r["case"]: r for r in json.loads((out / "placement.json").read_text())["rows"]}
+    new = rows["tiny GPT-2 B=2, cap 6 MB, optim.prefetch_bytes=131072"]
+    assert new["error"] is None and new["options"]["optim.prefetch_bytes"] == 131072
+    assert made and all(kw == {"lr": 1e-4, "prefetch_bytes": 131072} for kw in made)
+
+
+@pytest.mark.parametrize("bad", ["forward_update_share", "=1", "x=not a literal",
+                                 "optim.=1", "optim.a.b=1"])
 def test_a_setting_that_is_not_key_equals_literal_is_refused(bad, capsys):
     with pytest.raises(SystemExit):
         placement.main(["--out", "unused", "--tiny", "--set", bad])

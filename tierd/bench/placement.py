@@ -224,6 +224,9 @@ class Case:
     options: dict = field(default_factory=dict)
 
 
+#: a ``--set`` key with this prefix is the optimizer's (``tierd.optim.AdamW``), not attach's
+OPTIM = "optim."
+
 #: issue 29's table
 CASES = [Case("GPT-2 1.3B B=8, cap 48 GB", "gpt2-1.3B", 8, {"gpu_memory_bytes": int(48e9)}),
          # the same with every streamed update in the backward, none in the
@@ -372,11 +375,13 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
     """tierd's fields of ``case``'s row."""
     model = MODELS[case.model]
     built = model.build(args.seq, device)
+    optim = {k.removeprefix(OPTIM): v for k, v in case.options.items() if k.startswith(OPTIM)}
     built = attach(built, compute_dtype="bf16", device=device,
-                   **({} if client is None else {"client": client}), **case.options)
+                   **({} if client is None else {"client": client}),
+                   **{k: v for k, v in case.options.items() if not k.startswith(OPTIM)})
     try:
         began = time.perf_counter()   # includes mapping the state's segments ahead
-        opt = tierd.optim.AdamW(built.parameters(), lr=1e-4)
+        opt = tierd.optim.AdamW(built.parameters(), lr=1e-4, **optim)
         optimizer_build_s = time.perf_counter() - began
         ids = batch_of(model, case.batch, args.seq, device)
         fn = first_step_marked(steploop.train_step(built, opt, ids, device), built, opt)
@@ -626,14 +631,17 @@ def matches(name: str, case: str) -> bool:
 
 
 def with_settings(cases: list[Case], settings: list[str]) -> list[Case]:
-    """``cases`` with attach arguments ``KEY=VALUE`` (a Python literal) set
-    where a case does not name KEY itself, each such row named for them
-    (``--set``: a setting tried beside the defaults, its rows kept apart)."""
+    """``cases`` with attach arguments ``KEY=VALUE`` (a Python literal; the
+    optimizer's where KEY starts with ``optim.``) set where a case does not
+    name KEY itself, each such row named for them (``--set``: a setting
+    tried beside the defaults, its rows kept apart)."""
     given = {}
     for item in settings:
         key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. forward_update_share=0.33")
+        if not sep or not key.removeprefix(OPTIM).isidentifier():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. forward_update_share=0.33 "
+                             f"(an attach argument) or {OPTIM}prefetch_bytes=4294967296 (the "
+                             "optimizer's)")
         try:
             given[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -702,7 +710,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an attach argument for the cases that do not name it, their "
-                    "rows named for it (repeatable; e.g. forward_update_share=0.33)")
+                    "rows named for it (repeatable; e.g. forward_update_share=0.33; "
+                    f"{OPTIM}KEY: the optimizer's, e.g. {OPTIM}prefetch_bytes=4294967296)")
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
     try:
