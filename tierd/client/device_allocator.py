@@ -67,6 +67,8 @@ def wants_expandable(device: torch.device, setting: bool | None,
 def use_expandable_segments(device: torch.device, setting: bool | None) -> bool:
     """Turn expandable segments on where :func:`wants_expandable` says so
     ([Note: expandable segments]); returns whether this call changed the setting."""
+    if device.type != "cuda":
+        return False
     current = torch_internals.allocator_settings()
     if not wants_expandable(device, setting, current=current):
         return False
