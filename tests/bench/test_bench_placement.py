@@ -43,6 +43,7 @@ def test_every_case_has_a_row_with_the_issues_fields(tiny):
         assert r["worst_step_s"] == max(r["tierd_steps_s"][2:])
         assert r["first_step_s"] == r["tierd_steps_s"][0]
         assert r["clock"] == "host"   # the CPU: no CUDA events
+        assert "expandable_segments:True" not in r["allocator_settings"]   # not set on the CPU
         assert r["tierd_retries"] is r["tierd_mallocs"] is r["tierd_frees"] is None   # ... no allocator
         assert r["plan_changes"] == max(0, len(r["plan_changed_at"]) - 1)
         first = r["first_step_diag"]   # the optimizer told the daemon its first step's sizes

@@ -141,6 +141,7 @@ from tierd.bench.allocator import alloc_counts, allocator, cache_by_stream, mall
 from tierd.bench.host_profile import Sampler, host_profile
 from tierd.bench.bigmodel_models import Shape, checkpointed, llama_config
 from tierd.client.attach import attach, detach, session_of
+from tierd.client.torch_internals import allocator_settings
 from tierd.client.embedded import start_daemon
 from tierd.errors import TierdError
 
@@ -435,6 +436,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
                 "tierd_sync_s": figures["sync_s"], "worst_step_s": figures["worst_step_s"],
                 "first_step_s": figures["first_step_s"], "steady_steps": figures["steady_steps"],
                 "tierd_steps_s": figures["steps_s"], "clock": figures["clock"],
+                # expandable segments or not ([Note: expandable segments] in
+                # tierd.client.device_allocator): rows before 055560a ran without
+                "allocator_settings": allocator_settings(),
                 **{name: None if counts[0] is None else
                    [b[i] - a[i] for a, b in zip(counts, counts[1:args.steps + 1])]
                    for i, name in enumerate(("tierd_retries", "tierd_mallocs", "tierd_frees"))},
@@ -545,7 +549,7 @@ ROW_FIELDS = ("model", "params", "batch", "seq", "options", "allgpu_s", "allgpu_
               "allgpu_steady_steps", "allgpu_peak_gb", "allgpu_diag", "allgpu_error",
               "tierd_s", "tierd_run_s", "tierd_sync_s", "worst_step_s", "first_step_s",
               "steady_steps", "tierd_steps_s", "tierd_retries", "tierd_mallocs", "tierd_frees",
-              "clock",
+              "clock", "allocator_settings",
               "tierd_peak_gb", "plan_changes", "plan_changed_at", "placement_replans",
               "pcie_in_gb", "pcie_out_gb", "planned_pcie_gb", "resident_gb", "placement", "tierd_diag",
               "first_step_diag", "floor_s")
