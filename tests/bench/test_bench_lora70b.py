@@ -129,3 +129,37 @@ def test_unknown_cases_and_too_few_steps_are_refused(tmp_path, capsys):
     assert "lora-99g" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         lora70b.main(["--out", str(tmp_path), "--tiny", "--steps", "2", "--warmup", "3"])
+
+
+def test_a_setting_reaches_attach_and_names_its_row(tmp_path):
+    """``--set``: the setting is attach's for the tierd cases (the adapters, a
+    few kB here, resident below the size given), and their rows are named for
+    it, kept beside the rows at the defaults."""
+    from tierd.client.attached import session_of
+    common = ["--out", str(tmp_path), "--tiny", "--layers", "2", "--commit", COMMIT,
+              "--steps", "3", "--warmup", "1", "--case", "lora-24g"]
+    def adapters_resident(argv):
+        args = lora70b.parse_args(common + argv)
+        model, _ = lora70b.build_attached(lora70b.BY_NAME["lora-24g"], replace(TINY, layers=2),
+                                          args, torch.device("cpu"), train=True)
+        session = session_of(model)
+        adapters = [tp for tp in session.registry.params.values() if "lora_" in tp.name]
+        return session.config.resident_below_bytes, [tp.resident for tp in adapters]
+    below, resident = adapters_resident(["--set", "resident_below_bytes=8192"])
+    assert below == 8192 and all(resident)
+    below, resident = adapters_resident([])
+    assert below == 0 and not all(resident)
+    lora70b.main(common)
+    lora70b.main(common + ["--set", "resident_below_bytes=8192"])
+    rows = {r["case"]: r for r in json.loads(
+        (tmp_path / f"lora70b-cpu-{COMMIT[:7]}.json").read_text())["rows"]}
+    kept = rows["lora-24g, resident_below_bytes=8192"]
+    assert rows["lora-24g"]["error"] is None and kept["error"] is None, kept["error"]
+    assert kept["steps_run"] == 3 and rows["build"]["built_by"] == kept["case"]
+
+
+def test_a_malformed_setting_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        lora70b.main(["--out", str(tmp_path), "--tiny", "--set", "resident_below_bytes"])
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))

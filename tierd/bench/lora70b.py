@@ -3,6 +3,9 @@
     python -m tierd.bench.lora70b --out DIR --case lora-80g      # one case (CUDA)
     python -m tierd.bench.lora70b --out DIR --tiny               # CPU smoke run, every case
     python -m tierd.bench.lora70b --merge FILE --out DIR         # rows of FILE into DIR's file
+    python -m tierd.bench.lora70b --out DIR --case lora-24g --set resident_below_bytes=1048576
+        # a setting beside the defaults (attach's; optim.KEY: the optimizer's),
+        # its rows named for it: "lora-24g, resident_below_bytes=1048576"
 
 On the H200 machine, one call per line (each case builds the 70B model again,
 in a process of its own; estimated before the first run: about 1 minute of
@@ -136,7 +139,7 @@ from pathlib import Path
 
 import torch
 
-from tierd.bench import steploop
+from tierd.bench import settings, steploop
 from tierd.bench.bigmodel_models import Shape, checkpointed, default_dtype, llama_config
 from tierd.bench.floors import disk_read_rate, floors, nvme_floor, pcie_bandwidths
 
@@ -301,7 +304,7 @@ def lora_loop(model, device: torch.device, ids, args, deadline: float, observe=N
     import tierd.optim
     params = [p for p in model.parameters() if p.requires_grad]
     attached = _is_attached(model)
-    opt = (tierd.optim.AdamW(params, lr=1e-4) if attached
+    opt = (tierd.optim.AdamW(params, lr=1e-4, **settings.split(args.settings)[1]) if attached
            else torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda"))
     step = steploop.train_step(model, opt, ids, device)
     first = steploop.back_to_back(step, args.warmup, device, observe)
@@ -350,7 +353,8 @@ def build_attached(case: Case, shape: Shape, args, device: torch.device, *, trai
     import tierd
     model = meta_model(shape, args.seq, args.rank if case.lora else None, train=train)
     cap = cap_bytes(case, shape, model)
-    options = {} if cap is None else {"gpu_memory_bytes": cap}
+    options = {**({} if cap is None else {"gpu_memory_bytes": cap}),
+               **settings.split(args.settings)[0]}
     t0 = time.perf_counter()
     with HostMemory() as memory:
         model = tierd.attach(model, init=True, compute_dtype="bf16", device=device, **options)
@@ -440,7 +444,8 @@ def run_train(case: Case, shape: Shape, args, device: torch.device, deadline: fl
            "bandwidth_gbps": {k: v / GB for k, v in rates.items()}}
     row.update(floors(row, rates, calibration["tflops"], disk_read_rate(args)))
     # no detach: it would bring the whole model back into this process's memory
-    return [{**row}, {"case": "build", "kind": "build", "built_by": case.name, **build}]
+    return [{**row}, {"case": "build", "kind": "build", "built_by": row_name(case, args),
+                      **build}]
 
 
 def run_allgpu(case: Case, shape: Shape, args, device: torch.device, deadline: float) -> list:
@@ -611,7 +616,7 @@ def measure_one(case: Case, args) -> list[dict]:
     """``case``'s rows, measured in this process; an error is the row's."""
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     shape = shape_of(args)
-    base = {"case": case.name, "kind": case.kind, "commit": args.commit, "error": None,
+    base = {"case": row_name(case, args), "kind": case.kind, "commit": args.commit, "error": None,
             "shape": asdict(shape), "params": shape.params, "seq": args.seq, "batch": 1,
             "lora_rank": args.rank, "lora_params": lora_params(shape, args.rank)}
     deadline = args.started + args.budget_s - 20   # time left to write the row
@@ -621,6 +626,13 @@ def measure_one(case: Case, args) -> list[dict]:
         traceback.print_exc()
         return [{**base, "error": f"{type(exc).__name__}: {exc}"[:600]}]
     return [{**base, **r} for r in rows]   # the build row names its own case
+
+
+def row_name(case: Case, args) -> str:
+    """``case``'s row's name: the case's, and a tierd case's ``--set`` settings
+    (the peer's and the all-GPU step's take none)."""
+    return case.name + (settings.suffix(args.settings) if case.kind in ("train", "generate")
+                        else "")
 
 
 def result_name(device: str, commit: str | None) -> str:
@@ -652,7 +664,7 @@ def run_apart(cases: list[Case], args) -> list[dict]:
             rows += json.loads(part.read_text())
             part.unlink()
         else:
-            rows.append({"case": case.name, "kind": case.kind, "commit": args.commit,
+            rows.append({"case": row_name(case, args), "kind": case.kind, "commit": args.commit,
                          "error": f"its process ended with code {code} before writing a row; "
                                   "see its output above"})
     return rows
@@ -695,6 +707,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--disk-probe-gib", type=float, default=None,
                     help="GiB the disk under the daemon's NVMe files is read in, for the "
                          "floor's NVMe part (default 2; --tiny 0.0625; 0: no probe)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="for the tierd cases: " + settings.HELP)
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)       # a child's case
     ap.add_argument("--rows-to", type=Path, default=None, help=argparse.SUPPRESS)
@@ -710,6 +724,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = 6
     if args.steps <= args.warmup:
         ap.error(f"--steps={args.steps} must exceed --warmup={args.warmup}")
+    try:
+        args.settings = settings.parse(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     unknown = [c for c in args.case.split(",") if c not in BY_NAME]
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {list(BY_NAME)}")
@@ -720,6 +738,7 @@ def parse_args(argv=None) -> argparse.Namespace:
               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
               "--warmup-tokens", str(args.warmup_tokens), "--budget-s", str(args.budget_s),
               "--disk-probe-gib", str(args.disk_probe_gib)]
+    passed += [a for kv in args.set for a in ("--set", kv)]
     passed += ["--tiny"] * tiny + ([] if args.layers is None else ["--layers", str(args.layers)])
     args.passed = passed + ([] if args.commit is None else ["--commit", args.commit])
     return args

@@ -119,7 +119,6 @@ What was predicted before this benchmark first ran, and measured then:
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import json
 import logging
@@ -136,7 +135,7 @@ import torch
 
 import tierd
 import tierd.optim
-from tierd.bench import steploop
+from tierd.bench import settings, steploop
 from tierd.bench.allocator import alloc_counts, allocator, cache_by_stream, malloc_sites
 from tierd.bench.host_profile import Sampler, host_profile
 from tierd.bench.bigmodel_models import Shape, checkpointed, llama_config
@@ -224,9 +223,6 @@ class Case:
     batch: int
     options: dict = field(default_factory=dict)
 
-
-#: a ``--set`` key with this prefix is the optimizer's (``tierd.optim.AdamW``), not attach's
-OPTIM = "optim."
 
 #: issue 29's table
 CASES = [Case("GPT-2 1.3B B=8, cap 48 GB", "gpt2-1.3B", 8, {"gpu_memory_bytes": int(48e9)}),
@@ -376,10 +372,9 @@ def run_tierd(case: Case, args, device: torch.device, client) -> dict:
     """tierd's fields of ``case``'s row."""
     model = MODELS[case.model]
     built = model.build(args.seq, device)
-    optim = {k.removeprefix(OPTIM): v for k, v in case.options.items() if k.startswith(OPTIM)}
+    options, optim = settings.split(case.options)
     built = attach(built, compute_dtype="bf16", device=device,
-                   **({} if client is None else {"client": client}),
-                   **{k: v for k, v in case.options.items() if not k.startswith(OPTIM)})
+                   **({} if client is None else {"client": client}), **options)
     try:
         began = time.perf_counter()   # includes mapping the state's segments ahead
         opt = tierd.optim.AdamW(built.parameters(), lr=1e-4, **optim)
@@ -634,27 +629,14 @@ def matches(name: str, case: str) -> bool:
     return re.search(case, name) is not None
 
 
-def with_settings(cases: list[Case], settings: list[str]) -> list[Case]:
-    """``cases`` with attach arguments ``KEY=VALUE`` (a Python literal; the
-    optimizer's where KEY starts with ``optim.``) set where a case does not
-    name KEY itself, each such row named for them (``--set``: a setting
-    tried beside the defaults, its rows kept apart)."""
-    given = {}
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep or not key.removeprefix(OPTIM).isidentifier():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. forward_update_share=0.33 "
-                             f"(an attach argument) or {OPTIM}prefetch_bytes=4294967296 (the "
-                             "optimizer's)")
-        try:
-            given[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--set {item!r}: {value!r} is not a Python literal") from None
+def with_settings(cases: list[Case], items: list[str]) -> list[Case]:
+    """``cases`` with the ``--set`` items (:mod:`tierd.bench.settings`) added
+    where a case does not name the key itself, each such row named for them."""
+    given = settings.parse(items)
     out = []
     for c in cases:
         extra = {k: v for k, v in given.items() if k not in c.options}
-        name = c.name + "".join(f", {k}={v}" for k, v in extra.items())
-        out.append(Case(name, c.model, c.batch, {**c.options, **extra}))
+        out.append(Case(c.name + settings.suffix(extra), c.model, c.batch, {**c.options, **extra}))
     return out
 
 
@@ -713,9 +695,7 @@ def main(argv=None) -> None:
                     "synchronized before and after)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="an attach argument for the cases that do not name it, their "
-                    "rows named for it (repeatable; e.g. forward_update_share=0.33; "
-                    f"{OPTIM}KEY: the optimizer's, e.g. {OPTIM}prefetch_bytes=4294967296)")
+                    help="for the cases that do not name KEY: " + settings.HELP)
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
     try:
