@@ -144,3 +144,46 @@ def test_the_planner_counts_state_kept_with_the_weights():
     # room for three units' weights alone, not for their kept state too
     plan = plan_placement(units, 3 * 200 + 100)
     assert plan.device_bytes <= 700 and len(plan.units_at(Place.WEIGHTS)) == 2
+
+
+def _state_keys(session, opt, tps) -> set[str]:
+    names = ("exp_avg", "exp_avg_sq")
+    keys = {opt.state_key(tp, n) for tp in tps for n in names}
+    return keys & set(session.client.keys(session.keys.all))
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["placed", "placement-off"])
+def test_parameters_resident_by_size_keep_their_state_on_the_device(keep_small, capped):
+    """[Note: parameters resident by size keep their state on the device]:
+    below ``resident_below_bytes`` (the norms and the attention's biases
+    here) the state stays with the weights from the first update on, with or
+    without a plan, and the placer counts it as the model's own."""
+    make = lambda: gpt2(n_layer=6)
+    ref = make()
+    model = attach(copy.deepcopy(ref), client=LocalStore(), device="cpu",
+                   resident_below_bytes=1024, gpu_memory_bytes=_cap(make) if capped else None)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    session, f = session_of(model), _fused(model)
+    by_size = [b for b in f.buckets if b.unit is None]
+    assert by_size and all(b.small and b.pinned for b in by_size)
+    assert {tp.name.rsplit(".", 1)[-1] for b in by_size for tp in b.tps} == {"weight", "bias"}
+    data = batches(5)
+    assert train(model, opt, data[:3]) == train(ref, ref_opt, data[:3])
+    assert all(b.state is BucketState.RESIDENT for b in by_size)
+    kept = [tp for b in by_size for tp in b.tps]
+    assert not _state_keys(session, opt, kept)   # the store keeps no copy of it
+    assert f.resident_bytes() == sum(b.nbytes for b in f.buckets
+                                     if b.unit is not None and b.state is BucketState.RESIDENT)
+    if capped:
+        assert session.placer.plan.device_bytes <= session.placer.cap
+    assert_same_weights(model, ref)    # state_dict writes it back first
+    assert train(model, opt, data[3:]) == train(ref, ref_opt, data[3:])
+    assert_same_weights(model, ref)
+
+
+def test_on_the_cpu_parameters_resident_by_size_stream_their_state():
+    model = attach(gpt2(n_layer=2), client=LocalStore(), device="cpu", resident_below_bytes=1024)
+    f = _fused_after_build(model)
+    by_size = [b for b in f.buckets if b.unit is None]
+    assert by_size and not any(b.small or b.pinned for b in by_size)

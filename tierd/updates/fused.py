@@ -72,6 +72,21 @@ Placement counts those bytes with the unit's weights
 is saved, nor under torch.distributed, where an owner's state is read by
 the other ranks from the store.
 
+[Note: parameters resident by size keep their state on the device]
+``attach(resident_below_bytes=N)`` keeps the parameters smaller than N on
+the device for good (norms; LoRA's adapters under a streamed frozen base).
+Their state streamed every step all the same: placement pins the buckets of
+the units it places, and these belong to no unit. On the 70B LoRA step
+capped at 24 GB (H100, 5829cd6) the adapters' fp32 masters and moments,
+0.79 GB, crossed PCIe out (and in) every step and took pool room from the
+frozen base. So on a device their buckets are small ones pinned from the
+start: their state stays there from its first update on and leaves the
+store ([Note: resident state leaves the store] in tierd.updates.resident).
+The placer counts those bytes as the model's own, with activations (they
+are not the plan's: ``resident_bytes`` leaves them out, so the step's
+reading keeps them), as their weights, allocated before its first reading,
+are. Not on the CPU nor under torch.distributed, as for small state.
+
 The first backward only learns (delivery counts and order); ``step()``
 updates its window. On the CPU the same code runs on the pool views in place.
 """
@@ -163,7 +178,8 @@ class FusedUpdates:
             units += [(u.index, tuple(tp for tp in g if tp not in small), False)
                       for g in modules]
             units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
-        units.append((None, tuple(tp for tp in group_of if tp.resident), False))
+        # [Note: parameters resident by size keep their state on the device]
+        units.append((None, tuple(tp for tp in group_of if tp.resident), self.keep_small))
         most = self.session.lease_cap
         for unit, params, small in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
@@ -175,7 +191,7 @@ class FusedUpdates:
                         nbytes += size(tps[0])
                         piece.append(tps.pop(0))
                     b = Bucket(len(self.buckets), groups[gi][0], piece, nbytes, unit=unit,
-                               small=small)
+                               small=small, pinned=small and unit is None)
                     self.buckets.append(b)
                     for tp in piece:
                         self.bucket_of[tp] = b
@@ -382,12 +398,15 @@ class FusedUpdates:
         return b.work
 
     def resident_bytes(self) -> int:
-        """Device bytes the resident buckets' state holds: not a master that is
-        the compute copy itself (``master="bf16"``), whose bytes are the
-        weights' (the placer counts those)."""
+        """Device bytes the state of the resident buckets of units holds: not
+        a master that is the compute copy itself (``master="bf16"``), whose
+        bytes are the weights' (the placer counts those), nor the state of
+        parameters resident by size, which is the model's own ([Note:
+        parameters resident by size keep their state on the device])."""
         return sum(b.nbytes - sum(self.opt.master_nbytes(tp) for tp in b.tps
                                   if self.opt.master_in_compute(tp))
-                   for b in self.buckets if b.state is BucketState.RESIDENT)
+                   for b in self.buckets
+                   if b.state is BucketState.RESIDENT and b.unit is not None)
 
     def _keep(self, b: Bucket) -> None:
         """FETCHED (just updated) or RESIDENT -> RESIDENT: the leases of a
