@@ -178,7 +178,7 @@ class FusedUpdates:
             units += [(u.index, tuple(tp for tp in g if tp not in small), False)
                       for g in modules]
             units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
-        # [Note: parameters resident by size keep their state on the device]
+        # pinned from the start: [Note: parameters resident by size keep their state on the device]
         units.append((None, tuple(tp for tp in group_of if tp.resident), self.keep_small))
         most = self.session.lease_cap
         for unit, params, small in units:
