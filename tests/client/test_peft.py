@@ -314,6 +314,31 @@ def test_lora_on_cuda_trains_alike_in_either_order_and_as_torch_peft(daemon, cap
         torch.testing.assert_close(state[name], value.cpu(), atol=1e-4, rtol=1e-3, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cap", [0, None], ids=["streamed", "placed"])
+def test_adapters_resident_by_size_keep_their_state_on_cuda(daemon, cap):
+    """[Note: parameters resident by size keep their state on the device]
+    (tierd.updates.fused): adapters under ``resident_below_bytes`` keep their
+    masters and moments on the GPU, the store none of it, and train as torch
+    + peft does."""
+    torch.manual_seed(3)
+    model = attach(peft.get_peft_model(llama(), _lora("llama")), client=tierd.connect(daemon),
+                   gpu_memory_bytes=cap, resident_below_bytes=4096)
+    losses = _train(model, _adamw(model), batches(3), device="cuda")
+    kinds = _stored_kinds(model)
+    adapters = [n for n in kinds if "lora_" in n]
+    assert adapters and all(kinds[n] <= {"p"} for n in adapters), kinds
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    detach(model)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(llama(), _lora("llama")).cuda()
+    want = _train(ref, _adamw(ref, torch_adamw=True), batches(3), device="cuda")
+    assert losses == pytest.approx(want, rel=1e-4)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value.cpu(), atol=1e-4, rtol=1e-3, msg=name)
+
+
 def test_a_parameter_unfrozen_after_a_resumed_attach_continues_from_its_committed_master(
         tmp_path):
     """bf16 compute: a parameter attached frozen and unfrozen after has an
