@@ -68,7 +68,9 @@ class AttachConfig:
     #: job's access plan] in ``tierd.server.readahead``). Off under
     #: torch.distributed (the ranks' steps share keys).
     read_ahead: bool = True
-    #: Parameters smaller than this stay on the compute device all the time.
+    #: Parameters smaller than this stay on the compute device all the time,
+    #: on a GPU with their optimizer state ([Note: parameters resident by size
+    #: keep their state on the device] in tierd.updates.fused).
     resident_below_bytes: int = 0
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
     #: (per block on the compute device), "cpu" (every unit whose state is
