@@ -187,3 +187,26 @@ def test_on_the_cpu_parameters_resident_by_size_stream_their_state():
     f = _fused_after_build(model)
     by_size = [b for b in f.buckets if b.unit is None]
     assert by_size and not any(b.small or b.pinned for b in by_size)
+
+
+def test_state_of_parameters_resident_by_size_reaches_a_commit_and_a_resume(keep_small):
+    """Their state lives only on the device between commits: a commit writes
+    it, and a job resumed from it trains on as one that never stopped."""
+    make, data = (lambda: gpt2(n_layer=4)), batches(6)
+
+    def run(store, **kw):
+        model = attach(make(), client=store, job="run1", device="cpu",
+                       resident_below_bytes=1024, **kw)
+        return model, tierd.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = run(LocalStore(job="run1"))
+    want = train(model, opt, data)
+    store = LocalStore(job="run1")
+    model, opt = run(store)
+    got = train(model, opt, data[:3])
+    assert all(b.state is BucketState.RESIDENT for b in _fused(model).buckets if b.unit is None)
+    tierd.commit(model, opt, 3)
+    store.restart()
+    object.__delattr__(model, "_tierd_session")
+    again, opt = run(store, resume=True)
+    assert got + train(again, opt, data[3:]) == want
