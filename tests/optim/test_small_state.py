@@ -167,6 +167,7 @@ def test_parameters_resident_by_size_keep_their_state_on_the_device(keep_small, 
     session, f = session_of(model), _fused(model)
     by_size = [b for b in f.buckets if b.unit is None]
     assert by_size and all(b.small and b.pinned for b in by_size)
+    assert all(tp.resident_for_size for b in by_size for tp in b.tps)
     assert {tp.name.rsplit(".", 1)[-1] for b in by_size for tp in b.tps} == {"weight", "bias"}
     data = batches(5)
     assert train(model, opt, data[:3]) == train(ref, ref_opt, data[:3])
@@ -174,7 +175,7 @@ def test_parameters_resident_by_size_keep_their_state_on_the_device(keep_small, 
     kept = [tp for b in by_size for tp in b.tps]
     assert not _state_keys(session, opt, kept)   # the store keeps no copy of it
     assert f.resident_bytes() == sum(b.nbytes for b in f.buckets
-                                     if b.unit is not None and b.state is BucketState.RESIDENT)
+                                     if b not in by_size and b.state is BucketState.RESIDENT)
     if capped:
         assert session.placer.plan.device_bytes <= session.placer.cap
     assert_same_weights(model, ref)    # state_dict writes it back first

@@ -322,7 +322,8 @@ class ParamRegistry:
         cfg = session.config
         dtype = cfg.compute_dtype if param.is_floating_point() else param.dtype
         nbytes = param.numel() * param.element_size()
-        resident = kept is not None or nbytes < cfg.resident_below_bytes
+        for_size = kept is None and nbytes < cfg.resident_below_bytes
+        resident = kept is not None or for_size
         data = torch.empty(param.shape, dtype=dtype, device=session.device) \
             if kept is None else kept
         new = DeviceParameter(data, requires_grad=param.requires_grad)
@@ -330,6 +331,7 @@ class ParamRegistry:
         orig_device = torch.device("cpu") if param.is_meta else param.device
         tp = TieredParam(name=name, keys=session.keys, param=new, orig_dtype=param.dtype,
                          orig_device=orig_device, resident=resident, session=session)
+        tp.resident_for_size = for_size
         if kept is not None:   # frozen, its device copy its only one: nothing stored
             tp.in_store = False
             return tp

@@ -178,8 +178,12 @@ class FusedUpdates:
             units += [(u.index, tuple(tp for tp in g if tp not in small), False)
                       for g in modules]
             units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
-        # pinned from the start: [Note: parameters resident by size keep their state on the device]
-        units.append((None, tuple(tp for tp in group_of if tp.resident), self.keep_small))
+        # resident ones: made so by a plan before this optimizer, or for their
+        # size, whose buckets are small ones pinned from the start ([Note:
+        # parameters resident by size keep their state on the device])
+        resident = [tp for tp in group_of if tp.resident]
+        units += [(None, tuple(tp for tp in resident if tp.resident_for_size), self.keep_small),
+                  (None, tuple(tp for tp in resident if not tp.resident_for_size), False)]
         most = self.session.lease_cap
         for unit, params, small in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
@@ -398,15 +402,15 @@ class FusedUpdates:
         return b.work
 
     def resident_bytes(self) -> int:
-        """Device bytes the state of the resident buckets of units holds: not
+        """Device bytes the state of the resident buckets holds: not
         a master that is the compute copy itself (``master="bf16"``), whose
         bytes are the weights' (the placer counts those), nor the state of
         parameters resident by size, which is the model's own ([Note:
         parameters resident by size keep their state on the device])."""
         return sum(b.nbytes - sum(self.opt.master_nbytes(tp) for tp in b.tps
                                   if self.opt.master_in_compute(tp))
-                   for b in self.buckets
-                   if b.state is BucketState.RESIDENT and b.unit is not None)
+                   for b in self.buckets if b.state is BucketState.RESIDENT
+                   and not (b.unit is None and b.small))
 
     def _keep(self, b: Bucket) -> None:
         """FETCHED (just updated) or RESIDENT -> RESIDENT: the leases of a
