@@ -79,7 +79,9 @@ Their state streamed every step all the same: placement pins the buckets of
 the units it places, and these belong to no unit. On the 70B LoRA step
 capped at 24 GB (H100, 5829cd6) the adapters' fp32 masters and moments,
 0.79 GB, crossed PCIe out (and in) every step and took pool room from the
-frozen base. So on a device their buckets are small ones pinned from the
+frozen base. So on a device their buckets (``TieredParam.resident_for_size``;
+the parameters a plan made resident before the optimizer was built get
+buckets of their own, the plan's to pin) are small ones pinned from the
 start: their state stays there from its first update on and leaves the
 store ([Note: resident state leaves the store] in tierd.updates.resident).
 The placer counts those bytes as the model's own, with activations (they
