@@ -181,8 +181,8 @@ class FusedUpdates:
                       for g in modules]
             units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
         # resident ones: made so by a plan before this optimizer, or for their
-        # size, whose buckets are small ones pinned from the start ([Note:
-        # parameters resident by size keep their state on the device])
+        # size, whose buckets are small ones pinned from the start, see
+        # [Note: parameters resident by size keep their state on the device].
         resident = [tp for tp in group_of if tp.resident]
         units += [(None, tuple(tp for tp in resident if tp.resident_for_size), self.keep_small),
                   (None, tuple(tp for tp in resident if not tp.resident_for_size), False)]
