@@ -101,12 +101,20 @@ def test_weights_units_keep_small_state_and_train_bitwise_like_torch(keep_small)
     assert_same_weights(model, ref)   # state_dict writes the kept state back first
 
 
-def test_kept_small_state_reaches_a_commit_and_a_resumed_job_trains_on(keep_small):
-    make = lambda: gpt2(n_layer=6)
-    cap, data = _cap(make), batches(6)
+@pytest.mark.parametrize("kept", ["small", "by-size"])
+def test_kept_small_state_reaches_a_commit_and_a_resumed_job_trains_on(keep_small, kept):
+    """The state kept on the device lives only there between commits (a
+    unit's small state, or [Note: parameters resident by size keep their
+    state on the device]): a commit writes it, and a job resumed from it
+    trains on as one that never stopped."""
+    make = lambda seed=0: gpt2(n_layer=6, seed=seed)
+    data = batches(6)
+    options = ({"gpu_memory_bytes": _cap(make)} if kept == "small"
+               else {"resident_below_bytes": 1024})
 
-    def run(store):
-        model = attach(make(), client=store, job="run1", device="cpu", gpu_memory_bytes=cap)
+    def run(store, **kw):
+        model = attach(make(**kw), client=store, job="run1", device="cpu",
+                       resume="seed" in kw, **options)
         return model, tierd.optim.AdamW(model.parameters(), lr=1e-3)
 
     model, opt = run(LocalStore(job="run1"))
@@ -114,13 +122,14 @@ def test_kept_small_state_reaches_a_commit_and_a_resumed_job_trains_on(keep_smal
     store = LocalStore(job="run1")
     model, opt = run(store)
     got = train(model, opt, data[:3])
-    assert any(b.small and b.state is BucketState.RESIDENT for b in _fused(model).buckets)
+    kept_now = [b for b in _fused(model).buckets
+                if b.small and (b.unit is None) == (kept == "by-size")]
+    resident = [b.state is BucketState.RESIDENT for b in kept_now]
+    assert any(resident) and (kept == "small" or all(resident))   # small: the WEIGHTS units'
     tierd.commit(model, opt, 3)
     store.restart()
     object.__delattr__(model, "_tierd_session")
-    again = attach(gpt2(n_layer=6, seed=5), client=store, job="run1", resume=True,
-                   device="cpu", gpu_memory_bytes=cap)
-    opt = tierd.optim.AdamW(again.parameters(), lr=1e-3)
+    again, opt = run(store, seed=5)
     assert got + train(again, opt, data[3:]) == want
 
 
@@ -188,26 +197,3 @@ def test_on_the_cpu_parameters_resident_by_size_stream_their_state():
     f = _fused_after_build(model)
     by_size = [b for b in f.buckets if b.unit is None]
     assert by_size and not any(b.small or b.pinned for b in by_size)
-
-
-def test_state_of_parameters_resident_by_size_reaches_a_commit_and_a_resume(keep_small):
-    """Their state lives only on the device between commits: a commit writes
-    it, and a job resumed from it trains on as one that never stopped."""
-    make, data = (lambda: gpt2(n_layer=4)), batches(6)
-
-    def run(store, **kw):
-        model = attach(make(), client=store, job="run1", device="cpu",
-                       resident_below_bytes=1024, **kw)
-        return model, tierd.optim.AdamW(model.parameters(), lr=1e-3)
-
-    model, opt = run(LocalStore(job="run1"))
-    want = train(model, opt, data)
-    store = LocalStore(job="run1")
-    model, opt = run(store)
-    got = train(model, opt, data[:3])
-    assert all(b.state is BucketState.RESIDENT for b in _fused(model).buckets if b.unit is None)
-    tierd.commit(model, opt, 3)
-    store.restart()
-    object.__delattr__(model, "_tierd_session")
-    again, opt = run(store, resume=True)
-    assert got + train(again, opt, data[3:]) == want
