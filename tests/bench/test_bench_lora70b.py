@@ -163,3 +163,17 @@ def test_a_malformed_setting_is_refused_before_anything_runs(tmp_path, capsys):
         lora70b.main(["--out", str(tmp_path), "--tiny", "--set", "resident_below_bytes"])
     assert "expected KEY=VALUE" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_on_the_70b_shape_the_adapter_rule_keeps_what_one_mib_kept():
+    """[Note: adapters stay on the device] (tierd.client.registry): on the
+    bench's 70B shape (meta device) the default rule keeps exactly the
+    parameters ``resident_below_bytes=1 MiB`` kept trainable in the H200 row
+    it cites: every adapter, nothing of the base."""
+    from tierd.client import registry
+    model = lora70b.meta_model(FULL, 2048, 16, train=True)
+    kept = set().union(*(registry.adapters(ps) for _, ps in registry.unit_parameters(model)))
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    below = {id(p) for p in model.parameters()
+             if p.requires_grad and p.numel() * p.element_size() < 1 << 20}
+    assert kept == trainable == below and len(kept) == 80 * 4 * 2

@@ -13,6 +13,8 @@ import torch
 
 import tierd
 import tierd.optim
+import tierd.client.registry as registry_mod
+import tierd.updates.fused as fused_mod
 from tierd.client.attach import attach, detach, session_of
 from tierd.client.store import LocalStore
 from tierd.errors import StateError
@@ -324,7 +326,7 @@ def test_lora_on_cuda_trains_alike_in_either_order_and_as_torch_peft(daemon, cap
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cap", [0, None], ids=["streamed", "placed"])
 def test_adapters_resident_by_size_keep_their_state_on_cuda(daemon, cap):
-    """[Note: parameters resident by size keep their state on the device]
+    """[Note: parameters resident for good keep their state on the device]
     (tierd.updates.fused): adapters under ``resident_below_bytes`` keep their
     masters and moments on the GPU, the store none of it, and train as torch
     + peft does."""
@@ -371,3 +373,73 @@ def test_a_parameter_unfrozen_after_a_resumed_attach_continues_from_its_committe
             assert torch.equal(got[name], value), name
     finally:
         d.stop()
+
+
+# ------------------------------------------- [Note: adapters stay on the device]
+@pytest.fixture
+def adapters_kept(monkeypatch):
+    """The rule and the small state it relies on, as on a GPU (both are off
+    on the CPU, where the same code runs)."""
+    monkeypatch.setattr(fused_mod, "keeps_small_state", lambda session: True)
+    monkeypatch.setattr(registry_mod, "keeps_adapters",
+                        lambda session, distributed: session.config.resident_adapters)
+
+
+def _narrow_lora():
+    # r=2 on the test Llama (64 wide, MLP 128): each adapter has at most
+    # 1/64 of the elements of the block's largest frozen weight (64 x 128)
+    return peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+
+def test_the_rule_picks_trainable_parameters_small_beside_a_frozen_one():
+    big = torch.nn.Parameter(torch.zeros(64, 128), requires_grad=False)
+    small = torch.nn.Parameter(torch.zeros(2, 64))
+    border = torch.nn.Parameter(torch.zeros(128, 2))   # 256 elements: 1/32 of it
+    assert registry_mod.adapters([big, small, border]) == {id(small)}
+    big.requires_grad_(True)   # nothing frozen: nothing is an adapter (a full fine-tune)
+    assert registry_mod.adapters([big, small]) == set()
+    # the units the rule looks in: the rest's parameters, then each block's
+    model = llama()
+    parts = registry_mod.unit_parameters(model)
+    assert [root for root, _ in parts] == [model, *model.model.layers]
+    assert {id(p) for p in parts[1][1]} == {id(p) for p in model.model.layers[0].parameters()}
+
+
+@pytest.mark.parametrize("order", ["before", "after frozen"])
+def test_adapters_stay_on_the_device_with_their_state_and_train_as_torch_peft(
+        adapters_kept, order):
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(llama(), _narrow_lora())
+    torch.manual_seed(3)
+    if order == "before":
+        model = attached = attach(peft.get_peft_model(llama(), _narrow_lora()),
+                                  client=LocalStore(), device="cpu")
+    else:   # the base frozen first: the adapters are judged as they are added
+        base = llama().requires_grad_(False)
+        attached = attach(base, client=LocalStore(), device="cpu")
+        model = peft.get_peft_model(attached, _narrow_lora())
+    session = session_of(attached)
+    lora = [tp for tp in session.params.values() if "lora_" in tp.name]
+    assert lora and all(tp.resident and tp.resident_for_good for tp in lora)
+    assert not any(tp.resident for tp in session.params.values() if "lora_" not in tp.name)
+    opt, ref_opt = _adamw(model), _adamw(ref, torch_adamw=True)
+    data = batches(4)
+    assert _train(model, opt, data) == _train(ref, ref_opt, data)
+    assert_same_weights(model, ref)
+    # the adapters' moments left the store (fp32: each is its own master)
+    names = [opt.state_key(tp, n) for tp in lora for n in ("exp_avg", "exp_avg_sq")]
+    assert not set(names) & set(session.client.keys(session.keys.all))
+
+
+def test_resident_adapters_false_streams_them(adapters_kept):
+    model = attach(peft.get_peft_model(llama(), _narrow_lora()), client=LocalStore(),
+                   device="cpu", resident_adapters=False)
+    assert not any(tp.resident for tp in session_of(model).params.values())
+    with pytest.raises(ValueError, match="resident_adapters='no' must be True or False"):
+        attach(llama(), client=LocalStore(), device="cpu", resident_adapters="no")
+
+
+def test_on_the_cpu_adapters_stream():
+    model = attach(peft.get_peft_model(llama(), _narrow_lora()), client=LocalStore(),
+                   device="cpu")
+    assert not any(tp.resident for tp in session_of(model).params.values())

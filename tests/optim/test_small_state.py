@@ -163,7 +163,7 @@ def _state_keys(session, opt, tps) -> set[str]:
 
 @pytest.mark.parametrize("capped", [True, False], ids=["placed", "placement-off"])
 def test_parameters_resident_by_size_keep_their_state_on_the_device(keep_small, capped):
-    """[Note: parameters resident by size keep their state on the device]:
+    """[Note: parameters resident for good keep their state on the device]:
     below ``resident_below_bytes`` (the norms and the attention's biases
     here) the state stays with the weights from the first update on, with or
     without a plan, and the placer counts it as the model's own."""
@@ -176,7 +176,7 @@ def test_parameters_resident_by_size_keep_their_state_on_the_device(keep_small, 
     session, f = session_of(model), _fused(model)
     by_size = [b for b in f.buckets if b.unit is None]
     assert by_size and all(b.small and b.pinned for b in by_size)
-    assert all(tp.resident_for_size for b in by_size for tp in b.tps)
+    assert all(tp.resident_for_good for b in by_size for tp in b.tps)
     assert {tp.name.rsplit(".", 1)[-1] for b in by_size for tp in b.tps} == {"weight", "bias"}
     data = batches(5)
     assert train(model, opt, data[:3]) == train(ref, ref_opt, data[:3])

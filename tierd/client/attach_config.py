@@ -14,7 +14,7 @@ import torch
 
 from tierd.client.activations import POLICIES, ActivationConfig
 from tierd.client.mover import MoverConfig
-from tierd.client.registry import unit_roots
+from tierd.client.registry import unit_parameters
 from tierd.config import parse_size
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -69,9 +69,14 @@ class AttachConfig:
     #: torch.distributed (the ranks' steps share keys).
     read_ahead: bool = True
     #: Parameters smaller than this stay on the compute device all the time,
-    #: on a GPU with their optimizer state ([Note: parameters resident by size
-    #: keep their state on the device] in tierd.updates.fused).
+    #: on a GPU with their optimizer state: see
+    #: tierd.updates.fused, [Note: parameters resident for good keep their state on the device].
     resident_below_bytes: int = 0
+    #: On a GPU, outside torch.distributed: trainable parameters with at most
+    #: 1/64 of the elements of a frozen one of their unit (LoRA's adapters)
+    #: stay on the device with their optimizer state (tierd.client.registry:
+    #: see [Note: adapters stay on the device]).
+    resident_adapters: bool = True
     #: Where ``tierd.optim`` updates master weights and moments: "gpu-stream"
     #: (per block on the compute device), "cpu" (every unit whose state is
     #: not resident on the device: in place in the pool, on host threads,
@@ -144,8 +149,9 @@ class AttachConfig:
                                _bytes("gpu_memory_bytes", self.gpu_memory_bytes))
         if self.name is not None and not (isinstance(self.name, str) and self.name):
             raise ValueError(f"name={self.name!r} must be a non-empty string (or None)")
-        if not isinstance(self.read_ahead, bool):
-            raise ValueError(f"read_ahead={self.read_ahead!r} must be True or False")
+        for f in ("read_ahead", "resident_adapters"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}={getattr(self, f)!r} must be True or False")
         if isinstance(self.hold_fraction, bool) or not isinstance(self.hold_fraction,
                                                                    (int, float)):
             raise ValueError(f"hold_fraction={self.hold_fraction!r} must be a number in [0, 1]")
@@ -256,18 +262,9 @@ def check_cap(model: torch.nn.Module, config: AttachConfig, cap: int | None) -> 
     its compute copy and fp32 optimizer state."""
     if not cap or config.gpu_memory_bytes is None:
         return
-    blocks = unit_roots(model, config.unit_modules)
-    inside = {id(m) for b in blocks for m in b.modules()}
-    units = [(model, [m for m in model.modules() if id(m) not in inside])]
-    units += [(b, list(b.modules())) for b in blocks]
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
-    taken: set[int] = set()
     need, name = 0, ""
-    for root, modules in units:
-        params = [p for m in modules for p in m._parameters.values()
-                  if p is not None and id(p) not in taken]
-        params = list({id(p): p for p in params}.values())
-        taken.update(id(p) for p in params)
+    for root, params in unit_parameters(model, config.unit_modules):
         nbytes = sum(p.numel() * ((config.compute_dtype if p.is_floating_point() else p.dtype)
                                   .itemsize + 12 * p.requires_grad)
                      for p in params

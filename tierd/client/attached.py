@@ -181,7 +181,8 @@ class AttachSession:
         # rank reads the owners' masters under torch.distributed: stored there)
         self.lazy_masters = ranks is None
         self.registry = ParamRegistry(model, self, store=client, stored=resumed.keys,
-                                      on_grad=self.on_grad, source=source, kept=kept)
+                                      on_grad=self.on_grad, source=source, kept=kept,
+                                      distributed=ranks is not None)
         self.params = self.registry.params
         self.units = self.registry.units
         # [Note: the job's access plan] in tierd.server.readahead

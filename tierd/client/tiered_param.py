@@ -200,10 +200,11 @@ class TieredParam:
         self.orig_dtype = orig_dtype
         self.orig_device = orig_device
         self.resident = resident
-        # resident for good for its size (``resident_below_bytes``), not by a
-        # plan ([Note: parameters resident by size keep their state on the
-        # device] in tierd.updates.fused)
-        self.resident_for_size = False
+        # resident for good, for its size (``resident_below_bytes``) or as an
+        # adapter ([Note: adapters stay on the device] in tierd.client.registry),
+        # not by a plan ([Note: parameters resident for good keep their state
+        # on the device] in tierd.updates.fused)
+        self.resident_for_good = False
         self.key = keys.param(name)
         self.grad_key = keys.grad(name)
         # attach hooked its gradients (the registry and ModuleHooks hook every

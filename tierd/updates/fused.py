@@ -72,14 +72,15 @@ Placement counts those bytes with the unit's weights
 is saved, nor under torch.distributed, where an owner's state is read by
 the other ranks from the store.
 
-[Note: parameters resident by size keep their state on the device]
+[Note: parameters resident for good keep their state on the device]
 ``attach(resident_below_bytes=N)`` keeps the parameters smaller than N on
-the device for good (norms; LoRA's adapters under a streamed frozen base).
-Their state streamed every step all the same: placement pins the buckets of
+the device for good (norms; LoRA's adapters under a streamed frozen base),
+as attach does with adapters by default ([Note: adapters stay on the device]
+in tierd.client.registry). Their state streamed every step all the same: placement pins the buckets of
 the units it places, and these belong to no unit. On the 70B LoRA step
 capped at 24 GB (H100, 5829cd6) the adapters' fp32 masters and moments,
 0.79 GB, crossed PCIe out (and in) every step and took pool room from the
-frozen base. So on a device their buckets (``TieredParam.resident_for_size``;
+frozen base. So on a device their buckets (``TieredParam.resident_for_good``;
 the parameters a plan made resident before the optimizer was built get
 buckets of their own, the plan's to pin) are small ones pinned from the
 start: their state stays there from its first update on and leaves the
@@ -182,10 +183,10 @@ class FusedUpdates:
             units.append((u.index, tuple(tp for g in modules for tp in g if tp in small), True))
         # resident ones: made so by a plan before this optimizer, or for their
         # size, whose buckets are small ones pinned from the start, see
-        # [Note: parameters resident by size keep their state on the device].
+        # [Note: parameters resident for good keep their state on the device].
         resident = [tp for tp in group_of if tp.resident]
-        units += [(None, tuple(tp for tp in resident if tp.resident_for_size), self.keep_small),
-                  (None, tuple(tp for tp in resident if not tp.resident_for_size), False)]
+        units += [(None, tuple(tp for tp in resident if tp.resident_for_good), self.keep_small),
+                  (None, tuple(tp for tp in resident if not tp.resident_for_good), False)]
         most = self.session.lease_cap
         for unit, params, small in units:
             for gi in dict.fromkeys(group_of[tp] for tp in params if tp in group_of):
@@ -407,8 +408,8 @@ class FusedUpdates:
         """Device bytes the state of the resident buckets holds: not
         a master that is the compute copy itself (``master="bf16"``), whose
         bytes are the weights' (the placer counts those), nor the state of
-        parameters resident by size, which is the model's own ([Note:
-        parameters resident by size keep their state on the device])."""
+        parameters resident for good, which is the model's own, see
+        [Note: parameters resident for good keep their state on the device]."""
         return sum(b.nbytes - sum(self.opt.master_nbytes(tp) for tp in b.tps
                                   if self.opt.master_in_compute(tp))
                    for b in self.buckets if b.state is BucketState.RESIDENT
