@@ -66,3 +66,31 @@ def test_a_case_filter_that_matches_nothing_is_refused_before_anything_runs(tmp_
         compiled.main(["--out", str(tmp_path / "out"), "--tiny", "--case", "no such case"])
     assert "no case left to run" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_setting_reaches_attach_and_the_optimizer_and_names_the_row(tmp_path, monkeypatch):
+    attached, optimizers = [], []
+    real_attach, real_adamw = compiled.attach, compiled.tierd.optim.AdamW
+
+    def attach(model, **kwargs):
+        attached.append(kwargs)
+        return real_attach(model, **kwargs)
+
+    def adamw(params, **kwargs):
+        optimizers.append(kwargs)
+        return real_adamw(params, **kwargs)
+    monkeypatch.setattr(compiled, "attach", attach)
+    monkeypatch.setattr(compiled.tierd.optim, "AdamW", adamw)
+    rows = run(tmp_path, "--case", "tiny GPT-2", "--compiled", "eager", "--set",
+               "forward_update_share=0", "--set", "optim.prefetch_bytes=131072")
+    assert [r["case"] for r in rows] == [
+        "tiny GPT-2 B=2 T=16, forward_update_share=0, optim.prefetch_bytes=131072"]
+    check(rows[0])
+    assert attached and all(kw["forward_update_share"] == 0 for kw in attached)
+    assert optimizers and all(kw["prefetch_bytes"] == 131072 for kw in optimizers)
+
+
+def test_a_malformed_setting_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compiled.main(["--out", str(tmp_path / "out"), "--tiny", "--set", "no_equals_sign"])
+    assert "--set" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tierd.bench import allocator, placement, steploop
+from tierd.bench import allocator, placement, settings, steploop
 
 FIELDS = ("case", "model", "allgpu_s", "tierd_s", "floor_s", "plan_changes", "worst_step_s",
           "first_step_s", "tierd_sync_s", "allgpu_sync_s", "tierd_run_s", "allgpu_run_s",
@@ -97,8 +97,8 @@ def test_a_setting_runs_beside_the_defaults_in_rows_of_its_own(tiny, tmp_path):
     assert new["error"] is None and new["tierd_s"] > 0
     assert rows["tiny GPT-2 B=2, cap 6 MB"]["commit"] == "0" * 40   # the default row stays
     # a case that names the key keeps its own value and name
-    [kept] = placement.with_settings([placement.Case("c", "m", 1, {"prefetch_bytes": 1})],
-                                     ["prefetch_bytes=2"])
+    [kept] = settings.with_settings([placement.Case("c", "m", 1, {"prefetch_bytes": 1})],
+                                    ["prefetch_bytes=2"])
     assert kept.name == "c" and kept.options == {"prefetch_bytes": 1}
 
 

@@ -15,7 +15,11 @@ attaches and its 0.5-1 s steps; about 9-10 minutes of device time)::
     python -m tierd.bench.compiled --out $OUT/llama13 --model llama-13b --compiled eager,whole
 
 Every row compares tierd with all-GPU run the same way in the same process,
-so the rows of a way can be measured in a call of their own. Rows are
+so the rows of a way can be measured in a call of their own. ``--set
+KEY=VALUE`` (:mod:`tierd.bench.settings`) runs the tierd rows with an attach
+argument besides the case's (``optim.KEY``: the optimizer's), in rows named
+for it, e.g. ``--case "cap 100" --compiled regional --set
+forward_update_share=0``. Rows are
 written as they are measured: a call cut short keeps the rows it finished.
 
 Models are Hugging Face ``transformers`` models built from a config with
@@ -91,6 +95,7 @@ import torch
 
 import tierd
 import tierd.optim
+from tierd.bench import settings
 from tierd.bench.bigmodel_models import BASES, checkpointed, llama_config
 from tierd.bench.placement import both_ways_bandwidth
 from tierd.bench.steploop import train_step
@@ -301,10 +306,11 @@ def run_tierd(cpu_model, spec: Model, case: Case, way: str, args, clock: Clock, 
     model gets its values back for the next row). ``need_busy``: also profile
     one step for its compute-stream busy seconds."""
     dynamo_reset()
+    options, optim = settings.split(case.options)
     model = attach(cpu_model, client=tierd.connect(daemon.socket), device=str(clock.device),
-                   compute_dtype="bf16", **case.options)
+                   compute_dtype="bf16", **options)
     try:
-        opt = tierd.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-4, **optim)
         step = train_step(compiled_way(model, way, args.backend), opt,
                           batch_of(spec, clock.device), clock.device)
         session = session_of(model)
@@ -394,7 +400,8 @@ def measure_apart(args, save: Callable[[dict], None]) -> float:
                "--case", args.case, "--compiled", args.compiled, "--layers", str(args.layers),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--backend",
                args.backend, "--pool-gib", str(args.pool_gib), "--nvme-gib", str(args.nvme_gib),
-               "--device", args.device] + ["--tiny"] * args.tiny
+               "--device", args.device] + ["--tiny"] * args.tiny \
+            + [a for kv in args.set for a in ("--set", kv)]
         failed = subprocess.run(cmd).returncode != 0
         got = json.loads((sub / "compiled.json").read_text()) \
             if (sub / "compiled.json").exists() else {"rows": []}
@@ -426,6 +433,8 @@ def _args(argv) -> argparse.Namespace:
     ap.add_argument("--nvme-gib", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="the tiny cases (CPU smoke run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="for the cases that do not name KEY: " + settings.HELP)
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
     ways = [w for w in args.compiled.split(",") if w]
@@ -433,7 +442,11 @@ def _args(argv) -> argparse.Namespace:
         ap.error(f"--compiled {args.compiled!r}: use a comma-separated subset of {WAYS}")
     args.ways = [w for w in WAYS if w in ways]   # regional last: it compiles in place
     wanted = args.case.split(",")
-    args.cases = [c for c in (TINY if args.tiny else CASES) if any(w in c.name for w in wanted)]
+    try:
+        cases = settings.with_settings(TINY if args.tiny else CASES, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    args.cases = [c for c in cases if any(w in c.name for w in wanted)]
     names = list(dict.fromkeys(c.model for c in args.cases))
     if args.model:
         unknown = set(args.model.split(",")) - set(MODELS)

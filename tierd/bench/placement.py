@@ -614,7 +614,7 @@ def measure_apart(args, models: list[str]) -> tuple[list[dict], float]:
         if code != 0:
             rows += [{**{k: None for k in ROW_FIELDS}, "case": c.name, "commit": args.commit,
                       "error": f"its process ({name}) exited {code}; see {log}"}
-                     for c in with_settings(CASES, args.set)
+                     for c in settings.with_settings(CASES, args.set)
                      if c.model == name and matches(c.name, args.case)]
             continue
         got = json.loads((out / "placement.json").read_text())
@@ -627,17 +627,6 @@ def matches(name: str, case: str) -> bool:
     """A case named ``name`` is one ``--case`` selects (a regular expression
     found in the name; plain words select the names that contain them)."""
     return re.search(case, name) is not None
-
-
-def with_settings(cases: list[Case], items: list[str]) -> list[Case]:
-    """``cases`` with the ``--set`` items (:mod:`tierd.bench.settings`) added
-    where a case does not name the key itself, each such row named for them."""
-    given = settings.parse(items)
-    out = []
-    for c in cases:
-        extra = {k: v for k, v in given.items() if k not in c.options}
-        out.append(Case(c.name + settings.suffix(extra), c.model, c.batch, {**c.options, **extra}))
-    return out
 
 
 def merged(path: Path, result: dict) -> dict:
@@ -699,7 +688,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default=os.environ.get("TIERD_COMMIT"))
     args = ap.parse_args(argv)
     try:
-        with_settings([], args.set)
+        settings.with_settings([], args.set)
         re.compile(args.case)
     except ValueError as exc:
         ap.error(str(exc))
@@ -722,15 +711,15 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        rows, bandwidth = measure(args, [c for c in with_settings(TINY, args.set)
+        rows, bandwidth = measure(args, [c for c in settings.with_settings(TINY, args.set)
                                          if matches(c.name, args.case)], device)
     elif args.only:
-        rows, bandwidth = measure(args, [c for c in with_settings(CASES, args.set)
+        rows, bandwidth = measure(args, [c for c in settings.with_settings(CASES, args.set)
                                          if c.model in args.only.split(",")
                                          and matches(c.name, args.case)], device)
     else:
         rows, bandwidth = measure_apart(args, list(dict.fromkeys(
-            c.model for c in with_settings(CASES, args.set) if matches(c.name, args.case))))
+            c.model for c in settings.with_settings(CASES, args.set) if matches(c.name, args.case))))
     result = {"commit": args.commit, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "both_ways_bandwidth_gbps": bandwidth / GB,
               "rows": rows}

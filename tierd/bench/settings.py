@@ -18,6 +18,7 @@ the defaults (``--merge`` replaces a row by its name).
 from __future__ import annotations
 
 import ast
+import dataclasses
 
 #: a key with this prefix is the optimizer's (``tierd.optim.AdamW``), not attach's
 OPTIM = "optim."
@@ -53,3 +54,16 @@ def split(options: dict) -> tuple[dict, dict]:
 def suffix(given: dict) -> str:
     """What a row's name gains for ``given``: ``", KEY=value"`` each."""
     return "".join(f", {k}={v}" for k, v in given.items())
+
+
+def with_settings(cases: list, items: list[str]) -> list:
+    """``cases`` (dataclasses with ``name`` and ``options``) with the
+    ``--set`` ``items`` added where a case does not name the key itself,
+    each such row named for them."""
+    given = parse(items)
+    out = []
+    for c in cases:
+        extra = {k: v for k, v in given.items() if k not in c.options}
+        out.append(dataclasses.replace(c, name=c.name + suffix(extra),
+                                       options={**c.options, **extra}))
+    return out
