@@ -383,6 +383,26 @@ class AttachSession:
         self.counters.hook_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------- movement
+    def keep_late_adapters(self) -> None:
+        """Adapters the rule picks only now (peft's ``get_peft_model`` on the
+        attached model freezes the base after adding them) onto the device
+        for good, as attach keeps them: when an optimizer is built, the
+        trainable parameters are known ([Note: adapters stay on the device]
+        in tierd.client.registry)."""
+        late = self.registry.late_adapters()
+        if not late:
+            return
+        self.settle()
+        keys = [tp.key for tp in late]
+        self.leases.acquire(keys)
+        try:
+            self.registry.set_resident(late, True, self.leases.views(keys))
+        finally:
+            self.leases.release(keys)
+        for tp in late:
+            tp.resident_for_good = True
+        self.mover.replan(keep_trace=True)
+
     def settle(self, *, synchronize: bool = True, write_resident: bool = True) -> None:
         """Bring every parameter back to rest: freed, no lease pending; with
         ``synchronize`` also every copy landed (before the host reads the pool)

@@ -69,11 +69,12 @@ dd0fce3). So on a device, outside torch.distributed, attach keeps for good,
 as ``resident_below_bytes`` does, every trainable parameter with at most
 1/``SMALL_SHARE`` of the elements of a frozen parameter of its unit, and
 their state stays there too ([Note: parameters resident for good keep
-their state on the device] in tierd.updates.fused). A parameter added
-after attach is judged when it is added: peft's ``get_peft_model`` on an
-attached model freezes the base only after adding the adapters, so those
-stream; add adapters before attach (or freeze the base first).
-``attach(resident_adapters=False)`` turns the rule off.
+their state on the device] in tierd.updates.fused). Parameters added after
+attach (peft's ``get_peft_model`` on an attached model, which freezes the
+base only after adding the adapters), or frozen and unfrozen since, are
+judged again when an optimizer is built, when what trains is known
+(``AttachSession.keep_late_adapters``). ``attach(resident_adapters=False)``
+turns the rule off.
 
 [Note: attach's write path]
 Attach writes each stored byte once, from where the value is, converted to
@@ -609,11 +610,8 @@ class ParamRegistry:
                 f"e.g. tierd.attach(get_peft_model(model, config))")
         uploads: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
-        judged = adapters([tp.param for tp in self._members[index]] + [p for p, _ in new]) \
-            if self._keep_adapters else set()
         made = [(param, holders, self._make(session, param, holders[0][2], (uploads, dtypes),
-                                            self.resumed_keys, self._on_grad, _own_value,
-                                            adapter=id(param) in judged))
+                                            self.resumed_keys, self._on_grad, _own_value))
                 for param, holders in new]
         if uploads:
             self._store.put_many(uploads, dtypes=dtypes)
@@ -644,6 +642,18 @@ class ParamRegistry:
 
     def resident(self) -> list[TieredParam]:
         return [tp for tp in self.params.values() if tp.resident]
+
+    def late_adapters(self) -> list[TieredParam]:
+        """The adapters the rule picks now that are not on the device: added
+        after attach, or frozen and unfrozen since ([Note: adapters stay on
+        the device])."""
+        if not self._keep_adapters:
+            return []
+        out = []
+        for members in self._members:
+            picked = adapters(tp.param for tp in members)
+            out += [tp for tp in members if id(tp.param) in picked and not tp.resident]
+        return list(dict.fromkeys(out))
 
     def restore(self, values: dict[TieredParam, torch.Tensor]) -> None:
         """Put the model's own Parameters back, holding ``values`` (original

@@ -269,6 +269,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
 
     def _register(self, session, tps: list[TieredParam], prefetch_bytes: int | None, *,
                   fusing: bool) -> None:
+        session.keep_late_adapters()   # before the buckets are made: theirs are small ones
         mine = set(tps)
         groups = [(g, [p.tiered for p in g["params"] if p.tiered in mine])
                   for g in self.param_groups]
