@@ -393,15 +393,19 @@ class AttachSession:
         if not late:
             return
         self.settle()
-        keys = [tp.key for tp in late]
-        self.leases.acquire(keys)
-        try:
-            self.registry.set_resident(late, True, self.leases.views(keys))
-        finally:
-            self.leases.release(keys)
+        self.make_resident(late)
         for tp in late:
             tp.resident_for_good = True
         self.mover.replan(keep_trace=True)
+
+    def make_resident(self, tps: list[TieredParam]) -> None:
+        """``tps`` onto the device from their stored values, leased while copied."""
+        keys = [tp.key for tp in tps]
+        self.leases.acquire(keys)
+        try:
+            self.registry.set_resident(tps, True, self.leases.views(keys))
+        finally:
+            self.leases.release(keys)
 
     def settle(self, *, synchronize: bool = True, write_resident: bool = True) -> None:
         """Bring every parameter back to rest: freed, no lease pending; with

@@ -704,12 +704,7 @@ class Placer:
                 todo = [tp for tp in params if not tp.resident]   # (a tied one: once)
                 if not todo:
                     continue
-                keys = [tp.key for tp in todo]
-                session.leases.acquire(keys)
-                try:
-                    session.registry.set_resident(todo, True, session.leases.views(keys))
-                finally:
-                    session.leases.release(keys)
+                session.make_resident(todo)
                 made += todo
         except BaseException:
             if made:   # all or nothing: their stored values are unchanged, they stream again
