@@ -13,7 +13,8 @@ from tierd.bench import compiled
 
 FIELDS = {"case", "model", "compiled", "allgpu_s", "tierd_s", "floor_s", "ratio", "ratio_to",
           "recompiles", "graph_breaks", "frames", "frames_per_step", "allgpu_frames_per_step",
-          "peak_gb", "reserved_gb", "alloc_retries", "error", "allgpu_error"}
+          "peak_gb", "reserved_gb", "alloc_retries", "error", "allgpu_error",
+          "units_by_place", "hooked_units"}
 SMOKE = ["--tiny", "--device", "cpu", "--backend", "aot_eager", "--layers", "1", "--steps",
          "2", "--warmup", "2", "--pool-gib", "1", "--nvme-gib", "1"]
 
@@ -47,6 +48,10 @@ def test_whole_model_compile_rows_of_gpt2_and_llama_with_a_floor_where_capped(tm
     # capped: the floor is at least the all-GPU step, and the ratio is taken to it
     assert capped["floor_s"] >= capped["allgpu_s"] and capped["ratio_to"] == "floor"
     assert capped["ratio"] == pytest.approx(capped["tierd_s"] / capped["floor_s"])
+    # the plan and the hooked units: on the CPU an uncapped model streams its
+    # 2 units (no plan), hooked; the capped one keeps both whole, none hooked
+    assert plain["units_by_place"] is None and plain["hooked_units"] == 2
+    assert capped["units_by_place"] == {"resident": 2} and capped["hooked_units"] == 0
 
 
 @pytest.mark.slow

@@ -63,8 +63,12 @@ where the forward is split at its blocks; ``allgpu_frames_per_step``), ``peak_gb
 peak allocated over the timed steps; ``allgpu_peak_gb``), ``reserved_gb`` (the
 allocator's reserved peak over them) and ``alloc_retries`` (the times it freed
 its cache and retried in them, each synchronizing every stream), ``worst_s``,
-``replans`` (placement changes in the timed steps), ``planned_pcie_gb`` and
-``error`` / ``allgpu_error`` (an out-of-memory is recorded, not fatal).
+``replans`` (placement changes in the timed steps), ``planned_pcie_gb``,
+``units_by_place`` (the plan's units by place: resident, weights, stream,
+cpu; None without a plan) and ``hooked_units`` (units running tierd's hooks,
+which break a compiled block: those that stream weights, or whose update
+waits for their forward), and ``error`` / ``allgpu_error`` (an
+out-of-memory is recorded, not fatal).
 
 ``floor_s`` is given where the case is capped or all-GPU does not fit: the
 larger of the compute (the all-GPU step compiled the same way; where that
@@ -87,6 +91,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -317,9 +322,13 @@ def run_tierd(cpu_model, spec: Model, case: Case, way: str, args, clock: Clock, 
         replans = session.stats()["placement_replans"]
         got = clock.run(step, args.warmup, args.steps)
         stats = session.stats()
+        plan = session.placer.plan
         got.update(graph_breaks=dynamo_graph_breaks(),
                    replans=stats["placement_replans"] - replans,
-                   planned_pcie_gb=(stats["planned_pcie_bytes"] or 0) / GB)
+                   planned_pcie_gb=(stats["planned_pcie_bytes"] or 0) / GB,
+                   units_by_place=None if plan is None else dict(Counter(
+                       p.value for p in plan.places.values())),
+                   hooked_units=session.hooks.hooked_units)
         if clock.cuda and need_busy:   # all-GPU did not fit: the floor's compute
             from tierd.bench.attach_step import profile
             got["compute_busy_s"] = profile(step)["compute_busy_s"]
@@ -353,6 +362,7 @@ def row(case: Case, spec: Model, way: str, cls: str, ref: dict, got: dict,
             "peak_gb": got.get("peak_gb"), "reserved_gb": got.get("reserved_gb"),
             "alloc_retries": got.get("alloc_retries"), "worst_s": got.get("worst_s"),
             "replans": got.get("replans"), "planned_pcie_gb": got.get("planned_pcie_gb"),
+            "units_by_place": got.get("units_by_place"), "hooked_units": got.get("hooked_units"),
             "compute_busy_s": got.get("compute_busy_s"),
             "allgpu_recompiles": ref.get("recompiles"),
             "allgpu_graph_breaks": ref.get("graph_breaks"), "allgpu_peak_gb": ref.get("peak_gb"),

@@ -142,6 +142,12 @@ class ModuleHooks:
                 for tensor in (tp.param, tp.outside):
                     self._handles.append(tensor.register_hook(weak_hook(self._gradient_arrives)))
 
+    @property
+    def hooked_units(self) -> int:
+        """Units with hooks now: they stream something, or an update waits
+        for their forward (:meth:`sync`)."""
+        return len(self._unit_handles)
+
     def sync(self) -> set[int]:
         """Hooks on every unit that streams something, none on the others
         (placed whole on the device); code compiled before a change is traced
