@@ -21,6 +21,13 @@ from typing import Any, Protocol
 
 from tierd.client.placement import Costs
 
+#: a unit's parameters with at most this fraction of its largest one's
+#: elements are small: their state stays on the device while their weights
+#: are ([Note: small state stays on the device] in tierd.updates.fused); a
+#: trainable one this small beside a frozen one is an adapter
+#: ([Note: adapters stay on the device] in tierd.client.registry)
+SMALL_SHARE = 64
+
 
 class TierdOptimizer:
     """Marker base of the optimizers whose master weights and moments live in

@@ -102,12 +102,12 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from tierd.client.keys import ModelKeys
+from tierd.client.optimizers import SMALL_SHARE
 from tierd.client.store import Store
 from tierd.client.tiered_param import (MOVED_ATTR, DeviceParameter, ParamState, TieredParam,
                                        tiered_of)
 from tierd.client.torch_internals import weak_hook
 from tierd.errors import StateError
-from tierd.updates.fused import SMALL_SHARE
 
 #: Gives a parameter's value to store: a tensor on any device whose values,
 #: converted to the parameter's dtype, are the parameter's (``WeightsPlan``

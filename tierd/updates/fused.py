@@ -102,18 +102,13 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from tierd.client.copy_stream import InflightCopy
+from tierd.client.optimizers import SMALL_SHARE
 from tierd.client.tiered_param import TieredParam
 from tierd.updates.buckets import Bucket, BucketState
 from tierd.updates.cpu_update import HostUpdates
 from tierd.updates.forward import ForwardUpdates
 from tierd.updates.resident import fetch_pooled_grads, leave_store, write_back, writes_compute_copy
 from tierd.errors import CapacityError, StateError
-
-
-#: a unit's parameters with at most this fraction of its largest one's elements
-#: keep their state on the device while their weights are ([Note: small state
-#: stays on the device])
-SMALL_SHARE = 64
 
 
 def keeps_small_state(session) -> bool:
