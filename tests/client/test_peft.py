@@ -431,6 +431,33 @@ def test_adapters_stay_on_the_device_with_their_state_and_train_as_torch_peft(
     assert not set(names) & set(session.client.keys(session.keys.all))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_on_cuda_adapters_stay_on_the_gpu_by_default(daemon, order):
+    """[Note: adapters stay on the device]: no setting needed on a GPU, in
+    either order; the base streams, the adapters and their state do not."""
+    torch.manual_seed(3)
+    if order == "before":
+        model = attached = attach(peft.get_peft_model(llama(), _narrow_lora()),
+                                  client=tierd.connect(daemon), gpu_memory_bytes=0)
+    else:
+        attached = attach(llama(), client=tierd.connect(daemon), gpu_memory_bytes=0)
+        model = peft.get_peft_model(attached, _narrow_lora())
+    opt = _adamw(model)
+    session = session_of(attached)
+    lora = [tp for tp in session.params.values() if "lora_" in tp.name]
+    assert lora and all(tp.resident_for_good and tp.param.is_cuda for tp in lora)
+    assert not any(tp.resident for tp in session.params.values() if "lora_" not in tp.name)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(llama(), _narrow_lora()).cuda()
+    want = _train(ref, _adamw(ref, torch_adamw=True), batches(3), device="cuda")
+    assert _train(model, opt, batches(3), device="cuda") == pytest.approx(want, rel=1e-4)
+    names = [opt.state_key(tp, n) for tp in lora for n in ("exp_avg", "exp_avg_sq")]
+    assert not set(names) & set(session.client.keys(session.keys.all))
+    detach(attached)
+
+
 def test_resident_adapters_false_streams_them(adapters_kept):
     model = attach(peft.get_peft_model(llama(), _narrow_lora()), client=LocalStore(),
                    device="cpu", resident_adapters=False)
