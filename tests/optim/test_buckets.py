@@ -45,6 +45,23 @@ def test_wrong_transitions_name_the_bucket_and_state():
         b.to_fetched({}, None)
 
 
+def test_a_bucket_fetched_ahead_of_its_update_is_updated_or_given_back():
+    b = _bucket()
+    b.to_pending({"lr": 0.1})
+    b.to_fetched({"k": torch.zeros(1)}, None, ahead=True)
+    assert b.state is BucketState.AHEAD and "k" in b.work
+    b.to_pending_again()   # given back: the update still waits, as it was held
+    assert b.state is BucketState.PENDING and b.work == {} and b.hyper == {"lr": 0.1}
+    b.to_fetched({"k": torch.zeros(1)}, None, ahead=True)
+    b.to_update_ahead()
+    assert b.state is BucketState.FETCHED and "k" in b.work
+    with pytest.raises(StateError, match="it is FETCHED, be fetched ahead of its update "
+                                         "needs PENDING"):
+        b.to_fetched({}, None, ahead=True)
+    with pytest.raises(StateError, match="it is FETCHED, give back its fetch needs AHEAD"):
+        b.to_pending_again()
+
+
 def test_resident_state_must_be_written_back_before_it_goes():
     b = _bucket()
     b.to_fetched({"k": torch.zeros(1)}, None)

@@ -19,7 +19,7 @@ from tierd.client.attach import attach, detach, session_of
 from tierd.client.store import LocalStore
 from tierd.client.values import TieredParameter
 from tierd.updates.buckets import BucketState
-from tierd.updates.forward import FORWARD_SHARE
+from tierd.updates.forward import FORWARD_SHARE, WAITING
 from tests.client.models import assert_same_weights, batches, gpt2, llama, train
 from tests.faults import harness
 
@@ -43,7 +43,13 @@ def _attach(make, share, *, dtype="fp32", client=None, name=None, **options):
 
 
 def _pending(opt) -> list:
-    return [b for f in opt._fused for b in f.buckets if b.state is BucketState.PENDING]
+    """The buckets whose update waits for the next forward (fetched ahead or not)."""
+    return [b for f in opt._fused for b in f.buckets if b.state in WAITING]
+
+
+def _fetched_ahead(fused) -> int:
+    """Bytes of the buckets fetched ahead of their update (AHEAD)."""
+    return sum(b.nbytes for b in fused.buckets if b.state is BucketState.AHEAD)
 
 
 def _waiting(opt) -> set[int]:
@@ -134,7 +140,7 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
     writing = [b for b in fused.buckets if b.state is BucketState.WRITING]
     first = registry.unit_of[id(model.transformer.h[0])].index
     assert {b.unit for b in writing} == {first, registry.unit_of[id(model)].index}
-    assert fused._fetched_bytes == 0
+    assert fused._fetched_bytes == _fetched_ahead(fused) > 0   # the WRITING ones: not counted
     seen = {}
 
     def states(at):
@@ -148,12 +154,37 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
         h.remove()
     assert set(seen["preamble"]) == {BucketState.WRITING}
     assert set(seen["first"]) == {BucketState.HOST}   # queued; the step that updated them ended
-    assert fused._fetched_bytes == 0
+    assert fused._fetched_bytes == _fetched_ahead(fused)
     # a read before the next forward queues them too
     assert any(b.state is BucketState.WRITING for b in fused.buckets)
     opt.state_dict()
     assert not any(b.state is BucketState.WRITING for b in fused.buckets)
     assert fused._fetched_bytes == 0
+
+
+def test_state_fetched_ahead_and_given_back_is_fetched_again_at_its_update():
+    """[Note: the next forward's first fetches start in the backward]: the
+    first pending buckets are fetched as the backward ends; a pool that needs
+    the room takes them back ([Note: a fetch that finds no room] in
+    tierd.updates.fused), and their updates fetch them again, training as
+    updates in the backward do."""
+    data = batches(4)
+    runs = []
+    for share in (SHARE, 0.0):
+        model = _attach(lambda: gpt2(n_layer=4), share)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = train(model, opt, data[:2])
+        if share:
+            fused = opt._fused[0]
+            assert _fetched_ahead(fused) > 0
+            assert session_of(model).mover.give_back_ahead()
+            assert not any(b.state is BucketState.AHEAD for b in fused.buckets)
+            assert _pending(opt) and fused._fetched_bytes == 0
+        losses += train(model, opt, data[2:])
+        runs.append((model, losses))
+    (model, losses), (plain, plain_losses) = runs
+    assert losses == plain_losses
+    assert_same_weights(model, plain)
 
 
 def test_an_untied_head_updated_as_the_backward_begins_writes_at_once():
@@ -176,15 +207,19 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     Here a window of one bucket a refill stands in for it."""
     from tierd.updates.forward import ForwardUpdates
     model = _attach(lambda: gpt2(n_layer=4), SHARE, hold_fraction=0.0)   # leased per use
-    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    # a window of the first few pending buckets (of 1.5-200 kB)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3, prefetch_bytes=200_000)
     train(model, opt, batches(2))
     fused, registry = opt._fused[0], session_of(model).registry
     pending = _pending(opt)
     assert pending
-    # the keys of the first pending ones (forward order) were asked for as
-    # the backward ended
+    # as the backward ended the first pending ones (forward order) were
+    # fetched within the window, and the keys of the next ones asked for
     order = [i for i in reversed(fused.order) if fused.buckets[i] in pending]
-    assert set(fused._ahead) == set(order[:len(fused._ahead)]) and fused._ahead
+    ahead = [i for i in order if fused.buckets[i].state is BucketState.AHEAD]
+    assert ahead == order[:len(ahead)] and 0 < _fetched_ahead(fused) <= 400_000
+    rest = order[len(ahead):]
+    assert set(fused._ahead) == set(rest[:len(fused._ahead)]) and fused._ahead
     first = registry.unit_of[id(model.transformer.h[0])].index
     launched_in, unit_now, admitted = [], [None], [0]
     launch, ahead, before = (ForwardUpdates._launch, ForwardUpdates._launch_ahead,

@@ -82,8 +82,10 @@ def host_profile(fn, steps: int = 2, sync=None, top: int = 25) -> dict:
 class Sampler:
     """Samples the Python stack of the thread that makes it, every
     ``interval`` seconds, while entered; :meth:`top` ranks the lines it was on
-    (the innermost frame: a blocking call shows as the line that made it) and
-    the innermost tierd frames, in seconds (samples x interval).
+    (the innermost frame: a blocking call shows as the line that made it),
+    the innermost tierd frames, and the chains of tierd frames that called
+    them (``depth`` deep: who made the blocking call), in seconds (samples x
+    interval).
 
     >>> def wait():
     ...     time.sleep(0.05)   # a blocking call: sampled as this line
@@ -93,11 +95,12 @@ class Sampler:
     (True, True)
     """
 
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
+    def __init__(self, interval: float = 0.005, depth: int = 4):
+        self.interval, self.depth = interval, depth
         self.target = threading.get_ident()
         self.lines: Counter = Counter()
         self.tierd: Counter = Counter()
+        self.stacks: Counter = Counter()
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierd-bench-sampler", daemon=True)
@@ -118,16 +121,23 @@ class Sampler:
             self.samples += 1
             code = frame.f_code
             self.lines[f"{_short(code.co_filename)}:{frame.f_lineno} {code.co_name}"] += 1
-            while frame is not None and "/tierd/" not in frame.f_code.co_filename:
+            chain = []
+            while frame is not None and len(chain) < self.depth:
+                path = frame.f_code.co_filename
+                if "/tierd/bench/" in path:
+                    break
+                if "/tierd/" in path:
+                    chain.append(f"{_short(path)}:{frame.f_lineno} {frame.f_code.co_name}")
                 frame = frame.f_back
-            if frame is not None and "/tierd/bench/" not in frame.f_code.co_filename:
-                code = frame.f_code
-                self.tierd[f"{_short(code.co_filename)}:{frame.f_lineno} {code.co_name}"] += 1
+            if chain:
+                self.tierd[chain[0]] += 1
+                self.stacks[" < ".join(chain)] += 1
 
     def top(self, n: int = 20) -> dict:
-        """The ``n`` lines and innermost tierd frames sampled most, each
-        [site, seconds]."""
+        """The ``n`` lines, innermost tierd frames and tierd chains sampled
+        most, each [site, seconds]."""
         def ranked(counts: Counter) -> list:
             return [[site, round(k * self.interval, 3)] for site, k in counts.most_common(n)]
         return {"samples": self.samples, "interval_s": self.interval,
-                "lines": ranked(self.lines), "tierd": ranked(self.tierd)}
+                "lines": ranked(self.lines), "tierd": ranked(self.tierd),
+                "tierd_stacks": ranked(self.stacks)}

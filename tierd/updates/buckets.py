@@ -38,6 +38,12 @@ class BucketState(enum.Enum):
         ``tierd.updates.forward``). Master and moments only in tierd, no lease
         held; its parameters' modules hold their tensors for between uses.
         Its fetch makes it FETCHED, and the update then runs as any other.
+    AHEAD: PENDING, with its state fetched as the updating backward ended
+        ([Note: the next forward's first fetches start in the backward] in
+        ``tierd.updates.forward``): leased, on CUDA being copied in (event
+        kept), its update still waiting. Its update makes it FETCHED first;
+        given back unused ([Note: a fetch that finds no room] in
+        ``tierd.updates.fused``) it is PENDING again.
     WRITING: updated in the backward, every parameter; its new state is on
         the device and its copies out wait for the next forward's first unit
         ([Note: the backward's last copies out wait for the first unit] in
@@ -51,6 +57,7 @@ class BucketState(enum.Enum):
     RESIDENT = "resident"
     UPDATING = "updating"
     PENDING = "pending"
+    AHEAD = "ahead"
     WRITING = "writing"
 
 
@@ -93,11 +100,26 @@ class Bucket:
                 f"it is {self.state.name}, {action} needs "
                 f"{'/'.join(s.name for s in accepted)}")
 
-    def to_fetched(self, work: dict[str, torch.Tensor], copy) -> None:
+    def to_fetched(self, work: dict[str, torch.Tensor], copy, *, ahead: bool = False) -> None:
         """HOST or PENDING -> FETCHED: leased, ``work`` being filled by ``copy``
-        (CUDA) or in place."""
-        self._expect(BucketState.HOST, BucketState.PENDING, action="be fetched")
-        self.work, self.copy, self.state = work, copy, BucketState.FETCHED
+        (CUDA) or in place. ``ahead``: PENDING -> AHEAD, its update still waiting."""
+        if ahead:
+            self._expect(BucketState.PENDING, action="be fetched ahead of its update")
+        else:
+            self._expect(BucketState.HOST, BucketState.PENDING, action="be fetched")
+        self.work, self.copy = work, copy
+        self.state = BucketState.AHEAD if ahead else BucketState.FETCHED
+
+    def to_update_ahead(self) -> None:
+        """AHEAD -> FETCHED: its update begins on the state fetched ahead."""
+        self._expect(BucketState.AHEAD, action="update its state fetched ahead")
+        self.state = BucketState.FETCHED
+
+    def to_pending_again(self) -> None:
+        """AHEAD -> PENDING: its fetch given back (its leases released), the
+        update still waiting with the hyper-parameters kept."""
+        self._expect(BucketState.AHEAD, action="give back its fetch")
+        self.work, self.copy, self.readers, self.state = {}, None, [], BucketState.PENDING
 
     def to_updated(self, *, all_params: bool, writes_later: bool = False) -> None:
         """FETCHED -> DONE (every parameter updated) or HOST (one may still get a

@@ -35,6 +35,21 @@ read with the compute stream idle, after 46 ms of launching. So the step's
 begin asks for the first pending keys only, and the fetches start at the
 first unit's pre-forward, after the model's own preamble.
 
+[Note: the next forward's first fetches start in the backward]
+At the step's two ends the copy-in engine idled: in a profiled step of a
+13B Llama (B=4, checkpointing, default attach; H200, dd0fce3) the middle of
+the step ran at the both-ways PCIe rate, and the 0.22 s over the floor was
+~0.19 s with no copy in: while the backward's last blocks computed (their
+state does not stream, or its copies out wait: the Note below) and until
+the forward's first unit (the Note above). So as the updating backward
+ends, the state of the first pending buckets in forward order is fetched
+(AHEAD: leased and copied in, the update still waiting), within the window
+(twice ``prefetch_bytes``), waiting for the backward's copies out to land
+as a fetch in the backward does: they land while the last blocks compute,
+and the host then waits anyway, in the next forward's preamble or at its
+first unit. The fetches are copies in only: the updates and their copies
+out still start at the first unit, behind the preamble's device reads.
+
 [Note: a refill takes the room it finds]
 A unit's pre-forward launches the pending updates that fit the room the
 window has as it begins, not the room that copies landing meanwhile make:
@@ -132,6 +147,8 @@ MOST_SKIPPED = 64
 #: 0.428 and 0.421 s a step; benchmarks/results/HISTORY.md, "Placement"),
 #: the peak the same
 FORWARD_SHARE = 0.4
+#: the states of a bucket whose update waits for the next forward
+WAITING = (BucketState.PENDING, BucketState.AHEAD)
 #: units with pending updates past the one beginning whose updates its
 #: pre-forward launches ([Note: a refill takes the room it finds])
 UNITS_AHEAD = 2
@@ -152,7 +169,7 @@ class ForwardUpdates:
         self._fused = fused
         self.share = self._share()
         self.chosen: set[int] = set()                 # bucket indices, last updating backward
-        self._queue: list[Bucket] = []                # PENDING, not fetched, forward order
+        self._queue: list[Bucket] = []                # PENDING or AHEAD, forward order
         self._waiting: dict[int, list[Bucket]] = {}   # unit -> the buckets its forward waits for
         self._ready: dict[int, InflightCopy] = {}     # bucket index -> its queued update
         self._units: set[int] = set()   # units the choice takes from (hooked: stable)
@@ -256,10 +273,18 @@ class ForwardUpdates:
         self._fused.session.registry.reinstall(b.tps)
 
     def queue(self) -> None:
-        """The updating backward ended: the pending buckets in forward order."""
+        """The updating backward ended: the pending buckets in forward order;
+        the first ones fetched now, see
+        [Note: the next forward's first fetches start in the backward]."""
         fused = self._fused
         self._queue = [fused.buckets[i] for i in reversed(fused.order)
                        if fused.buckets[i].state is BucketState.PENDING]
+        most, taken = 2 * fused.prefetch_bytes, 0
+        for b in self._queue:   # (one larger than the window: alone)
+            if taken and taken + b.nbytes > most:
+                break
+            fused.fetch_ahead(b)
+            taken += b.nbytes
         self._lease_ahead()
 
     # ------------------------------------------------------------ forward
@@ -292,7 +317,7 @@ class ForwardUpdates:
             self._launch_ahead(unit)
             return
         for b in waiting:
-            if b.state is BucketState.PENDING:
+            if b.state in WAITING:
                 self._launch(b)
         copy = self._fused.session.copy
         for b in waiting:
@@ -311,7 +336,7 @@ class ForwardUpdates:
         self._ran_early = True
         for waiting in self._waiting.values():
             for b in waiting:
-                if b.state is BucketState.PENDING:
+                if b.state in WAITING:
                     self._launch(b)
         self._queue.clear()
         self._fused.session.copy.join_updates()
@@ -324,25 +349,26 @@ class ForwardUpdates:
         """Fetch and update the pending buckets of the next ``UNITS_AHEAD``
         units past ``unit`` in forward order, within twice the fused updater's
         ``prefetch_bytes``, as much as there is room for now ([Note: a refill
-        takes the room it finds]); the keys of the next ones beyond are asked
-        for (see the Note above)."""
+        takes the room it finds]); those fetched ahead take no more room. The
+        keys of the next ones beyond are asked for (see the Note above)."""
         fused = self._fused
         most = 2 * fused.prefetch_bytes
         room = fused.window_room(most)
         units = {unit}
         while self._queue:
             b = self._queue[0]
-            if b.state is not BucketState.PENDING:
+            if b.state not in WAITING:
                 self._queue.pop(0)
                 continue
             if b.unit not in units and len(units) > UNITS_AHEAD:
                 break
-            if b.nbytes > room and room < most:   # (one larger than the window: alone)
+            fetched = b.state is BucketState.AHEAD
+            if not fetched and b.nbytes > room and room < most:   # (one larger: alone)
                 break
             units.add(b.unit)
             self._queue.pop(0)
             self._launch(b)
-            room -= b.nbytes
+            room -= 0 if fetched else b.nbytes
         self._lease_ahead()
 
     def _lease_ahead(self) -> None:
@@ -350,7 +376,7 @@ class ForwardUpdates:
                                 self._fused.prefetch_bytes)
 
     def _launch(self, b: Bucket) -> None:
-        """PENDING -> (fetched, updated) HOST: the update queued on the update
+        """PENDING or AHEAD -> (fetched, updated) HOST: the update queued on the update
         stream, its hand-off kept for the unit's forward."""
         session = self._fused.session
         self._fused.update_held(b)

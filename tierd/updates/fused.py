@@ -302,10 +302,10 @@ class FusedUpdates:
     def after_step(self) -> None:
         if self.window is None and self.backwards:
             self.window = self.backwards   # the first window sets the length
-        for b in self.buckets:   # PENDING ones are updated at the next forward,
-            # WRITING ones written there
-            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING,
-                               BucketState.PENDING, BucketState.WRITING):
+        for b in self.buckets:   # PENDING (and AHEAD) ones are updated at the
+            # next forward, WRITING ones written there
+            if b.state not in (BucketState.RESIDENT, BucketState.UPDATING, BucketState.PENDING,
+                               BucketState.AHEAD, BucketState.WRITING):
                 b.to_host()
         self.updated, self.backwards = False, 0
         self.host.reap()   # the window is closed first: a failed CPU update raises here
@@ -337,9 +337,16 @@ class FusedUpdates:
         self._reclaim()
         return most - self._fetched_bytes
 
+    def fetch_ahead(self, b: Bucket) -> None:
+        """PENDING -> AHEAD: fetch ``b``'s state now, its update still waiting
+        ([Note: the next forward's first fetches start in the backward] in
+        tierd.updates.forward)."""
+        self._fetch(b, ahead=True)
+
     def update_held(self, b: Bucket) -> None:
-        """PENDING -> HOST: fetch ``b`` and queue its update on its held
-        gradients ([Note: updates before the next forward] in tierd.updates.forward)."""
+        """PENDING or AHEAD -> HOST: fetch ``b`` (if not yet) and queue its
+        update on its held gradients ([Note: updates before the next forward]
+        in tierd.updates.forward)."""
         self._updated.difference_update(b.tps)
         self._update(b)
         if b.state is BucketState.DONE:
@@ -528,7 +535,7 @@ class FusedUpdates:
                 self._ahead[b.index] = keys
                 leased += b.nbytes
 
-    def _fetch(self, b: Bucket) -> None:
+    def _fetch(self, b: Bucket, *, ahead: bool = False) -> None:
         self._reclaim(need=b.nbytes)
         # units placed whole run no hooks, so the mover does not drain in their
         # backward: without this the leases of every resident bucket fetched
@@ -549,19 +556,19 @@ class FusedUpdates:
                                            if writes_compute_copy(session, opt, tp)]
         fresh = {**fresh, **on_device}
         session.leases.acquire(b.keys)
-        ahead = self._ahead.pop(b.index, None)
-        if ahead:   # granted early ([Note: leases asked ahead]): the fetch's reference stays
-            session.leases.release(ahead)
+        asked = self._ahead.pop(b.index, None)
+        if asked:   # granted early ([Note: leases asked ahead]): the fetch's reference stays
+            session.leases.release(asked)
         views = self._leased_views(b)
         copy = session.copy
         if copy.on_device:
             dsts, done = copy.copy_in_new([views[k] for k in read], tuple(read))
-            b.to_fetched({**dict(zip(read, dsts)), **fresh}, done)
+            b.to_fetched({**dict(zip(read, dsts)), **fresh}, done, ahead=ahead)
         else:   # in place in the pool, but a shared key gets a new version instead,
             # and a pinned bucket's state leaves the pool (its leases go after the update)
             shared = session.leases.shared
             b.to_fetched({**{k: v.clone() if b.pinned or k in shared else v
-                             for k, v in views.items()}, **fresh}, None)
+                             for k, v in views.items()}, **fresh}, None, ahead=ahead)
         if session.leases.shared and not b.pinned:   # the daemon answers while the copy runs
             b.reserved = session.share.reserve(b.tps)
         self._fetched_bytes += b.nbytes
@@ -593,13 +600,15 @@ class FusedUpdates:
 
     def holds_ahead(self) -> bool:
         """Whether this updater holds leases asked or fetched ahead of need."""
-        return bool(self._ahead) or any(b.state is BucketState.FETCHED for b in self.buckets)
+        return bool(self._ahead) or any(b.state in (BucketState.FETCHED, BucketState.AHEAD)
+                                        for b in self.buckets)
 
     def give_back_ahead(self) -> None:
         """Give back, once their copies have landed, the leases this updater
         holds ahead of need ([Note: a fetch that finds no room]): keys asked
-        ahead and buckets fetched before their gradients were final (those
-        are fetched again when their update comes). The session's mover
+        ahead and buckets fetched before their gradients were final or ahead
+        of their update in the next forward (those are fetched again when
+        their update comes). The session's mover
         calls this, then drains the releases."""
         for copy, _ in self._outstanding:
             copy.synchronize()
@@ -619,6 +628,8 @@ class FusedUpdates:
             return
         if b.state in (BucketState.HOST, BucketState.PENDING):
             self._fetch(b)
+        elif b.state is BucketState.AHEAD:
+            b.to_update_ahead()
         elif b.state is BucketState.RESIDENT:
             fetch_pooled_grads(self.session, b)
         session, copy = self.session, self.session.copy
@@ -742,13 +753,14 @@ class FusedUpdates:
                 self._fetched_bytes -= b.nbytes
 
     def _release_fetched(self) -> None:
-        """Give back the buckets fetched but not updated in this backward, and
+        """Give back the buckets fetched but not updated in this backward, or
+        fetched ahead of their update in the next forward (PENDING again), and
         the leases asked ahead for buckets not fetched."""
         for keys in self._ahead.values():
             self.session.leases.release(keys)
         self._ahead.clear()
         for b in self.buckets:
-            if b.state is BucketState.FETCHED:
+            if b.state in (BucketState.FETCHED, BucketState.AHEAD):
                 if b.copy is not None:
                     b.copy.synchronize()
                 self.session.leases.release(b.keys)
@@ -756,5 +768,8 @@ class FusedUpdates:
                     self.session.client.abort([p.key for p in b.reserved.result()])
                     b.reserved = None
                 self._fetched_bytes -= b.nbytes
-                b.to_host()
+                if b.state is BucketState.AHEAD:
+                    b.to_pending_again()
+                else:
+                    b.to_host()
 
