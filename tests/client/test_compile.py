@@ -248,3 +248,44 @@ def test_a_streaming_plan_under_whole_compile_says_to_compile_each_block(caplog,
     assert session_of(model).placer.plan.streamed_bytes > 0   # the premise
     said = [r for r in caplog.records if "compile each block" in r.getMessage()]
     assert len(said) == int(told), [r.getMessage() for r in said]
+
+
+@pytest.mark.parametrize("cap", [700_000, 640_000])   # every block kept / one streamed
+def test_blocks_compiled_in_place_run_tierds_hooks_outside_their_frame(cap):
+    """[Note: hooks outside a block compiled in place]: the blocks whose
+    updates wait for their forward (and a streamed one) have hooks, yet a
+    warm step runs one compiled frame a block, as with no hooks, with no
+    graph break, training as eager torch; detach gives each block its
+    compiled call back."""
+    from torch._dynamo.utils import counters
+    dynamo_reset()
+    counters.clear()
+    ref = _checkpointed_llama(4)
+    model = attach(_checkpointed_llama(4), client=LocalStore(), device="cpu",
+                   gpu_memory_bytes=cap, forward_update_share=0.5)
+    compiled = []
+    for block in model.model.layers:
+        block.compile(backend="aot_eager")
+        compiled.append(block._compiled_call_impl)
+    opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+
+    for _ in range(5):
+        step()
+    session = session_of(model)
+    assert session.hooks.hooked_units == 4   # the premise: every block hooked
+    assert (sum(1 for unit in session.units if unit.params) > 0) == (cap == 640_000)
+    frames = dynamo_frames_compiled()
+    assert compiled_regions_run(step) == 4
+    assert dynamo_frames_compiled() == frames   # no recompile
+    assert sum(counters["graph_break"].values()) == 0
+    tierd.detach(model)
+    assert [b._compiled_call_impl for b in model.model.layers] == compiled

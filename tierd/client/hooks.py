@@ -43,6 +43,21 @@ measured (streamed to be measured, then placed: two traces).
 ``attach(torch.compile(m))`` is refused: the compiled wrapper hides the
 model's modules behind ``_orig_mod``; compile after attaching.
 
+[Note: hooks outside a block compiled in place]
+A block compiled in place (``block.compile()``: regional compile) runs its
+module hooks inside its compiled call, so tierd's broke its graph twice,
+and each hooked block ran three compiled frames a forward instead of one
+(on the CPU, a tiny Llama of 4 blocks whose updates wait for their
+forward: 12 frames a warm step instead of 4; the 8B Llama capped at 100 GB
+on the H200 ran 92 frames a step against all-GPU's 64, dd0fce3). There
+the unit's hooks are not registered on the module: its compiled call is
+wrapped (:class:`_HooksOutside`) to run them eagerly before and after it,
+as the hooks of a module wrapped by ``torch.compile(block)`` run outside
+its frame. A compiled call the user replaces later is wrapped again at the
+next step's begin (:meth:`ModuleHooks.sync`). The modules whose hooks
+begin a step (the root, the step's entry) keep module hooks: the step must
+begin before their unit is entered.
+
 [Note: a step begins where the model is entered]
 A step begins at the root's forward. A wrapper's other methods may call the
 model it wraps without its own forward: peft's ``PeftModelForCausalLM.generate``
@@ -102,12 +117,14 @@ class ModuleHooks:
         self._counters = counters
         self._registry = registry
         self._handles: list[Any] = []
-        self._unit_handles: dict[int, tuple[Any, Any]] = {}   # unit index -> its two hooks
+        # unit index -> its hooks ([Note: hooks outside a block compiled in place])
+        self._unit_handles: dict[int, _ModuleHooked | _HooksOutside] = {}
         self._depth: dict[int, int] = {}   # unit index -> forwards of it running now
         self._post_handles: list[Any] = []   # post-backward hooks of the step begun last
         self._loading: list[tuple[nn.Module, str]] = []   # holders swapped for a load
         self._handles.append(model.register_forward_pre_hook(self._begin_step, with_kwargs=True))
         entry = step_entry(model)
+        self._begins = {id(model), id(entry)}   # modules whose hooks begin a step
         self._root_calls = 0   # forwards of the root running now
         #: whether the step begun last entered the model compiled whole
         #: (``torch.compile(model)``; [Note: a model compiled whole] in
@@ -158,19 +175,19 @@ class ModuleHooks:
         # ([Note: updates before the next forward] in tierd.updates.forward)
         waits = self._events.forward_waits()
         for unit in self._registry.units:
-            hooked = unit.index in self._unit_handles
+            module = self._registry.unit_modules[unit.index]
+            handles = self._unit_handles.get(unit.index)
             wanted = bool(unit.params) or unit.index in waits
-            if wanted and not hooked:
-                module = self._registry.unit_modules[unit.index]
+            if handles is not None and not (wanted and handles.fits(module)):
+                self._unit_handles.pop(unit.index).remove()
+                changed = True
+            if wanted and unit.index not in self._unit_handles:
                 self._unit_handles[unit.index] = (
-                    module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                    module.register_forward_hook(self._post_forward, always_call=True))
+                    _HooksOutside(self, module) if _compiled_in_place(module)
+                    and id(module) not in self._begins else _ModuleHooked(self, module))
                 changed = True
-                hooked_now.add(unit.index)
-            elif not wanted and hooked:
-                for handle in self._unit_handles.pop(unit.index):
-                    handle.remove()
-                changed = True
+                if handles is None:
+                    hooked_now.add(unit.index)
         if changed:
             forget_compiled_code()
         return hooked_now
@@ -187,8 +204,7 @@ class ModuleHooks:
         for handle in self._handles:
             handle.remove()
         for handles in self._unit_handles.values():
-            for handle in handles:
-                handle.remove()
+            handles.remove()
         self._handles.clear()
         self._unit_handles.clear()
         for module in self._model.modules():
@@ -344,6 +360,54 @@ class ModuleHooks:
             module._parameters[attr] = tp.between_uses
             if tiered_of(param) is None:   # load_state_dict(assign=True) put its own
                 self._events.write_values({tp: param.detach()})
+
+
+def _compiled_in_place(module: nn.Module) -> bool:
+    """``module.compile()`` was called on it (a compiled call is set)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+class _ModuleHooked:
+    """A unit's hooks registered on its module (not compiled in place)."""
+
+    def __init__(self, hooks: ModuleHooks, module: nn.Module) -> None:
+        self.handles = (
+            module.register_forward_pre_hook(hooks._pre_forward, with_kwargs=True),
+            module.register_forward_hook(hooks._post_forward, always_call=True))
+
+    def fits(self, module: nn.Module) -> bool:
+        return not _compiled_in_place(module)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _HooksOutside:
+    """A unit compiled in place: its compiled call, with the unit's hooks
+    run eagerly before and after it ([Note: hooks outside a block compiled
+    in place])."""
+
+    def __init__(self, hooks: ModuleHooks, module: nn.Module) -> None:
+        self.hooks, self.module = hooks, module
+        self.compiled = module._compiled_call_impl
+        module._compiled_call_impl = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.hooks._pre_forward(self.module, args, kwargs)
+        output = None
+        try:
+            output = self.compiled(*args, **kwargs)
+        finally:   # as a forward hook registered with always_call
+            self.hooks._post_forward(self.module, args, output)
+        return output
+
+    def fits(self, module: nn.Module) -> bool:
+        return module._compiled_call_impl is self
+
+    def remove(self) -> None:
+        if self.module._compiled_call_impl is self:
+            self.module._compiled_call_impl = self.compiled
 
 
 class _ConversionGuard:
