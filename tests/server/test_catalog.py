@@ -396,6 +396,8 @@ def test_a_zero_reserve_reads_zeros_in_fresh_and_in_reused_bytes(catalog):
              TensorSpec("fresh", "uint8", (MiB + 5,), MiB + 5))      # past them: never written
     placed = settle(catalog, catalog.reserve, s, specs, True)
     assert placed[0].offset == 0 and placed[1].offset >= 2 * MiB
+    # only the reused bytes took a write, and the daemon's stats count them
+    assert catalog.stats()["pool_zeroed_bytes"] == 2 * MiB
     for p in placed:
         assert bytes(catalog.pool.segments[p.segment].view(p.offset, p.nbytes)) == bytes(p.nbytes)
     catalog.publish(s, ("again", "fresh"))

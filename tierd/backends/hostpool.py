@@ -343,6 +343,10 @@ class HostPool:
         #: its own thread ([Note: a reserve waits for its segment off the
         #: loop]: the daemon's reserves wait before they run)
         self.segment_waits = 0
+        #: bytes reserves asked to read zero that were used before, and the
+        #: seconds writing their zeros took the daemon's loop ([Note: zero slots])
+        self.zeroed_bytes = 0
+        self.zero_s = 0.0
 
     @property
     def mapped_bytes(self) -> int:

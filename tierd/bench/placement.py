@@ -506,7 +506,9 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
     (seconds in hooks, in the optimizer, waiting; GB copied each way), and the
     daemon's pool: the GB made ahead when it began ([Note: growth told ahead]
     in tierd.backends.hostpool), the GB it grew by, the seconds its
-    reserves spent making segments meanwhile, and the GB it wrote to and
+    reserves spent making segments meanwhile, the GB of used bytes its
+    reserves wrote zeros into and the seconds that took its loop (see
+    [Note: zero slots] in tierd.backends.hostpool), and the GB it wrote to and
     read from NVMe (a pool too small for the first update's gradients and
     new state spills)."""
     out = {k: first[k] - start[k] for k in WAITS}
@@ -519,6 +521,10 @@ def first_step_diag(start: dict, first: dict, pool_start: dict, pool_first: dict
                                   - pool_start["pool_mapped_bytes"]) / GB,
                 "pool_segment_wait_s": (pool_first["pool_segment_wait_s"]
                                         - pool_start["pool_segment_wait_s"]),
+                "pool_zeroed_gb": (pool_first.get("pool_zeroed_bytes", 0)
+                                   - pool_start.get("pool_zeroed_bytes", 0)) / GB,
+                "pool_zero_s": (pool_first.get("pool_zero_s", 0)
+                                - pool_start.get("pool_zero_s", 0)),
                 "nvme_written_gb": (pool_first["bytes_to_nvme"]
                                     - pool_start["bytes_to_nvme"]) / GB,
                 "nvme_read_gb": (pool_first["bytes_to_pool"]

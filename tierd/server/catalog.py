@@ -189,7 +189,10 @@ class Catalog:
         out = []
         for spec, slot in zip(specs, got):
             if zero:
-                slot.segment.zero(slot.offset, spec.nbytes)
+                began = time.perf_counter()
+                if slot.segment.zero(slot.offset, spec.nbytes):
+                    self.pool.zeroed_bytes += spec.nbytes
+                    self.pool.zero_s += time.perf_counter() - began
             s.reserved[spec.key] = (spec, slot)
             old = self.entries.get((s.job, spec.key))
             version = old.version + 1 if old else 1
@@ -409,6 +412,8 @@ class Catalog:
             "pool_mapped_bytes": self.pool.mapped_bytes,
             "pool_segment_wait_s": round(self.pool.segment_wait_s, 3),
             "pool_segment_waits": self.pool.segment_waits,
+            "pool_zeroed_bytes": self.pool.zeroed_bytes,
+            "pool_zero_s": round(self.pool.zero_s, 3),
             "pool_spare_bytes": self.pool.spare_bytes,
             "nvme_bytes": self.nvme.size,
             "nvme_used_bytes": self.nvme.extents.used,
