@@ -187,6 +187,53 @@ def test_state_fetched_ahead_and_given_back_is_fetched_again_at_its_update():
     assert_same_weights(model, plain)
 
 
+def test_a_fetch_ahead_the_pool_has_no_room_for_leaves_the_update_to_its_forward(monkeypatch):
+    """A pool with no room as the backward ends refuses the fetches ahead:
+    the backward goes on, the buckets stay PENDING with nothing leased for
+    them, and their forward fetches them: training as updates in the
+    backward do."""
+    from tierd.client.leases import LeaseTable
+    from tierd.errors import CapacityError
+    from tierd.updates.forward import ForwardUpdates
+    real_views, real_queue, refusing = LeaseTable.views, ForwardUpdates.queue, [False]
+
+    def views(self, keys):
+        if refusing[0]:
+            raise CapacityError("no room (refused by the test)")
+        return real_views(self, keys)
+
+    def queue(self):   # the backward's end: where the fetches ahead are asked
+        refusing[0] = True
+        try:
+            real_queue(self)
+        finally:
+            refusing[0] = False
+
+    data = batches(4)
+    runs = []
+    for share in (SHARE, 0.0):
+        model = _attach(lambda: gpt2(n_layer=4), share, hold_fraction=0.0)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = train(model, opt, data[:1])
+        if share:
+            monkeypatch.setattr(LeaseTable, "views", views)
+            monkeypatch.setattr(ForwardUpdates, "queue", queue)
+        losses += train(model, opt, data[1:3])
+        if share:
+            pending = _pending(opt)
+            assert pending and all(b.state is BucketState.PENDING for b in pending)
+            # none leased but the keys asked ahead ([Note: leases asked ahead])
+            leased, asked = session_of(model).leases._refs, opt._fused[0]._ahead
+            assert {k for b in pending for tp in b.tps for k in opt.state_keys(tp)
+                    if k in leased} == {k for keys in asked.values() for k in keys}
+            monkeypatch.undo()
+        losses += train(model, opt, data[3:])
+        runs.append((model, losses))
+    (model, losses), (plain, plain_losses) = runs
+    assert losses == plain_losses
+    assert_same_weights(model, plain)
+
+
 def test_an_untied_head_updated_as_the_backward_begins_writes_at_once():
     """Only the learned order's last buckets keep their state for the next
     forward: an untied head's, updated first in the backward, would hold its

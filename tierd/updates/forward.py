@@ -281,9 +281,8 @@ class ForwardUpdates:
                        if fused.buckets[i].state is BucketState.PENDING]
         most, taken = 2 * fused.prefetch_bytes, 0
         for b in self._queue:   # (one larger than the window: alone)
-            if taken and taken + b.nbytes > most:
+            if taken and taken + b.nbytes > most or not fused.fetch_ahead(b):
                 break
-            fused.fetch_ahead(b)
             taken += b.nbytes
         self._lease_ahead()
 

@@ -337,11 +337,17 @@ class FusedUpdates:
         self._reclaim()
         return most - self._fetched_bytes
 
-    def fetch_ahead(self, b: Bucket) -> None:
+    def fetch_ahead(self, b: Bucket) -> bool:
         """PENDING -> AHEAD: fetch ``b``'s state now, its update still waiting
         ([Note: the next forward's first fetches start in the backward] in
-        tierd.updates.forward)."""
-        self._fetch(b, ahead=True)
+        tierd.updates.forward). False, ``b`` still PENDING and nothing
+        leased for it, where the pool has no room now ([Note: a fetch that
+        finds no room]): its update fetches it, as one not fetched ahead."""
+        try:
+            self._fetch(b, ahead=True)
+        except CapacityError:
+            return False
+        return True
 
     def update_held(self, b: Bucket) -> None:
         """PENDING or AHEAD -> HOST: fetch ``b`` (if not yet) and queue its
@@ -593,10 +599,15 @@ class FusedUpdates:
             return leases.views(b.keys)
         except CapacityError:
             if not self.session.mover.give_back_ahead():
+                leases.release(b.keys)   # the refused request's references
                 raise
-        leases.release(b.keys)   # the failed request's references
+        leases.release(b.keys)
         leases.acquire(b.keys)
-        return leases.views(b.keys)
+        try:
+            return leases.views(b.keys)
+        except CapacityError:
+            leases.release(b.keys)
+            raise
 
     def holds_ahead(self) -> bool:
         """Whether this updater holds leases asked or fetched ahead of need."""
