@@ -178,6 +178,15 @@ def _checkpointed_llama(layers: int):
     return checkpointed(LlamaForCausalLM(cfg))
 
 
+def _step_as_eager(run, opt, ref, ref_opt, ids) -> None:
+    """One step of ``run`` (attached, compiled) and of eager ``ref``: the same loss."""
+    loss = run(input_ids=ids, labels=ids).loss
+    loss.backward(); opt.step(); opt.zero_grad()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+
+
 def _frames_first_and_warm(layers: int, cap: int) -> tuple[int, int]:
     """Train ``torch.compile(attach(m, gpu_memory_bytes=cap))`` as eager torch
     for 5 steps; the compiled frames its first step and a warm one ran."""
@@ -191,11 +200,7 @@ def _frames_first_and_warm(layers: int, cap: int) -> tuple[int, int]:
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
-        loss = run(input_ids=ids, labels=ids).loss
-        loss.backward(); opt.step(); opt.zero_grad()
-        want = ref(input_ids=ids, labels=ids).loss
-        want.backward(); ref_opt.step(); ref_opt.zero_grad()
-        assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+        _step_as_eager(run, opt, ref, ref_opt, ids)
 
     first = compiled_regions_run(step)
     for _ in range(3):   # placed from the measured step, settled
@@ -272,11 +277,7 @@ def test_blocks_compiled_in_place_run_tierds_hooks_outside_their_frame(cap):
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward(); opt.step(); opt.zero_grad()
-        want = ref(input_ids=ids, labels=ids).loss
-        want.backward(); ref_opt.step(); ref_opt.zero_grad()
-        assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+        _step_as_eager(model, opt, ref, ref_opt, ids)
 
     for _ in range(5):
         step()
