@@ -140,7 +140,7 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
     writing = [b for b in fused.buckets if b.state is BucketState.WRITING]
     first = registry.unit_of[id(model.transformer.h[0])].index
     assert {b.unit for b in writing} == {first, registry.unit_of[id(model)].index}
-    assert fused._fetched_bytes == _fetched_ahead(fused) > 0   # the WRITING ones: not counted
+    assert fused._fetched_bytes == 0   # the WRITING ones: not counted
     seen = {}
 
     def states(at):
@@ -154,7 +154,7 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
         h.remove()
     assert set(seen["preamble"]) == {BucketState.WRITING}
     assert set(seen["first"]) == {BucketState.HOST}   # queued; the step that updated them ended
-    assert fused._fetched_bytes == _fetched_ahead(fused)
+    assert fused._fetched_bytes == 0
     # a read before the next forward queues them too
     assert any(b.state is BucketState.WRITING for b in fused.buckets)
     opt.state_dict()
@@ -163,25 +163,33 @@ def test_the_backward_s_last_copies_out_wait_for_the_first_unit():
 
 
 def test_state_fetched_ahead_and_given_back_is_fetched_again_at_its_update():
-    """[Note: the next forward's first fetches start in the backward]: the
-    first pending buckets are fetched as the backward ends; a pool that needs
-    the room takes them back ([Note: a fetch that finds no room] in
-    tierd.updates.fused), and their updates fetch them again, training as
-    updates in the backward do."""
+    """[Note: the next forward's first fetches start as the step begins]:
+    the first pending buckets are fetched before the model's preamble; a
+    pool that needs the room takes them back ([Note: a fetch that finds no
+    room] in tierd.updates.fused), and their updates fetch them again,
+    training as updates in the backward do."""
     data = batches(4)
-    runs = []
+    runs, given = [], []
     for share in (SHARE, 0.0):
         model = _attach(lambda: gpt2(n_layer=4), share)
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
         losses = train(model, opt, data[:2])
-        if share:
+        assert not any(b.state is BucketState.AHEAD for f in opt._fused for b in f.buckets)
+
+        def give_back(module, args, opt=opt, model=model):   # in the preamble
             fused = opt._fused[0]
             assert _fetched_ahead(fused) > 0
             assert session_of(model).mover.give_back_ahead()
             assert not any(b.state is BucketState.AHEAD for b in fused.buckets)
             assert _pending(opt) and fused._fetched_bytes == 0
-        losses += train(model, opt, data[2:])
+            given.append(True)
+        hook = model.transformer.wte.register_forward_pre_hook(give_back) if share else None
+        losses += train(model, opt, data[2:3])
+        if hook is not None:
+            hook.remove()
+        losses += train(model, opt, data[3:])
         runs.append((model, losses))
+    assert given == [True]
     (model, losses), (plain, plain_losses) = runs
     assert losses == plain_losses
     assert_same_weights(model, plain)
@@ -195,42 +203,50 @@ def test_a_fetch_ahead_the_pool_has_no_room_for_leaves_the_update_to_its_forward
     from tierd.client.leases import LeaseTable
     from tierd.errors import CapacityError
     from tierd.updates.forward import ForwardUpdates
-    real_views, real_queue, refusing = LeaseTable.views, ForwardUpdates.queue, [False]
+    real_views, real_begin, refusing = LeaseTable.views, ForwardUpdates.begin, [False]
 
     def views(self, keys):
         if refusing[0]:
             raise CapacityError("no room (refused by the test)")
         return real_views(self, keys)
 
-    def queue(self):   # the backward's end: where the fetches ahead are asked
+    def begin(self):   # the step's begin: where the fetches ahead are asked
         refusing[0] = True
         try:
-            real_queue(self)
+            real_begin(self)
         finally:
             refusing[0] = False
 
     data = batches(4)
-    runs = []
+    runs, seen = [], []
     for share in (SHARE, 0.0):
         model = _attach(lambda: gpt2(n_layer=4), share, hold_fraction=0.0)
         opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
         losses = train(model, opt, data[:1])
+        hook = None
         if share:
             monkeypatch.setattr(LeaseTable, "views", views)
-            monkeypatch.setattr(ForwardUpdates, "queue", queue)
+            monkeypatch.setattr(ForwardUpdates, "begin", begin)
+
+            def preamble(module, args, opt=opt, model=model):
+                pending = _pending(opt)
+                if not pending:   # (the step after the first, learning one)
+                    return
+                assert all(b.state is BucketState.PENDING for b in pending)
+                # none leased but the keys asked ahead ([Note: leases asked ahead])
+                leased, asked = session_of(model).leases._refs, opt._fused[0]._ahead
+                assert {k for b in pending for tp in b.tps for k in opt.state_keys(tp)
+                        if k in leased} == {k for keys in asked.values() for k in keys}
+                seen.append(len(pending))
+            hook = model.transformer.wte.register_forward_pre_hook(preamble)
         losses += train(model, opt, data[1:3])
-        if share:
-            pending = _pending(opt)
-            assert pending and all(b.state is BucketState.PENDING for b in pending)
-            # none leased but the keys asked ahead ([Note: leases asked ahead])
-            leased, asked = session_of(model).leases._refs, opt._fused[0]._ahead
-            assert {k for b in pending for tp in b.tps for k in opt.state_keys(tp)
-                    if k in leased} == {k for keys in asked.values() for k in keys}
+        if hook is not None:
+            hook.remove()
             monkeypatch.undo()
         losses += train(model, opt, data[3:])
         runs.append((model, losses))
     (model, losses), (plain, plain_losses) = runs
-    assert losses == plain_losses
+    assert losses == plain_losses and seen   # (a preamble with pending updates ran)
     assert_same_weights(model, plain)
 
 
@@ -260,13 +276,17 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     fused, registry = opt._fused[0], session_of(model).registry
     pending = _pending(opt)
     assert pending
-    # as the backward ended the first pending ones (forward order) were
-    # fetched within the window, and the keys of the next ones asked for
+    # the keys of the first pending ones (forward order) were asked for as
+    # the backward ended; as the next step begins the first ones are fetched
+    # within the window (twice prefetch_bytes), the keys of the next asked for
     order = [i for i in reversed(fused.order) if fused.buckets[i] in pending]
-    ahead = [i for i in order if fused.buckets[i].state is BucketState.AHEAD]
-    assert ahead == order[:len(ahead)] and 0 < _fetched_ahead(fused) <= 400_000
-    rest = order[len(ahead):]
-    assert set(fused._ahead) == set(rest[:len(fused._ahead)]) and fused._ahead
+    assert set(fused._ahead) == set(order[:len(fused._ahead)]) and fused._ahead
+    seen = {}
+
+    def preamble(module, args):
+        seen.setdefault("ahead", [i for i in order if fused.buckets[i].state is BucketState.AHEAD])
+        seen.setdefault("asked", set(fused._ahead))
+    hook = model.transformer.wte.register_forward_pre_hook(preamble)
     first = registry.unit_of[id(model.transformer.h[0])].index
     launched_in, unit_now, admitted = [], [None], [0]
     launch, ahead, before = (ForwardUpdates._launch, ForwardUpdates._launch_ahead,
@@ -294,6 +314,11 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     monkeypatch.setattr(ForwardUpdates, "before_unit", before_unit)
     monkeypatch.setattr(ForwardUpdates, "_launch", record)
     train(model, opt, batches(1))
+    hook.remove()
+    ahead = seen["ahead"]
+    assert ahead == order[:len(ahead)] and 0 < sum(fused.buckets[i].nbytes for i in ahead) <= 400_000
+    rest = order[len(ahead):]
+    assert seen["asked"] == set(rest[:len(seen["asked"])]) and seen["asked"]
     # none before the first unit's forward ([Note: the first fetches wait for the first unit])
     assert launched_in and all(u is not None for u, _ in launched_in)
     # the first block waits for none, yet its forward fetches the next ones

@@ -38,8 +38,8 @@ class BucketState(enum.Enum):
         ``tierd.updates.forward``). Master and moments only in tierd, no lease
         held; its parameters' modules hold their tensors for between uses.
         Its fetch makes it FETCHED, and the update then runs as any other.
-    AHEAD: PENDING, with its state fetched as the updating backward ended
-        ([Note: the next forward's first fetches start in the backward] in
+    AHEAD: PENDING, with its state fetched as the next step began (see
+        [Note: the next forward's first fetches start as the step begins] in
         ``tierd.updates.forward``): leased, on CUDA being copied in (event
         kept), its update still waiting. Its update makes it FETCHED first;
         given back unused ([Note: a fetch that finds no room] in

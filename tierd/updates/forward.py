@@ -35,20 +35,24 @@ read with the compute stream idle, after 46 ms of launching. So the step's
 begin asks for the first pending keys only, and the fetches start at the
 first unit's pre-forward, after the model's own preamble.
 
-[Note: the next forward's first fetches start in the backward]
+[Note: the next forward's first fetches start as the step begins]
 At the step's two ends the copy-in engine idled: in a profiled step of a
 13B Llama (B=4, checkpointing, default attach; H200, dd0fce3) the middle of
 the step ran at the both-ways PCIe rate, and the 0.22 s over the floor was
 ~0.19 s with no copy in: while the backward's last blocks computed (their
 state does not stream, or its copies out wait: the Note below) and until
-the forward's first unit (the Note above). So as the updating backward
-ends, the state of the first pending buckets in forward order is fetched
-(AHEAD: leased and copied in, the update still waiting), within the window
-(twice ``prefetch_bytes``), waiting for the backward's copies out to land
-as a fetch in the backward does: they land while the last blocks compute,
-and the host then waits anyway, in the next forward's preamble or at its
-first unit. The fetches are copies in only: the updates and their copies
-out still start at the first unit, behind the preamble's device reads.
+the forward's first unit (the Note above). So as the step begins (the
+model's pre-forward, before its preamble), the state of the first pending
+buckets in forward order is fetched (AHEAD: leased and copied in, the
+update still waiting), within the window (twice ``prefetch_bytes``),
+waiting for the last backward's copies out to land as a fetch in the
+backward does. They land while the last blocks compute, before the
+preamble's device read lets the host go on, so the wait costs nothing
+there; the host has queued ``step()`` and ``zero_grad`` before it. Copies
+in only: the updates and their copies out still start at the first unit,
+so nothing more is queued on the copy-out engine ahead of the preamble's
+read. Not at the backward's end: the host would wait there before
+``step()`` instead of after it.
 
 [Note: a refill takes the room it finds]
 A unit's pre-forward launches the pending updates that fit the room the
@@ -273,17 +277,10 @@ class ForwardUpdates:
         self._fused.session.registry.reinstall(b.tps)
 
     def queue(self) -> None:
-        """The updating backward ended: the pending buckets in forward order;
-        the first ones fetched now, see
-        [Note: the next forward's first fetches start in the backward]."""
+        """The updating backward ended: the pending buckets in forward order."""
         fused = self._fused
         self._queue = [fused.buckets[i] for i in reversed(fused.order)
                        if fused.buckets[i].state is BucketState.PENDING]
-        most, taken = 2 * fused.prefetch_bytes, 0
-        for b in self._queue:   # (one larger than the window: alone)
-            if taken and taken + b.nbytes > most or not fused.fetch_ahead(b):
-                break
-            taken += b.nbytes
         self._lease_ahead()
 
     # ------------------------------------------------------------ forward
@@ -300,9 +297,18 @@ class ForwardUpdates:
         return unit in self._waiting or (bool(self._queue or self._late) and unit in self._units)
 
     def begin(self) -> None:
-        """A forward begins: the keys of the first pending buckets are asked
-        for; their fetches start at the first unit's forward ([Note: the first
-        fetches wait for the first unit])."""
+        """A forward begins: the state of the first pending buckets is
+        fetched, see [Note: the next forward's first fetches start as the step begins];
+        their updates start at the first unit's forward ([Note: the first
+        fetches wait for the first unit]). The keys of the next are asked for."""
+        fused = self._fused
+        most, taken = 2 * fused.prefetch_bytes, 0
+        for b in self._queue:   # (one larger than the window: alone)
+            if b.state is not BucketState.PENDING:
+                continue
+            if taken and taken + b.nbytes > most or not fused.fetch_ahead(b):
+                break
+            taken += b.nbytes
         self._lease_ahead()
 
     def before_unit(self, unit: int) -> None:

@@ -339,8 +339,8 @@ class FusedUpdates:
 
     def fetch_ahead(self, b: Bucket) -> bool:
         """PENDING -> AHEAD: fetch ``b``'s state now, its update still waiting
-        ([Note: the next forward's first fetches start in the backward] in
-        tierd.updates.forward). False, ``b`` still PENDING and nothing
+        (see [Note: the next forward's first fetches start as the step begins]
+        in tierd.updates.forward). False, ``b`` still PENDING and nothing
         leased for it, where the pool has no room now ([Note: a fetch that
         finds no room]): its update fetches it, as one not fetched ahead."""
         try:
