@@ -319,7 +319,7 @@ def test_every_streamed_unit_fetches_ahead_and_pending_keys_are_asked_for_early(
     assert ahead == order[:len(ahead)] and 0 < sum(fused.buckets[i].nbytes for i in ahead) <= 400_000
     rest = order[len(ahead):]
     assert seen["asked"] == set(rest[:len(seen["asked"])]) and seen["asked"]
-    # none before the first unit's forward ([Note: the first fetches wait for the first unit])
+    # none before the first unit's forward ([Note: the first updates wait for the first unit])
     assert launched_in and all(u is not None for u, _ in launched_in)
     # the first block waits for none, yet its forward fetches the next ones
     assert any(u == first for u, _ in launched_in)

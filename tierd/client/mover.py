@@ -95,9 +95,9 @@ class Mover:
     # ------------------------------------------------------------- steps
     def begin_step(self) -> None:
         """A new step: kept values are in use from now on (freed after use like
-        the rest); fetch the first units of the learned order, and ask for the
-        keys of the optimizers' first updates waiting for this forward (their
-        fetches start at the first unit's forward)."""
+        the rest); fetch the first units of the learned order, and the state
+        of the optimizers' first updates waiting for this forward (the
+        updates start at the first unit's forward)."""
         self._kept.clear()
         self._kept_bytes = 0
         first = self.planner.begin_step()

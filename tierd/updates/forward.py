@@ -23,7 +23,7 @@ asked for each bucket's keys as it fetched it, kept the host waiting for
 copies out and grants, and took 0.255 s instead of 0.098.
 The same bytes cross PCIe, both ways during the forward too.
 
-[Note: the first fetches wait for the first unit]
+[Note: the first updates wait for the first unit]
 A model may read a device scalar before its first block: transformers'
 mask creation does (``find_packed_sequence_indices``, an ``.item()``),
 and so the host waits there for the compute stream, and for the copy
@@ -32,8 +32,9 @@ before it. Launched as the step began (in the model's pre-forward), the
 first pending updates' copies out were such a queue: in a profiled step of
 GPT-2 1.3B capped at 48 GB (H100, cb3825f) the host waited 27 ms at that
 read with the compute stream idle, after 46 ms of launching. So the step's
-begin asks for the first pending keys only, and the fetches start at the
-first unit's pre-forward, after the model's own preamble.
+begin queues no update and no copy out: the updates start at the first
+unit's pre-forward, after the model's own preamble (the begin fetches
+their state, copies in only: the Note below).
 
 [Note: the next forward's first fetches start as the step begins]
 At the step's two ends the copy-in engine idled: in a profiled step of a
@@ -299,8 +300,8 @@ class ForwardUpdates:
     def begin(self) -> None:
         """A forward begins: the state of the first pending buckets is
         fetched, see [Note: the next forward's first fetches start as the step begins];
-        their updates start at the first unit's forward ([Note: the first
-        fetches wait for the first unit]). The keys of the next are asked for."""
+        their updates start at the first unit's forward, see
+        [Note: the first updates wait for the first unit]. The keys of the next are asked for."""
         fused = self._fused
         most, taken = 2 * fused.prefetch_bytes, 0
         for b in self._queue:   # (one larger than the window: alone)
