@@ -134,19 +134,27 @@ def test_ahead_must_not_be_negative():
         HostPool(8 * MiB, segment_size=2 * MiB, ahead=-1)
 
 
-def test_zero_writes_only_bytes_that_were_used_before():
-    pool = HostPool(8 * MiB, segment_size=4 * MiB)
+@pytest.mark.parametrize("ahead", [0, "threads"])
+def test_zero_writes_only_bytes_that_were_used_before(monkeypatch, ahead):
+    from tierd.backends import hostpool
+    monkeypatch.setattr(hostpool, "POPULATE_PIECE", MiB // 2)   # several pieces a slot
+    pool = HostPool(8 * MiB, segment_size=4 * MiB,
+                    ahead=hostpool.POPULATE_THREADS if ahead else 0)
     try:
         seg, off = pool.allocate("a", MiB)
-        assert seg.zero(off, MiB) is False                 # a new memfd's pages
+        assert pool.zero([(seg, off, MiB)]) == 0           # a new memfd's pages
         seg.view(off, MiB)[:] = b"\x05" * MiB
         pool.free(seg, off)
         again, off2 = pool.allocate("a", MiB + 1)
         assert (again, off2) == (seg, off)                 # the same bytes, used
-        assert seg.zero(off2, MiB + 1) is True
-        assert seg.view(off2, MiB + 1).tobytes() == bytes(MiB + 1)
         _, past = pool.allocate("a", MiB)
-        assert past >= off2 + MiB + 1 and seg.zero(past, MiB) is False
+        assert past >= off2 + MiB + 1
+        seg.view(past, MiB)[:] = b"\x06" * MiB            # its writer's, once handed out
+        # one reserve's slots: the used one written (every piece), the fresh one not
+        assert pool.zero([(seg, off2, MiB + 1), (seg, past, MiB)]) == MiB + 1
+        assert seg.view(off2, MiB + 1).tobytes() == bytes(MiB + 1)
+        assert seg.view(past, MiB).tobytes() == b"\x06" * MiB
+        assert pool.zeroed_bytes == MiB + 1
     finally:
         pool.close()
 

@@ -186,13 +186,11 @@ class Catalog:
         if isinstance(got, Blocked):
             return got
         self.admission.admit(job, grant)
+        if zero:
+            self.pool.zero([(slot.segment, slot.offset, spec.nbytes)
+                            for spec, slot in zip(specs, got)])
         out = []
         for spec, slot in zip(specs, got):
-            if zero:
-                began = time.perf_counter()
-                if slot.segment.zero(slot.offset, spec.nbytes):
-                    self.pool.zeroed_bytes += spec.nbytes
-                    self.pool.zero_s += time.perf_counter() - began
             s.reserved[spec.key] = (spec, slot)
             old = self.entries.get((s.job, spec.key))
             version = old.version + 1 if old else 1
