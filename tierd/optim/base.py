@@ -382,14 +382,14 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if kind == _STREAMED and ahead:
                     making += block
                     if self.unmade.nbytes(making) >= _MAKE_BYTES:
-                        zeroed |= self.unmade.ensure_stored(making, cast_masters=True)
+                        zeroed |= self._ensure_stored(making)
                         making = []
                 elif kind == _PINNED:
                     for tp in block:
                         _resident_work(self._fused, tp)
-            zeroed |= self.unmade.ensure_stored(making, cast_masters=True)
+            zeroed |= self._ensure_stored(making)
         except BaseException as exc:   # nothing updated, nor any master stored without bytes
-            self.unmade.forget_cast()
+            self.unmade.forget_unwritten()
             if not isinstance(exc, CapacityError):
                 raise
             if not self.keeps_gradients:
@@ -415,7 +415,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if landing is not None:
                     self._end_block(landing, frees)
         except BaseException:   # masters stored without bytes and not written go
-            self.unmade.forget_cast()
+            self.unmade.forget_unwritten()
             raise
         self._stepped.clear()
         for f in self._fused:
@@ -613,8 +613,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         copied in."""
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
-        zeroed |= self.unmade.ensure_stored([tp for tp in block if resident[tp] is None],
-                                             cast_masters=True)
+        zeroed |= self._ensure_stored([tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         try:
@@ -661,12 +660,25 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             keys.append(tp.key)
         return keys
 
+    def _ensure_stored(self, tps: list[TieredParam]) -> frozenset[str]:
+        """The state of streamed ``tps`` not made yet, stored for this
+        ``step()``'s update (:meth:`_step_param`): masters cast there, and the
+        moments of those updated on the device made there; the moments
+        put as zeros are returned."""
+        return self.unmade.ensure_stored(
+            tps, cast_masters=True,
+            on_device=frozenset(tp for tp in tps if self._update_device(tp).type != "cpu"))
+
+    def _update_device(self, tp: TieredParam) -> torch.device:
+        """Where :meth:`_step_param` updates streamed ``tp``: on its compute
+        copy's device where that is its master, else where updates run."""
+        return tp.compute.device if self.master_on_device(tp) else self._compute_device(tp)
+
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
                     coef: torch.Tensor | None, resident: dict | None = None,
                     zeros: set[str] | frozenset[str] = frozenset()) -> bool:
         in_place = resident is None and self.master_on_device(tp)
-        device = (tp.session.device if resident is not None
-                  else tp.compute.device if in_place else self._compute_device(tp))
+        device = tp.session.device if resident is not None else self._update_device(tp)
         on_device = device.type != "cpu"
         shared = tp.session.leases.shared
         names = {"param": self.master_key(tp), "grad": tp.grad_key,
@@ -722,8 +734,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                                           tuple(k for k, _ in out))
         if publish:
             tp.session.share.publish(publish)
-        if cast:   # its bytes are on their way
-            self.unmade.made([names["param"]])
+        self.unmade.written(k for k, _ in new)   # (those stored without bytes: on their way)
         if tp.resident and not in_place:
             tp.session.refresh_resident(tp, work["param"])
         return on_device

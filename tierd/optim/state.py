@@ -27,17 +27,36 @@ parameter written twice by one host thread and read again over PCIe. The
 Llama 13B default case on the H200 spent 7.5 s of its 10.9 s first step in
 the host's update. The update reads the compute copy anyway (it writes the
 new one), so ``step()`` stores such masters without bytes
-(:meth:`UnmadeState.ensure_stored` with ``cast_masters``: zero pages, no
-copy) and each update casts its master from the compute copy it leased,
-where it runs, and writes it. Until that write is queued the master is not
-made (``master_made`` is False: the compute copy is the value everywhere),
-and a failed update deletes those it did not write
-(:meth:`UnmadeState.forget_cast`), so no commit holds one. Under
+(:meth:`UnmadeState.ensure_stored` with ``cast_masters``: no bytes written,
+[Note: slots the update writes first]) and each update casts its master
+from the compute copy it leased, where it runs, and writes it. Until that
+write is queued the master is not made (``master_made`` is False: the
+compute copy is the value everywhere), and a failed update deletes those it
+did not write (:meth:`UnmadeState.forget_unwritten`), so no commit holds one. Under
 torch.distributed, where ranks read the owners' keys, masters are made as
 before. Measured on an H100 (a Llama 8.4B at its free memory, with the
 update's copies back moved to the copy-out stream at the same time: [Note:
 one block landing] in tierd.optim.base): the first update's host time 3.06
 -> 2.77 s; the 13B case is not measured yet.
+
+[Note: slots the update writes first]
+The masters ``step()`` casts, and the moments its device update makes as
+zeros (``torch.zeros_like`` on the device), are written by that update
+before anything reads their stored bytes; what those bytes held is never
+read. Stored as zeros (``put_zeros``) they still cost a write: the first
+update frees each gradient as it is used ([Note: gradients freed as they
+are used] in tierd.optim.base), so the next block's state reuses pool bytes
+that held gradients, and the daemon zeroed each of them on its loop ([Note:
+zero slots] in tierd.backends.hostpool): at 12 B a parameter, tens of GB in
+the first ``step()`` of a 13B model, where that step's host waited 5.1 s on
+the daemon's replies (H200, dd0fce3). So they are reserved and published
+without bytes (:attr:`UnmadeState.cast`, :attr:`UnmadeState.blank`), stay
+unmade until the update queues their writes (:meth:`UnmadeState.written`),
+and a failed update deletes those it did not write
+(:meth:`UnmadeState.forget_unwritten`), as it does the masters: they are
+made again by the next. Moments updated on the host read their stored
+bytes, and stay ``put_zeros``; so do the moments of the fused updaters,
+which copy them in.
 """
 
 from __future__ import annotations
@@ -100,6 +119,9 @@ class UnmadeState:
         #: master keys stored without bytes, to be cast from the compute copy
         #: by the update that writes them ([Note: masters cast where they are updated])
         self.cast: set[str] = set()
+        #: moment keys stored without bytes, made as zeros on the device by
+        #: the update that writes them ([Note: slots the update writes first])
+        self.blank: set[str] = set()
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys
@@ -210,34 +232,44 @@ class UnmadeState:
             tp = self.keys.pop(k, None)
             self.likes.pop(k, None)
             self.cast.discard(k)
+            self.blank.discard(k)
             if tp is not None and k == tp.master_key:
                 tp.master_made = True
 
-    def forget_cast(self) -> None:
-        """An update failed: the masters stored without bytes it did not
-        write are deleted, so that no commit or read finds them (the
-        compute copy stays the value: ``master_made`` is False)."""
+    def written(self, keys) -> None:
+        """The update queued the writes of ``keys``: those stored without
+        bytes are made (their bytes are on their way)."""
+        self.made([k for k in keys if k in self.cast or k in self.blank])
+
+    def forget_unwritten(self) -> None:
+        """An update failed: the keys stored without bytes that it did not
+        write are deleted, so that no commit or read finds them (they stay
+        unmade: the compute copy is the master, zeros the moments)."""
         by_session: dict = {}
-        for k in self.cast:
+        for k in self.cast | self.blank:
             by_session.setdefault(self.keys[k].session, []).append(k)
         for session, keys in by_session.items():
             session.leases.unhold(keys)
             session.client.delete(keys)
         self.cast.clear()
+        self.blank.clear()
 
     def nbytes(self, tps: list[TieredParam]) -> int:
         """Bytes of the state of ``tps`` not made yet."""
         mine = set(tps)
         return sum(_nbytes(self.likes[k]) for k, tp in self.keys.items() if tp in mine)
 
-    def ensure_stored(self, tps: list[TieredParam], *,
-                      cast_masters: bool = False) -> frozenset[str]:
+    def ensure_stored(self, tps: list[TieredParam], *, cast_masters: bool = False,
+                      on_device: frozenset[TieredParam] = frozenset()) -> frozenset[str]:
         """Put the state of ``tps`` not made yet, before their keys are
         leased; the moments put as zeros are returned. ``cast_masters``: the
         caller's update casts the masters of ``tps`` from their compute
         copies ([Note: masters cast where they are updated]); they are stored
         without bytes (:attr:`cast`) and made once written, but under
-        torch.distributed, where ranks read the owners' keys."""
+        torch.distributed, where ranks read the owners' keys. ``on_device``:
+        of ``tps``, those whose update (the caller's) runs on the device and
+        makes the moments returned there; theirs are stored without bytes
+        too (:attr:`blank`, [Note: slots the update writes first])."""
         zeroed: set[str] = set()
         if not self.keys:
             return frozenset()
@@ -249,17 +281,26 @@ class UnmadeState:
             fresh = {} if cast_here else self.values(masters, torch.device("cpu"),
                                                        moments=False)
             wanted = set(mine)
+            unwritten = self.cast | self.blank
             zeros = {k: self.likes[k] for k, tp in self.keys.items() if tp in wanted
-                     and k not in fresh and k not in cast and k not in self.cast}
+                     and k not in fresh and k not in cast and k not in unwritten}
+            blank = {k: like for k, like in zeros.items()
+                     if cast_here and self.keys[k] in on_device}
+            zeros = {k: like for k, like in zeros.items() if k not in blank}
             if fresh:
                 session.client.put_many(fresh)
-            if zeros or cast:
-                session.client.put_zeros({**zeros, **cast})   # no bytes copied
-                zeroed.update(zeros)
+            if zeros:
+                session.client.put_zeros(zeros)   # no bytes copied
+            if cast or blank:   # nor zeros written: [Note: slots the update writes first]
+                session.client.reserve_async({**cast, **blank}).result()
+                session.client.publish_async([*cast, *blank]).result()
                 self.cast.update(cast)
+                self.blank.update(blank)
+            zeroed.update(zeros)
+            zeroed.update(blank)
             fresh.update(zeros)
             self.made(fresh)
-            stored = {**fresh, **cast}
+            stored = {**fresh, **cast, **blank}
             if stored and session in self._hold_later and session.held_bytes \
                     and not session.leases.hold(stored):   # counted when planned
                 session.held_bytes -= sum(_nbytes(t) for t in stored.values())
