@@ -479,6 +479,43 @@ def test_kept_bf16_weights_stream_again_with_their_newest_values():
     assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
 
 
+def test_kept_bf16_weights_stream_again_with_their_newest_values_when_the_plan_shrinks(
+        monkeypatch):
+    """A step whose peak came near the cap makes the plan again within less
+    ([Note: a plan made again moves what changes]): the units it no longer
+    keeps stream again from the store, whose copies of their bf16 weights
+    are older ([Note: kept weights are written when the store is read] in
+    tierd.updates.resident); they are written first, and training is bitwise
+    the run that streamed throughout."""
+    extra = {"bytes": 1 << 20}   # made-up peaks: the step's own memory besides the plan
+    data, cap = batches(6), _cap_for_half(llama) + extra["bytes"]
+    monkeypatch.setattr(Placer, "_memory", lambda self: (self.resident_bytes() + extra["bytes"],
+                                                         1 << 40))
+    runs = []
+    for placed in (False, True):
+        model = attach(llama(), client=LocalStore(), device="cpu", compute_dtype="bf16",
+                       unit_modules=owns_parameters, gpu_memory_bytes=cap if placed else None)
+        opt = tierd.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = train(model, opt, data[:3])
+        if placed:
+            session = session_of(model)
+            kept = _kept_weights(session)
+            assert kept and all(tp.stale_in_store for tp in kept)
+            plan = session.placer.plan
+            extra["bytes"] = cap - plan.device_bytes + max(tp.nbytes for tp in kept)
+        losses += train(model, opt, data[3:4])
+        extra["bytes"] = 1 << 20
+        losses += train(model, opt, data[4:])
+        if placed:
+            assert session.placer.replans == 1 and session.placer.plan.device_bytes < \
+                plan.device_bytes
+            assert set(kept) - set(_kept_weights(session))   # some stream again
+        runs.append((losses, model.state_dict()))
+    (streamed, sd0), (placed, sd1) = runs
+    assert placed == streamed
+    assert all(torch.equal(sd0[k], v) for k, v in sd1.items())
+
+
 def test_bf16_resident_matches_bf16_streamed_bitwise():
     data = batches(4)
     outs = []

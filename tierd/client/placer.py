@@ -714,10 +714,14 @@ class Placer:
 
     def _demote(self, tps: list) -> None:
         """Stream ``tps`` (placed) again, RESIDENT_ONLY ones stored first
-        ([Note: frozen weights kept only on the device] in tierd.client.kept_frozen)."""
+        ([Note: frozen weights kept only on the device] in tierd.client.kept_frozen),
+        and the compute copies the store has older values of ([Note: kept
+        weights are written when the store is read] in tierd.updates.resident;
+        a plan made again in place settles without writing them)."""
         if not tps:
             return
         self.store_kept(tps)   # raises before anything moved
+        self._updates.write_kept_weights(tps)
         self._updates.unplace(tps)
         self._session.registry.set_resident(tps, False)
         gone = set(tps)

@@ -136,6 +136,22 @@ def _on_host(fused: list[FusedUpdates], tp: TieredParam) -> bool:
     return any(f.bucket_of[tp].cpu for f in fused if tp in f.bucket_of)
 
 
+def _ensure_stored(opt, tps: list[TieredParam]) -> frozenset[str]:
+    """The state of streamed ``tps`` not made yet, stored for the update in
+    ``opt.step()`` (``_step_param``): masters cast there, and the moments of
+    those updated on the device made there; the moments put as zeros are
+    returned."""
+    return opt.unmade.ensure_stored(
+        tps, cast_masters=True,
+        on_device=frozenset(tp for tp in tps if _update_device(opt, tp).type != "cpu"))
+
+
+def _update_device(opt, tp: TieredParam) -> torch.device:
+    """Where ``opt.step()`` updates streamed ``tp``: on its compute copy's
+    device where that is its master, else where updates run."""
+    return tp.compute.device if opt.master_on_device(tp) else opt._compute_device(tp)
+
+
 def _unregister(f: FusedUpdates) -> None:
     """Stop ``f`` fusing its optimizer's updates into backward."""
     f.host.close()      # CPU updates still running end first
@@ -382,12 +398,12 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
                 if kind == _STREAMED and ahead:
                     making += block
                     if self.unmade.nbytes(making) >= _MAKE_BYTES:
-                        zeroed |= self._ensure_stored(making)
+                        zeroed |= _ensure_stored(self, making)
                         making = []
                 elif kind == _PINNED:
                     for tp in block:
                         _resident_work(self._fused, tp)
-            zeroed |= self._ensure_stored(making)
+            zeroed |= _ensure_stored(self, making)
         except BaseException as exc:   # nothing updated, nor any master stored without bytes
             self.unmade.forget_unwritten()
             if not isinstance(exc, CapacityError):
@@ -613,7 +629,7 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
         copied in."""
         session = block[0].session
         resident = {tp: _resident_work(self._fused, tp) for tp in block}
-        zeroed |= self._ensure_stored([tp for tp in block if resident[tp] is None])
+        zeroed |= _ensure_stored(self, [tp for tp in block if resident[tp] is None])
         keys = list(dict.fromkeys(k for tp in block for k in self._block_keys(tp, resident[tp])))
         session.leases.acquire(keys)
         try:
@@ -660,25 +676,11 @@ class StreamedOptimizer(torch.optim.Optimizer, TierdOptimizer):
             keys.append(tp.key)
         return keys
 
-    def _ensure_stored(self, tps: list[TieredParam]) -> frozenset[str]:
-        """The state of streamed ``tps`` not made yet, stored for this
-        ``step()``'s update (:meth:`_step_param`): masters cast there, and the
-        moments of those updated on the device made there; the moments
-        put as zeros are returned."""
-        return self.unmade.ensure_stored(
-            tps, cast_masters=True,
-            on_device=frozenset(tp for tp in tps if self._update_device(tp).type != "cpu"))
-
-    def _update_device(self, tp: TieredParam) -> torch.device:
-        """Where :meth:`_step_param` updates streamed ``tp``: on its compute
-        copy's device where that is its master, else where updates run."""
-        return tp.compute.device if self.master_on_device(tp) else self._compute_device(tp)
-
     def _step_param(self, group: dict, tp: TieredParam, views: dict[str, torch.Tensor],
                     coef: torch.Tensor | None, resident: dict | None = None,
                     zeros: set[str] | frozenset[str] = frozenset()) -> bool:
         in_place = resident is None and self.master_on_device(tp)
-        device = tp.session.device if resident is not None else self._update_device(tp)
+        device = tp.session.device if resident is not None else _update_device(self, tp)
         on_device = device.type != "cpu"
         shared = tp.session.leases.shared
         names = {"param": self.master_key(tp), "grad": tp.grad_key,

@@ -136,8 +136,8 @@ class SessionUpdates:
     def check_room_to_write_back(self) -> None:
         check_room_to_write_back(self._session)
 
-    def write_kept_weights(self) -> None:
-        write_kept_weights(self._session)
+    def write_kept_weights(self, tps: list | None = None) -> None:
+        write_kept_weights(self._session, tps)
 
     def device_masters(self, tps: list) -> dict:
         out = device_values(self._session, tps)

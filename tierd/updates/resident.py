@@ -132,11 +132,13 @@ def writes_compute_copy(session, opt, tp) -> bool:
     return opt.separate_master(tp) and (not tp.resident or session.share is not None)
 
 
-def write_kept_weights(session) -> None:
-    """Copy the compute copies only the device has the newest of into the
-    store (blocking: the host is about to read the store), a lease's worth
-    (``session.lease_cap``) at a time: the pool is full of state then."""
-    stale = [tp for tp in session.params.values() if tp.stale_in_store]
+def write_kept_weights(session, tps=None) -> None:
+    """Copy the compute copies only the device has the newest of (of ``tps``;
+    None: every parameter's) into the store (blocking: the host is about to
+    read the store), a lease's worth (``session.lease_cap``) at a time: the
+    pool is full of state then."""
+    stale = [tp for tp in (session.params.values() if tps is None else tps)
+             if tp.stale_in_store]
     while stale:
         chunk, nbytes = [], 0
         while stale and (not chunk or nbytes + stale[0].nbytes <= session.lease_cap):
